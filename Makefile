@@ -1,0 +1,39 @@
+# The two commands: `make demo` and `make test`. Each sets up what it needs on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ddtree-installed
+DEMO := out/demo
+TP ?= 8
+NP ?= $(TP)
+MPIRUN := $(VENV)/bin/mpirun
+export OMP_NUM_THREADS ?= 1
+export OPENBLAS_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned to the CPU build that lies on this machine's disk (a range would pull a CUDA build).
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[build,run,test]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q -ra tests
+
+demo: $(STAMP)
+	$(PY) -m builder.demo_checkpoints $(DEMO)/hf --force
+	$(VENV)/bin/build-engine convert --model_dir $(DEMO)/hf/kimi-k2-tiny --draft_model_dir $(DEMO)/hf/kimi-k2-tiny-dflash \
+		--output_dir $(DEMO)/ckpt-tp$(TP) --tp_size $(TP) --force
+	@echo "demo: converted TP-$(TP) checkpoint in $(DEMO)/ckpt-tp$(TP). Next (not built yet): ONNX export and TensorRT engines, then mpirun -np $(TP) generation."
+
+clean:
+	rm -rf out

@@ -1,0 +1,50 @@
+"""Shared fixtures: the tiny demo checkpoints, generated once per test session from the fixed seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def demo_hf(tmp_path_factory) -> Path:
+    """OUT/{kimi-k2-tiny, kimi-k2-tiny-int4, kimi-k2-tiny-dflash}."""
+    from builder.demo_checkpoints import write_drafter, write_target
+
+    root = tmp_path_factory.mktemp("hf")
+    write_target(root / "kimi-k2-tiny", int4_experts=False, force=False)
+    write_target(root / "kimi-k2-tiny-int4", int4_experts=True, force=False)
+    write_drafter(root / "kimi-k2-tiny-dflash", force=False)
+    return root
+
+
+@pytest.fixture(scope="session")
+def demo_ckpt(demo_hf, tmp_path_factory):
+    """Converted checkpoints by tp_size, made on first use."""
+    from builder.convert import convert
+
+    made: dict[int, Path] = {}
+
+    def get(tp_size: int) -> Path:
+        if tp_size not in made:
+            out = tmp_path_factory.mktemp(f"ckpt-tp{tp_size}")
+            convert(demo_hf / "kimi-k2-tiny", demo_hf / "kimi-k2-tiny-dflash", out, tp_size, force=True)
+            made[tp_size] = out
+        return made[tp_size]
+
+    return get
+
+
+def copy_checkpoint(src: Path, dst: Path, config_update: dict | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if config_update:
+        config = json.loads((dst / "config.json").read_text())
+        config.update(config_update)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
