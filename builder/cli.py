@@ -22,8 +22,12 @@ def _add_convert_args(parser: argparse.ArgumentParser, output_help: str) -> None
     parser.add_argument("--draft_model_dir", type=Path, required=True, help="HF DFlash drafter checkpoint")
     parser.add_argument("--output_dir", type=Path, required=True, help=output_help)
     parser.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                        help="weight dtype of the converted checkpoint (auto: the checkpoint's)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weight dtype of the converted checkpoint (auto: the checkpoint's)",
+    )
     parser.add_argument("--force", action="store_true", help="replace a non-empty output_dir")
 
 
@@ -31,8 +35,12 @@ def _add_build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_batch_size", type=int, default=1, help="requests per engine step (only 1 today)")
     parser.add_argument("--max_input_len", type=int, default=256, help="longest prompt (prefill profile max)")
     parser.add_argument("--max_seq_len", type=int, default=1024, help="prompt + output (KV cache capacity)")
-    parser.add_argument("--max_num_tokens", type=int, default=None,
-                        help="largest token count of one verify step; must hold ddtree_budget + 1")  # fmt: skip
+    parser.add_argument(
+        "--max_num_tokens",
+        type=int,
+        default=None,
+        help="largest token count of one verify step; must hold ddtree_budget + 1",
+    )
     parser.add_argument("--block_size", type=int, default=None, help="draft block size (default: the drafter's)")
     parser.add_argument("--ddtree_budget", type=int, default=32, help="tree nodes verified per step (default 32)")
     parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap of the tree")

@@ -32,8 +32,14 @@ from models.mapping import Mapping
 
 log = logging.getLogger("ddtree.builder")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tiktoken.model", "tokenization_kimi.py",
-                   "special_tokens_map.json", "generation_config.json")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tiktoken.model",
+    "tokenization_kimi.py",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def shard(tensor: torch.Tensor, split_dim: int | None, tp_size: int) -> list[torch.Tensor]:
@@ -49,8 +55,9 @@ def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
     return dtype
 
 
-def convert(model_dir: Path, draft_model_dir: Path, output_dir: Path, tp_size: int, dtype: str = "auto",
-            force: bool = False) -> CheckpointConfig:  # fmt: skip
+def convert(
+    model_dir: Path, draft_model_dir: Path, output_dir: Path, tp_size: int, dtype: str = "auto", force: bool = False
+) -> CheckpointConfig:
     """Validates both checkpoints completely, then writes the TP-N checkpoint directory."""
     start = time.perf_counter()
     target = TargetCheckpoint(model_dir)
@@ -66,8 +73,9 @@ def convert(model_dir: Path, draft_model_dir: Path, output_dir: Path, tp_size: i
     target_specs = hf_target_specs(config.target)
     drafter_specs = hf_drafter_specs(config.drafter)
     check_tensor_set(target.shapes(), {k: s.shape for k, s in target_specs.items()}, f"target checkpoint {model_dir}")
-    check_tensor_set(drafter.shapes(), {k: s.shape for k, s in drafter_specs.items()},
-                     f"drafter checkpoint {draft_model_dir}")  # fmt: skip
+    check_tensor_set(
+        drafter.shapes(), {k: s.shape for k, s in drafter_specs.items()}, f"drafter checkpoint {draft_model_dir}"
+    )
     prepare_output_dir(output_dir, force, protect=(Path(model_dir), Path(draft_model_dir)))
     log.info("converting to tp_size=%d dtype=%s -> %s", tp_size, config.dtype, output_dir)
 

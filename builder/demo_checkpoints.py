@@ -30,8 +30,15 @@ from models.layout import hf_drafter_specs, hf_target_specs
 SEED = 20261130
 VOCAB_SIZE = 512
 SPECIAL_BASE = VOCAB_SIZE - len(SPECIAL_TOKENS)  # Kimi reserves the top 256 ids; here the top 32
-YARN = {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
-        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+YARN = {
+    "type": "yarn",
+    "factor": 8.0,
+    "original_max_position_embeddings": 256,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def special_id(token: str) -> int:
@@ -88,16 +95,26 @@ def target_hf_config(int4_experts: bool) -> dict:
             "quant_method": "compressed-tensors",
             "format": "pack-quantized",
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                            "group_size": 32, "dynamic": False, "observer": "minmax", "actorder": None},
-                "input_activations": None,
-                "output_activations": None,
-            }},
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                        "dynamic": False,
+                        "observer": "minmax",
+                        "actorder": None,
+                    },
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
             "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
             "kv_cache_scheme": None,
-        }  # fmt: skip
+        }
     return config
 
 
@@ -168,8 +185,12 @@ def write_target(path: Path, int4_experts: bool, force: bool) -> Path:
         tensors = quantize_experts(tensors, group_size=32)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-                  "pad_token_id": config["pad_token_id"], "do_sample": False}  # fmt: skip
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "do_sample": False,
+    }
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     write_tokenizer(path, SPECIAL_BASE, VOCAB_SIZE)
     return path

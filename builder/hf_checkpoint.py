@@ -71,8 +71,9 @@ class TargetCheckpoint:
         if raw.get("model_type") in WRAPPER_MODEL_TYPES or "text_config" in raw:
             if "text_config" not in raw:
                 raise ValueError(f"{raw.get('model_type')} checkpoint {model_dir} has no text_config")
-            log.info("multimodal wrapper %s: using text_config and %s* tensors", raw.get("model_type"),
-                     LANGUAGE_MODEL_PREFIX)  # fmt: skip
+            log.info(
+                "multimodal wrapper %s: using text_config and %s* tensors", raw.get("model_type"), LANGUAGE_MODEL_PREFIX
+            )
             text = dict(raw["text_config"])
             text.setdefault("quantization_config", raw.get("quantization_config"))
             raw, self.prefix = text, LANGUAGE_MODEL_PREFIX
@@ -98,8 +99,9 @@ class TargetCheckpoint:
                 self._quantized.add(name)
             names[name] = stored
         if ignored:
-            log.info("ignoring %d non-language-model tensors (vision tower, projector), e.g. %s", len(ignored),
-                     ignored[0])  # fmt: skip
+            log.info(
+                "ignoring %d non-language-model tensors (vision tower, projector), e.g. %s", len(ignored), ignored[0]
+            )
         return names
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -120,8 +122,12 @@ class TargetCheckpoint:
         if name not in self._quantized:
             return self.files.get(stored)
         shape = self._int4_shape(stored)
-        return int4.dequantize(self.files.get(stored + ".weight_packed"), self.files.get(stored + ".weight_scale"),
-                               shape, self.quant.group_size)  # fmt: skip
+        return int4.dequantize(
+            self.files.get(stored + ".weight_packed"),
+            self.files.get(stored + ".weight_scale"),
+            shape,
+            self.quant.group_size,
+        )
 
 
 _INT4_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")

@@ -12,14 +12,39 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = [
-    "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|reserved_token_5|>",
-    "<|start_header_id|>", "<|end_header_id|>", "<|reserved_token_8|>", "[EOT]", "<|im_system|>",
-    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|reserved_token_16|>", "<|im_middle|>",
-    "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>", "<think>", "</think>",
-    "<|reserved_token_24|>", "<|reserved_token_25|>", "<|reserved_token_26|>", "<|reserved_token_27|>",
-    "<|reserved_token_28|>", "<|reserved_token_29|>", "[UNK]", "[PAD]",
-]  # fmt: skip
+    "[BOS]",
+    "[EOS]",
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|reserved_token_5|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_token_8|>",
+    "[EOT]",
+    "<|im_system|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|reserved_token_16|>",
+    "<|im_middle|>",
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_end|>",
+    "<|media_pad|>",
+    "<think>",
+    "</think>",
+    "<|reserved_token_24|>",
+    "<|reserved_token_25|>",
+    "<|reserved_token_26|>",
+    "<|reserved_token_27|>",
+    "<|reserved_token_28|>",
+    "<|reserved_token_29|>",
+    "[UNK]",
+    "[PAD]",
+]
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"

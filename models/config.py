@@ -253,11 +253,24 @@ class TargetConfig:
 
 
 _TARGET_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace",
-    "routed_scaling_factor", "max_position_embeddings",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "routed_scaling_factor",
+    "max_position_embeddings",
+)
 
 
 @dataclass(frozen=True)

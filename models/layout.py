@@ -51,19 +51,21 @@ def hf_target_specs(cfg: TargetConfig, include_experts: bool = True) -> dict[str
     }
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
-        specs.update({
-            f"{p}.input_layernorm.weight": TensorSpec((h,)),
-            f"{p}.post_attention_layernorm.weight": TensorSpec((h,)),
-            f"{p}.self_attn.q_a_proj.weight": TensorSpec((cfg.q_lora_rank, h)),
-            f"{p}.self_attn.q_a_layernorm.weight": TensorSpec((cfg.q_lora_rank,)),
-            f"{p}.self_attn.q_b_proj.weight": TensorSpec((heads * cfg.qk_head_dim, cfg.q_lora_rank), 0),
-            f"{p}.self_attn.kv_a_proj_with_mqa.weight": TensorSpec((cfg.latent_dim, h)),
-            f"{p}.self_attn.kv_a_layernorm.weight": TensorSpec((cfg.kv_lora_rank,)),
-            f"{p}.self_attn.kv_b_proj.weight": TensorSpec(
-                (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), 0
-            ),
-            f"{p}.self_attn.o_proj.weight": TensorSpec((h, heads * cfg.v_head_dim), 1),
-        })  # fmt: skip
+        specs.update(
+            {
+                f"{p}.input_layernorm.weight": TensorSpec((h,)),
+                f"{p}.post_attention_layernorm.weight": TensorSpec((h,)),
+                f"{p}.self_attn.q_a_proj.weight": TensorSpec((cfg.q_lora_rank, h)),
+                f"{p}.self_attn.q_a_layernorm.weight": TensorSpec((cfg.q_lora_rank,)),
+                f"{p}.self_attn.q_b_proj.weight": TensorSpec((heads * cfg.qk_head_dim, cfg.q_lora_rank), 0),
+                f"{p}.self_attn.kv_a_proj_with_mqa.weight": TensorSpec((cfg.latent_dim, h)),
+                f"{p}.self_attn.kv_a_layernorm.weight": TensorSpec((cfg.kv_lora_rank,)),
+                f"{p}.self_attn.kv_b_proj.weight": TensorSpec(
+                    (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), 0
+                ),
+                f"{p}.self_attn.o_proj.weight": TensorSpec((h, heads * cfg.v_head_dim), 1),
+            }
+        )
         if not cfg.is_moe_layer(i):
             specs.update(_mlp(f"{p}.mlp", h, cfg.intermediate_size))
             continue
@@ -98,16 +100,18 @@ def hf_drafter_specs(cfg: DrafterConfig) -> dict[str, TensorSpec]:
     }
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}"
-        specs.update({
-            f"{p}.input_layernorm.weight": TensorSpec((h,)),
-            f"{p}.post_attention_layernorm.weight": TensorSpec((h,)),
-            f"{p}.self_attn.q_proj.weight": TensorSpec((cfg.num_attention_heads * hd, h), 0),
-            f"{p}.self_attn.k_proj.weight": TensorSpec((cfg.num_key_value_heads * hd, h), 0),
-            f"{p}.self_attn.v_proj.weight": TensorSpec((cfg.num_key_value_heads * hd, h), 0),
-            f"{p}.self_attn.o_proj.weight": TensorSpec((h, cfg.num_attention_heads * hd), 1),
-            f"{p}.self_attn.q_norm.weight": TensorSpec((hd,)),
-            f"{p}.self_attn.k_norm.weight": TensorSpec((hd,)),
-        })  # fmt: skip
+        specs.update(
+            {
+                f"{p}.input_layernorm.weight": TensorSpec((h,)),
+                f"{p}.post_attention_layernorm.weight": TensorSpec((h,)),
+                f"{p}.self_attn.q_proj.weight": TensorSpec((cfg.num_attention_heads * hd, h), 0),
+                f"{p}.self_attn.k_proj.weight": TensorSpec((cfg.num_key_value_heads * hd, h), 0),
+                f"{p}.self_attn.v_proj.weight": TensorSpec((cfg.num_key_value_heads * hd, h), 0),
+                f"{p}.self_attn.o_proj.weight": TensorSpec((h, cfg.num_attention_heads * hd), 1),
+                f"{p}.self_attn.q_norm.weight": TensorSpec((hd,)),
+                f"{p}.self_attn.k_norm.weight": TensorSpec((hd,)),
+            }
+        )
         specs.update(_mlp(f"{p}.mlp", h, cfg.intermediate_size))
     return specs
 

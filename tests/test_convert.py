@@ -55,8 +55,12 @@ def test_multimodal_wrapper_layout(demo_hf, demo_ckpt, tmp_path, caplog):
     wrapped = tmp_path / "k25"
     wrapped.mkdir()
     text = json.loads((plain / "config.json").read_text())
-    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-              "text_config": text, "vision_config": {"hidden_size": 16}}  # fmt: skip
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": {"hidden_size": 16},
+    }
     (wrapped / "config.json").write_text(json.dumps(config))
     tensors = {f"language_model.{k}": v for k, v in load_file(str(plain / "model.safetensors")).items()}
     tensors["vision_tower.patch_embed.weight"] = torch.zeros(4, 4)
@@ -136,8 +140,17 @@ def test_output_dir_is_never_overwritten_without_force(demo_hf, tmp_path, capsys
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("user data")
-    args = ["convert", "--model_dir", str(demo_hf / "kimi-k2-tiny"), "--draft_model_dir",
-            str(demo_hf / "kimi-k2-tiny-dflash"), "--output_dir", str(out), "--tp_size", "8"]  # fmt: skip
+    args = [
+        "convert",
+        "--model_dir",
+        str(demo_hf / "kimi-k2-tiny"),
+        "--draft_model_dir",
+        str(demo_hf / "kimi-k2-tiny-dflash"),
+        "--output_dir",
+        str(out),
+        "--tp_size",
+        "8",
+    ]
     assert cli_main(args) == 2
     assert "is not empty; pass --force" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "user data"

@@ -1,0 +1,110 @@
+"""The DFlash drafter, one tensor-parallel rank (z-lab `DFlashDraftModel` semantics).
+
+    forward(context_hidden [C, taps * hidden], context_positions [C], context_length [1],
+            block_ids [B], block_positions [B], draft_cache [layers, 2, S, kv_heads, head_dim], draft_cache_length [1])
+      -> draft_logits [B - 1, vocab] fp32 (gathered): block rows 1..B-1 predict the tokens at start + 1 .. start + B - 1
+         new_context_kv [layers, 2, C, kv_heads, head_dim]: K/V of the context rows, for the runner to commit
+
+Context features are `hidden_norm(fc(taps))` of tokens the target has committed; rows >= context_length are
+padding. Every layer projects them with its own k/v (k_norm, rope at their absolute positions) and attends,
+non-causally, from the block to [cached context | new context | block]. The draft cache keeps context K/V only.
+The drafter borrows the target's vocab-parallel embedding and lm_head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import DrafterConfig, TargetConfig
+from models.layers import GatedMLP, RMSNorm, VocabParallelEmbedding, VocabParallelHead, linear
+from models.rope import Rotary, apply_rotary
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = config.heads_per_rank, config.kv_heads_per_rank, config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.q_proj = linear(config.hidden_size, self.heads * self.head_dim)
+        self.k_proj = linear(config.hidden_size, self.kv_heads * self.head_dim)
+        self.v_proj = linear(config.hidden_size, self.kv_heads * self.head_dim)
+        self.o_proj = linear(self.heads * self.head_dim, config.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def keys_values(self, x, cos, sin):
+        rows = x.shape[0]
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim)), cos, sin)
+        return k, self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
+
+    def forward(self, h, ctx, block_rope, context_rope, cache, cache_length, context_length):
+        blocks, groups = h.shape[0], self.heads // self.kv_heads
+        q = apply_rotary(self.q_norm(self.q_proj(h).view(blocks, self.heads, self.head_dim)), *block_rope)
+        k_ctx, v_ctx = self.keys_values(ctx, *context_rope)  # [C, kv_heads, head_dim]
+        k_blk, v_blk = self.keys_values(h, *block_rope)
+        keys = torch.cat((cache[0], k_ctx, k_blk), dim=0)  # [S + C + B, kv_heads, head_dim]
+        values = torch.cat((cache[1], v_ctx, v_blk), dim=0)
+        visible = torch.cat(
+            (
+                torch.arange(cache.shape[1], device=h.device) < cache_length.reshape(-1)[0],
+                torch.arange(ctx.shape[0], device=h.device) < context_length.reshape(-1)[0],
+                torch.ones(blocks, dtype=torch.bool, device=h.device),
+            )
+        )
+        q = q.view(blocks, self.kv_heads, groups, self.head_dim)
+        scores = torch.einsum("bkgd,skd->kgbs", q, keys) * self.scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores.to(torch.float32), dim=-1).to(h.dtype)
+        out = torch.einsum("kgbs,skd->bkgd", probs, values).reshape(blocks, -1)
+        return self.o_proj(out), torch.stack((k_ctx, v_ctx))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, config: DrafterConfig, collectives):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // config.mapping.tp_size)
+        self.collectives = collectives
+
+    def forward(self, x, ctx, block_rope, context_rope, cache, cache_length, context_length):
+        attn, new_kv = self.self_attn(
+            self.input_layernorm(x), ctx, block_rope, context_rope, cache, cache_length, context_length
+        )
+        x = x + self.collectives.all_reduce(attn)
+        x = x + self.collectives.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+        return x, new_kv
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DrafterConfig, target: TargetConfig, collectives):
+        super().__init__()
+        hidden = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(target.vocab_size, hidden, config.mapping, collectives)
+        self.lm_head = VocabParallelHead(target.vocab_size, hidden, config.mapping, collectives)
+        self.fc = linear(config.num_taps * hidden, hidden)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config, collectives) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.rotary = Rotary(config.rope, config.head_dim)
+
+    def forward(
+        self,
+        context_hidden,
+        context_positions,
+        context_length,
+        block_ids,
+        block_positions,
+        draft_cache,
+        draft_cache_length,
+    ):
+        ctx = self.hidden_norm(self.fc(context_hidden))
+        x = self.embed_tokens(block_ids)
+        block_rope, context_rope = self.rotary(block_positions, x.dtype), self.rotary(context_positions, x.dtype)
+        new_kv = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, ctx, block_rope, context_rope, draft_cache[i], draft_cache_length, context_length)
+            new_kv.append(kv)
+        return self.lm_head(self.norm(x)[1:]), torch.stack(new_kv)

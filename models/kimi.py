@@ -1,0 +1,88 @@
+"""The Kimi K2.x target, one tensor-parallel rank.
+
+    forward(input_ids [T], positions [T], tree_mask [T, T] bool, latent_cache [L, S, D], cache_length [1],
+            logit_indices [N])
+      -> logits [N, vocab] fp32 (all ranks' vocab slices gathered),
+         new_latent_kv [L, T, D] (the input tokens' latent rows: an output, never written into the cache),
+         taps [T, len(tap_layers) * hidden] (outputs of the drafter's target layers, in tap order)
+
+Batch 1. Which attention form and which collectives run is fixed at construction (`attention_cls`, `ops`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.config import TargetConfig
+from models.layers import GatedMLP, RMSNorm, VocabParallelEmbedding, VocabParallelHead
+from models.mla import AbsorbedMLA, ExpandedMLA
+from models.moe import MoE
+from models.rope import Rotary
+
+ATTENTION_FORMS = {"absorbed": AbsorbedMLA, "expanded": ExpandedMLA}
+
+
+@dataclass
+class ModelOps:
+    """The pluggable operators: tree attention (reference, ONNX op, GPU kernel) and the collectives."""
+
+    tree_attention: Callable
+    collectives: object
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TargetConfig, layer_idx: int, attention_cls, ops: ModelOps):
+        super().__init__()
+        tp = config.mapping.tp_size
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention_cls(config, layer_idx, ops.tree_attention)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(layer_idx):
+            self.mlp = MoE(config, layer_idx)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp)
+        self.collectives = ops.collectives
+
+    def forward(self, x, cos, sin, tree_mask, cache, cache_length):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, tree_mask, cache, cache_length)
+        x = x + self.collectives.all_reduce(attn)
+        x = x + self.collectives.all_reduce(self.mlp(self.post_attention_layernorm(x)))
+        return x, new_kv
+
+
+class KimiTarget(nn.Module):
+    def __init__(self, config: TargetConfig, tap_layers: tuple[int, ...], ops: ModelOps, attention: str = "absorbed"):
+        super().__init__()
+        if attention not in ATTENTION_FORMS:
+            raise ValueError(f"attention must be one of {sorted(ATTENTION_FORMS)}, got {attention!r}")
+        self.config, self.tap_layers = config, tuple(tap_layers)
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, config.mapping, ops.collectives
+        )
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, i, ATTENTION_FORMS[attention], ops) for i in range(config.num_hidden_layers)
+        )
+        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = VocabParallelHead(config.vocab_size, config.hidden_size, config.mapping, ops.collectives)
+        self.rotary = Rotary(config.rope, config.qk_rope_head_dim)
+
+    def prepare_weights(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.prepare_weights()
+
+    def forward(self, input_ids, positions, tree_mask, latent_cache, cache_length, logit_indices):
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        outputs, new_kv = [], []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, tree_mask, latent_cache[i], cache_length)
+            outputs.append(x)
+            new_kv.append(kv)
+        logits = self.lm_head(self.model.norm(x)[logit_indices])
+        taps = torch.cat([outputs[i] for i in self.tap_layers], dim=-1)
+        return logits, torch.stack(new_kv), taps

@@ -1,0 +1,66 @@
+"""Small building blocks shared by the target and the drafter."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP, one rank's column/row slice: the caller all-reduces the output."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = linear(hidden, width)
+        self.up_proj = linear(hidden, width)
+        self.down_proj = linear(width, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank * V/tp, (rank + 1) * V/tp) of the embedding; ids outside the slice contribute zeros."""
+
+    def __init__(self, vocab_size: int, hidden: int, mapping, collectives):
+        super().__init__()
+        self.start, self.rows = mapping.split(vocab_size, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden))
+        self.collectives = collectives
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.rows)
+        rows = F.embedding(torch.clamp(local, 0, self.rows - 1), self.weight)
+        return self.collectives.all_reduce(rows * inside.unsqueeze(-1).to(rows.dtype))
+
+
+class VocabParallelHead(nn.Module):
+    """lm_head rows of this rank; the logits of all ranks are all-gathered along the vocab."""
+
+    def __init__(self, vocab_size: int, hidden: int, mapping, collectives):
+        super().__init__()
+        _, rows = mapping.split(vocab_size, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.collectives = collectives
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.collectives.all_gather(F.linear(x, self.weight).to(torch.float32))

@@ -1,0 +1,91 @@
+"""Multi-head latent attention (MLA), one rank's heads, in two equivalent forms.
+
+`ExpandedMLA` (prefill form): per-head keys and values are expanded from the latent rows with kv_b_proj and the
+attention runs over [T, H, qk_head_dim] / [T, H, v_head_dim] (transformers' DeepseekV3Attention).
+`AbsorbedMLA` (decode / verify form): kv_b_proj is folded into the query and the output: per head
+q_latent = q_nope @ W_kc [T, H, kv_lora], the query [q_latent | q_pe] of width latent_dim attends MQA-style to the
+cached latent rows [c_kv | k_pe], and the latent output is projected back with W_vc. This is the form the engines
+use (through the TreeAttention op) because it reads the 576-wide latent cache once for all heads.
+
+Both return (partial output of this rank's heads before the o_proj all-reduce, the new latent rows [T, latent_dim]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import TargetConfig
+from models.layers import RMSNorm, linear
+from models.rope import apply_rotary, deinterleave_permutation
+
+
+class MultiLatentAttention(nn.Module):
+    def __init__(self, config: TargetConfig, layer_idx: int, tree_attention):
+        super().__init__()
+        c = config
+        self.heads, self.nope, self.rope = c.heads_per_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
+        self.kv_lora, self.v_dim, self.scale = c.kv_lora_rank, c.v_head_dim, c.softmax_scale
+        self.rope_interleave = c.rope_interleave
+        self.tree_attention = tree_attention
+        self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
+        self.q_b_proj = linear(c.q_lora_rank, self.heads * c.qk_head_dim)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.latent_dim)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
+        self.kv_b_proj = linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim))
+        self.o_proj = linear(self.heads * self.v_dim, c.hidden_size)
+
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        """Once after loading: de-interleave the rope rows so forward can use the half-split rotation."""
+        if not self.rope_interleave:
+            return
+        perm = deinterleave_permutation(self.rope)
+        q_b = self.q_b_proj.weight.view(self.heads, self.nope + self.rope, -1)
+        q_b[:, self.nope :] = q_b[:, self.nope :][:, perm].clone()
+        kv_a = self.kv_a_proj_with_mqa.weight
+        kv_a[self.kv_lora :] = kv_a[self.kv_lora :][perm].clone()
+
+    def project(self, x, cos, sin):
+        """x: [T, hidden] -> q_nope [T, H, nope], q_pe [T, H, rope] (rotated), new_kv [T, kv_lora + rope]."""
+        tokens = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(tokens, self.heads, self.nope + self.rope)
+        q_nope, q_pe = q[..., : self.nope], apply_rotary(q[..., self.nope :], cos, sin)
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora])
+        k_pe = apply_rotary(kv[:, self.kv_lora :], cos, sin)
+        return q_nope, q_pe, torch.cat((c_kv, k_pe), dim=-1)
+
+    def kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_kc [H, nope, kv_lora] and W_vc [H, v, kv_lora], views of kv_b_proj."""
+        kv_b = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.kv_lora)
+        return kv_b[:, : self.nope], kv_b[:, self.nope :]
+
+
+class AbsorbedMLA(MultiLatentAttention):
+    def forward(self, x, cos, sin, tree_mask, cache, cache_length):
+        q_nope, q_pe, new_kv = self.project(x, cos, sin)
+        w_kc, w_vc = self.kv_b_weights()
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, w_kc)  # [T, H, kv_lora]
+        query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, latent_dim]
+        latent = self.tree_attention(query, cache, cache_length, new_kv, tree_mask, self.scale, self.kv_lora)
+        out = torch.einsum("thc,hvc->thv", latent, w_vc)  # [T, H, v_head_dim]
+        return self.o_proj(out.reshape(x.shape[0], -1)), new_kv
+
+
+class ExpandedMLA(MultiLatentAttention):
+    def forward(self, x, cos, sin, tree_mask, cache, cache_length):
+        q_nope, q_pe, new_kv = self.project(x, cos, sin)
+        tokens, length = x.shape[0], int(cache_length.reshape(-1)[0])
+        latent = torch.cat((cache[:length], new_kv), dim=0)  # [S' + T, latent_dim]
+        c_kv, k_pe = latent[:, : self.kv_lora], latent[:, self.kv_lora :]
+        w_kc, w_vc = self.kv_b_weights()
+        k_nope = torch.einsum("sc,hnc->shn", c_kv, w_kc)  # [S'+T, H, nope]
+        values = torch.einsum("sc,hvc->shv", c_kv, w_vc)  # [S'+T, H, v]
+        scores = torch.einsum("thn,shn->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_pe, k_pe)
+        visible = torch.cat((torch.ones(tokens, length, dtype=torch.bool, device=x.device), tree_mask), dim=1)
+        scores = (scores * self.scale).masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores.to(torch.float32), dim=-1).to(x.dtype)
+        out = torch.einsum("hts,shv->thv", probs, values)
+        return self.o_proj(out.reshape(tokens, -1)), new_kv

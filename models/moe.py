@@ -1,0 +1,79 @@
+"""DeepSeek-V3 / Kimi MoE, one rank's slice of every expert (TP-MoE): the caller all-reduces the output.
+
+Routing (replicated on every rank, fp32): sigmoid scores; the `noaux_tc` choice adds `e_score_correction_bias`
+and optionally limits choices to the best `topk_group` of `n_group` groups; the chosen experts are weighted by
+their plain sigmoid scores, normalised over the top-k, times `routed_scaling_factor`.
+
+Experts run token-choice by gathering the chosen experts' weight slices: T*k gathers, static shapes, no
+data-dependent control flow, so the same code exports to ONNX and runs under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import TargetConfig
+from models.layers import GatedMLP
+
+
+class StackedExperts(nn.Module):
+    """One projection of all routed experts: weight [n_experts, out, in]."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+
+
+class Router(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (expert ids [T, k], weights [T, k] fp32)."""
+        scores = torch.sigmoid(F.linear(x.to(torch.float32), self.weight.to(torch.float32)))
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = torch.zeros_like(group_scores).scatter(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
+            choice = (grouped.masked_fill(keep[..., None] == 0, float("-inf"))).view(x.shape[0], -1)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class MoE(nn.Module):
+    def __init__(self, config: TargetConfig, layer_idx: int):
+        super().__init__()
+        experts, hidden = config.n_routed_experts, config.hidden_size
+        width = config.moe_intermediate_size // config.mapping.tp_size
+        self.gate = Router(config)
+        self.experts = nn.ModuleDict(
+            {
+                "gate_proj": StackedExperts(experts, width, hidden),
+                "up_proj": StackedExperts(experts, width, hidden),
+                "down_proj": StackedExperts(experts, hidden, width),
+            }
+        )
+        self.shared_experts = GatedMLP(hidden, config.shared_intermediate_size // config.mapping.tp_size)
+
+    def _gather(self, projection: str, ids: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' slices: [T, k, out, in]."""
+        weight = self.experts[projection].weight
+        return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, *weight.shape[1:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)  # [T, k]
+        gate, up, down = (self._gather(name, ids) for name in ("gate_proj", "up_proj", "down_proj"))
+        act = F.silu(torch.einsum("th,tkwh->tkw", x, gate)) * torch.einsum("th,tkwh->tkw", x, up)
+        routed = torch.einsum("tkw,tkhw->tkh", act, down)
+        routed = (routed * weights.to(x.dtype)[..., None]).sum(dim=1)
+        return routed + self.shared_experts(x)

@@ -1,0 +1,1 @@
+"""TreeAttention: absorbed-MLA attention of tree tokens over the committed latent cache and their own new KV."""

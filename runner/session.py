@@ -1,0 +1,46 @@
+"""A thin engine session per rank: `run(profile, feeds) -> outputs`, every feed shape-checked against the named
+profile first. Backends: `TorchSession` (per-rank torch modules; CPU reference and CUDA), `runner.ort_session`
+(the engine dir's ONNX graphs under ONNX Runtime), `runner.trt_session` (TensorRT engines)."""
+
+from __future__ import annotations
+
+import torch
+
+from engines.io import TensorIO, check_feeds
+from engines.spec import Profile
+
+
+class EngineSession:
+    backend = "abstract"
+
+    def __init__(self, profiles: dict[str, Profile], io: dict[str, tuple[list[TensorIO], list[TensorIO]]]):
+        self.profiles, self.io = profiles, io
+
+    def profile(self, name: str) -> Profile:
+        if name not in self.profiles:
+            raise ValueError(f"the engine has no profile {name!r}; it has {sorted(self.profiles)}")
+        return self.profiles[name]
+
+    def run(self, profile_name: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        profile = self.profile(profile_name)
+        check_feeds(profile, self.io[profile.role][0], {name: tuple(t.shape) for name, t in feeds.items()})
+        return self.execute(profile, feeds)
+
+    def execute(self, profile: Profile, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class TorchSession(EngineSession):
+    """Eager per-rank modules: the numerical reference of every other backend."""
+
+    backend = "torch"
+
+    def __init__(self, target, drafter, profiles, io):
+        super().__init__(profiles, io)
+        self.modules = {"target": target, "draft": drafter}
+
+    @torch.no_grad()
+    def execute(self, profile, feeds):
+        inputs, outputs = self.io[profile.role]
+        results = self.modules[profile.role](*(feeds[t.name] for t in inputs))
+        return {t.name: value for t, value in zip(outputs, results)}

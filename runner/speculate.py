@@ -1,0 +1,156 @@
+"""The speculative loop: draft a block, build the tree, verify once, accept the longest matching path, commit.
+
+`speculative_step` is the whole algorithm in one function; `generate` runs prefill and then steps;
+`generate_autoregressive` is the baseline (and the lossless oracle: greedy speculative == greedy autoregressive).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.spec import SpecConfig
+from runner.ranks import Ranks
+from runner.sampling import Sampler
+from runner.tree import build_tree, follow_tree
+
+
+class PhaseTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[phase] += time.perf_counter() - start
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # emitted by this step: the accepted drafted tokens, then the new bonus token
+    accept_length: int  # accepted tree nodes including the root; equals len(tokens)
+    tree_nodes: int  # real tree rows verified (root included)
+
+
+@dataclass
+class GenerationResult:
+    prompt: list[int]
+    tokens: list[int]
+    accept_lengths: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    elapsed: float = 0.0
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return len(self.tokens) / self.target_forwards if self.target_forwards else 0.0
+
+
+def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: int, timer: PhaseTimer) -> StepResult:
+    """One DDTree round from the last committed token `bonus` (already emitted, not yet in the target cache)."""
+    with timer("draft"):  # one drafter forward over [bonus, mask x (block_size - 1)]
+        draft_logits = engine.draft(bonus)  # [block_size - 1, V]
+        width = min(spec.budget, spec.max_topk or spec.budget, draft_logits.shape[-1])
+        top = torch.log_softmax(draft_logits.to(torch.float32), dim=-1).topk(width, dim=-1)
+        top_logprobs, top_ids = top.values.cpu().numpy(), top.indices.cpu().numpy()
+    with timer("tree"):  # best-first by cumulative draft log-probability, padded to the verify profile's rows
+        tree = build_tree(top_logprobs, top_ids, spec.budget, bonus, rows=spec.verify_tokens)
+        mask = tree.mask()
+    with timer("verify"):  # the target on every tree node at once, and its own choice at each node
+        logits = engine.verify(tree.tokens, tree.depths, mask)  # [rows, V]
+        target_tokens = sampler.choose(logits[: tree.num_nodes])
+    # Accept: follow the target's own choice from the root while it is a child of the current node; the choice
+    # where the walk stops is the next bonus. Every emitted token is the target's choice, so output is lossless.
+    path, next_bonus = follow_tree(tree, target_tokens)
+    with timer("commit"):  # only the accepted path's KV enters the caches
+        engine.commit(path)
+    accepted = [int(tree.tokens[node]) for node in path[1:]]
+    return StepResult(tokens=accepted + [next_bonus], accept_length=len(path), tree_nodes=tree.num_nodes)
+
+
+def check_request(
+    prompt_length: int, max_new_tokens: int, max_input_len: int, max_seq_len: int, block_size: int
+) -> None:
+    if prompt_length < 1:
+        raise ValueError("the prompt is empty; at least one token is needed")
+    if prompt_length > max_input_len:
+        raise ValueError(f"prompt of {prompt_length} tokens is longer than the engine's max_input_len={max_input_len}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_output_len must be >= 1, got {max_new_tokens}")
+    if prompt_length + max_new_tokens + block_size > max_seq_len:
+        raise ValueError(
+            f"prompt ({prompt_length}) + max_output_len ({max_new_tokens}) + one draft block ({block_size}) = "
+            f"{prompt_length + max_new_tokens + block_size} exceeds the engine's max_seq_len={max_seq_len}"
+        )
+
+
+def _emit(tokens: list[int], new: list[int], max_new_tokens: int, end_ids: set[int]) -> tuple[list[int], bool]:
+    """Appends `new` up to the token budget and the first end id; returns (appended, finished)."""
+    taken = []
+    for token in new:
+        if len(tokens) + len(taken) >= max_new_tokens:
+            break
+        taken.append(token)
+        if token in end_ids:
+            break
+    tokens.extend(taken)
+    return taken, len(tokens) >= max_new_tokens or bool(taken and taken[-1] in end_ids)
+
+
+def generate(
+    engine: Ranks,
+    prompt: list[int],
+    max_new_tokens: int,
+    spec: SpecConfig,
+    sampler: Sampler,
+    end_ids: set[int] = frozenset(),
+    on_tokens: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Prefill, then speculative steps until max_new_tokens or an end token."""
+    timer, start = PhaseTimer(), time.perf_counter()
+    result = GenerationResult(prompt=list(prompt), tokens=[])
+    engine.reset()
+    with timer("prefill"):
+        first = sampler.choose(engine.prefill(list(prompt)))
+    result.target_forwards = 1
+    new, finished = _emit(result.tokens, first, max_new_tokens, end_ids)
+    if on_tokens and new:
+        on_tokens(new)
+    while not finished:
+        step = speculative_step(engine, spec, sampler, result.tokens[-1], timer)
+        result.target_forwards += 1
+        result.accept_lengths.append(step.accept_length)
+        new, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids)
+        if on_tokens and new:
+            on_tokens(new)
+    result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start
+    return result
+
+
+def generate_autoregressive(
+    engine: Ranks, prompt: list[int], max_new_tokens: int, sampler: Sampler, end_ids: set[int] = frozenset()
+) -> GenerationResult:
+    timer, start = PhaseTimer(), time.perf_counter()
+    result = GenerationResult(prompt=list(prompt), tokens=[])
+    engine.reset()
+    with timer("prefill"):
+        logits = engine.prefill(list(prompt))
+    finished = False
+    while not finished:
+        _, finished = _emit(result.tokens, sampler.choose(logits), max_new_tokens, end_ids)
+        result.target_forwards += 1
+        if not finished:
+            with timer("decode"):
+                logits = engine.decode(result.tokens[-1])
+    result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start
+    return result

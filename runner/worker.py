@@ -1,0 +1,104 @@
+"""What one rank does for each step: build the feeds, run its engine session, commit into its own caches.
+
+Every rank runs the same calls in the same order (the engines' collectives pair them up); only rank 0's return
+values are used. Logits stay on the session's device; rank 0 reduces them (argmax, top-k) before moving them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engines.spec import SpecConfig
+from runner.kv_cache import SequenceCache
+from runner.session import EngineSession
+
+
+class RankWorker:
+    def __init__(
+        self,
+        session: EngineSession,
+        spec: SpecConfig,
+        target_cfg,
+        drafter_cfg,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.session, self.spec, self.device = session, spec, torch.device(device)
+        self.mask_token_id = drafter_cfg.mask_token_id
+        latent = (target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim)
+        draft = (drafter_cfg.num_hidden_layers, 2, capacity, drafter_cfg.kv_heads_per_rank, drafter_cfg.head_dim)
+        self.cache = SequenceCache(latent, draft, dtype, self.device)
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values), dtype=dtype, device=self.device)
+
+    def _target(self, profile: str, tokens, positions, mask, logit_rows) -> dict[str, torch.Tensor]:
+        return self.session.run(
+            profile,
+            {
+                "input_ids": self._tensor(tokens),
+                "positions": self._tensor(positions),
+                "tree_mask": self._tensor(mask, torch.bool),
+                "latent_cache": self.cache.latent,
+                "cache_length": self._tensor([self.cache.num_cached]),
+                "logit_indices": self._tensor(logit_rows),
+            },
+        )
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self._pending = {}
+
+    def prefill(self, prompt: list[int]) -> torch.Tensor:
+        """Runs the prompt, commits all of it; returns the last row's logits [1, V]."""
+        count, start = len(prompt), self.cache.num_cached
+        causal = np.tril(np.ones((count, count), dtype=bool))
+        out = self._target("prefill", prompt, np.arange(start, start + count), causal, [count - 1])
+        self.cache.commit_target(out["new_latent_kv"], out["taps"], rows=None)
+        return out["logits"]
+
+    def decode(self, token: int) -> torch.Tensor:
+        """One autoregressive step (no drafter): [1, V] logits of the next token."""
+        start = self.cache.num_cached
+        out = self._target("decode", [token], [start], [[True]], [0])
+        self.cache.commit_target(out["new_latent_kv"], None, rows=None)
+        return out["logits"]
+
+    def draft(self, bonus: int) -> torch.Tensor:
+        """One drafter forward on [bonus, mask x (block_size - 1)]; returns draft logits [block_size - 1, V]."""
+        taps, context_start = self.cache.take_context()
+        count, block = taps.shape[0], self.spec.block_size
+        profile = "draft" if count <= block else "draft_prefill"
+        rows = block if profile == "draft" else count
+        if rows > count:
+            taps = torch.cat((taps, taps.new_zeros(rows - count, taps.shape[1])), dim=0)
+        start = self.cache.num_cached  # the bonus token's position
+        out = self.session.run(
+            profile,
+            {
+                "context_hidden": taps,
+                "context_positions": self._tensor(np.arange(context_start, context_start + rows)),
+                "context_length": self._tensor([count]),
+                "block_ids": self._tensor([bonus] + [self.mask_token_id] * (block - 1)),
+                "block_positions": self._tensor(np.arange(start, start + block)),
+                "draft_cache": self.cache.draft,
+                "draft_cache_length": self._tensor([self.cache.num_drafted]),
+            },
+        )
+        self.cache.commit_draft(out["new_context_kv"], count)
+        return out["draft_logits"]
+
+    def verify(self, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray) -> torch.Tensor:
+        """The target on the whole tree in one forward; returns logits [rows, V]. Nothing is committed yet."""
+        start = self.cache.num_cached
+        out = self._target(self.spec.verify_profile, tokens, start + depths, mask, np.arange(len(tokens)))
+        self._pending = out
+        return out["logits"]
+
+    def commit(self, rows: list[int]) -> None:
+        """Commits the accepted tree rows (root first) of the last verify."""
+        self.cache.commit_target(self._pending["new_latent_kv"], self._pending["taps"], rows)
+        self._pending = {}
