@@ -1,0 +1,106 @@
+"""`build-engine build`: TP-N checkpoint -> engine directory (`engines/engine_dir.py`), one short pipeline:
+
+spec + limits -> named profiles -> for each rank: export ONNX (target, draft) -> TensorRT engines -> config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from builder import __version__
+from builder.output_dir import prepare_output_dir
+from engines.engine_dir import ENGINE_SCHEMA, ROLES, EngineDir, load_engine_dir
+from engines.io import role_io
+from engines.spec import BuildConfig, SpecConfig, derive_profiles
+from models.checkpoint import load_checkpoint_config
+
+log = logging.getLogger("ddtree.builder")
+
+
+def build_engines(checkpoint_dir: Path, output_dir: Path, spec: SpecConfig, build: BuildConfig,
+                  force: bool = False, tensorrt: str | None = None) -> EngineDir:  # fmt: skip
+    """Exports and builds every rank's target and draft engines; config.json is written last."""
+    from builder.export import custom_ops, export_rank
+    from builder.trt_backend import import_tensorrt
+    from builder.trt_build import build_engine
+    from plugins.trt_base import register_plugins
+
+    start = time.perf_counter()
+    checkpoint = load_checkpoint_config(checkpoint_dir)
+    if build.dtype != checkpoint.dtype:
+        raise ValueError(f"build dtype={build.dtype} differs from the checkpoint's dtype={checkpoint.dtype}")
+    profiles = derive_profiles(spec, build)
+    if spec.block_size != checkpoint.drafter.block_size:
+        log.warning("block_size=%d differs from the drafter's trained block_size=%d", spec.block_size,
+                    checkpoint.drafter.block_size)  # fmt: skip
+    max_positions = min(checkpoint.target.max_position_embeddings, checkpoint.drafter.max_position_embeddings)
+    if build.max_seq_len > max_positions:
+        raise ValueError(f"max_seq_len={build.max_seq_len} exceeds the models' max_position_embeddings={max_positions}")
+    trt = import_tensorrt(tensorrt)
+    register_plugins(trt.module)
+    log.info("building %s: tp_size=%d dtype=%s spec=%s limits=%s with %s %s", output_dir, checkpoint.tp_size,
+             checkpoint.dtype, spec.to_dict(), build.to_dict(), trt.flavor, trt.version)  # fmt: skip
+    prepare_output_dir(output_dir, force, protect=(Path(checkpoint_dir),))
+    _link_tree(Path(checkpoint_dir), output_dir / "checkpoint")
+    if (Path(checkpoint_dir) / "tokenizer").is_dir():
+        shutil.copytree(Path(checkpoint_dir) / "tokenizer", output_dir / "tokenizer")
+
+    for rank in range(checkpoint.tp_size):
+        rank_dir = output_dir / f"rank{rank}"
+        graphs = export_rank(Path(checkpoint_dir), rank, profiles, rank_dir)
+        target_cfg, drafter_cfg = checkpoint.rank_configs(rank)
+        for role in ROLES:
+            inputs, _ = role_io(role, target_cfg, drafter_cfg)
+            role_profiles = [p for p in profiles.values() if p.role == role]
+            plan, record = build_engine(trt, graphs[role], inputs, role_profiles)
+            record["plugins"] = [{"layer": name, "op": op, "fields": fields}
+                                 for name, op, fields in custom_ops(graphs[role])]  # fmt: skip
+            (rank_dir / f"{role}.engine").write_bytes(plan)
+            (rank_dir / f"{role}.build.json").write_text(json.dumps(record, indent=1) + "\n")
+            log.info("rank %d %s engine: %.1f MB, %d plugin layers, %.2f s", rank, role, len(plan) / 1e6,
+                     len(record["plugin_layers"]), record["build_seconds"])  # fmt: skip
+
+    config = {
+        "schema_version": ENGINE_SCHEMA,
+        "version": __version__,
+        "pretrained_config": checkpoint.to_dict(),
+        "spec": spec.to_dict(),
+        "build_config": build.to_dict(),
+        "mapping": checkpoint.to_dict()["mapping"],
+        "profiles": {name: p.to_dict() for name, p in profiles.items()},
+        "engines": {"builder": trt.flavor, "builder_version": trt.version},
+    }
+    (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    log.info("built %d ranks x %d roles in %.1f s", checkpoint.tp_size, len(ROLES), time.perf_counter() - start)
+    return load_engine_dir(output_dir)
+
+
+def _link_tree(source: Path, destination: Path) -> None:
+    """Hard links where the filesystem allows (no second copy of the weights), else copies."""
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, destination, copy_function=link, ignore=shutil.ignore_patterns("tokenizer"))
+
+
+def build_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> EngineDir:
+    checkpoint = load_checkpoint_config(args.checkpoint_dir)
+    block_size = args.block_size or checkpoint.drafter.block_size
+    if args.max_num_tokens is not None and args.max_num_tokens < 1:
+        parser.error(f"--max_num_tokens must be >= 1, got {args.max_num_tokens}")
+    spec = SpecConfig(block_size=block_size, budget=args.ddtree_budget, max_topk=args.max_topk)
+    build = BuildConfig(max_input_len=args.max_input_len, max_seq_len=args.max_seq_len,
+                        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+                        dtype=checkpoint.dtype)  # fmt: skip
+    logging.getLogger("ddtree.builder").setLevel(args.log_level.upper() if args.log_level != "verbose" else "DEBUG")
+    return build_engines(args.checkpoint_dir, args.output_dir, spec, build, force=args.force)

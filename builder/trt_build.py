@@ -1,0 +1,83 @@
+"""ONNX graph -> serialized TensorRT engine with explicit named optimization profiles (Polygraphy's
+EngineBytesFromNetwork shape): parse, add one profile per name, build, and fail on any error the builder logs
+(TensorRT-RTX, for one, drops an invalid attention mask with only a log line)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from builder.trt_backend import TensorRT
+from engines.io import TensorIO
+from engines.spec import Profile
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def make_logger(trt, verbose: bool = False):
+    class CapturingLogger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.messages: list[tuple[str, str]] = []
+
+        def log(self, severity, message):
+            level = str(severity).rsplit(".", 1)[-1]
+            if verbose or severity <= trt.ILogger.Severity.INFO:
+                self.messages.append((level, message))
+
+        def errors(self) -> list[str]:
+            return [m for level, m in self.messages if level in ("ERROR", "INTERNAL_ERROR")]
+
+    return CapturingLogger()
+
+
+def build_engine(trt: TensorRT, onnx_path: Path, inputs: list[TensorIO], profiles: list[Profile]) -> tuple[bytes, dict]:
+    """Returns (plan bytes, build record). Profile i of the engine is `profiles[i]`."""
+    rt = trt.module
+    logger = make_logger(rt)
+    builder = rt.Builder(logger)
+    network = builder.create_network(1 << int(rt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = rt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise BuildError(f"TensorRT could not parse {onnx_path}: {errors}")
+    plugins = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == rt.LayerType.PLUGIN_V3:
+            plugins.append(layer.name)
+    config = builder.create_builder_config()
+    recorded = {}
+    for profile in profiles:
+        optimization = builder.create_optimization_profile()
+        for tensor in inputs:
+            optimization.set_shape(tensor.name, *tensor.shape_range(profile))
+        index = config.add_optimization_profile(optimization)
+        if index < 0:
+            raise BuildError(f"TensorRT rejected optimization profile {profile.name} of {onnx_path}: {logger.errors()}")
+        recorded[profile.name] = {
+            "index": index,
+            "shapes": {t.name: [list(s) for s in optimization.get_shape(t.name)] for t in inputs},
+        }
+    start = time.perf_counter()
+    plan = builder.build_serialized_network(network, config)
+    seconds = time.perf_counter() - start
+    errors = logger.errors()
+    if plan is None or errors:
+        raise BuildError(f"TensorRT build of {onnx_path} failed: {errors or 'no engine returned'}")
+    data = bytes(plan)
+    record = {
+        "builder": trt.flavor,
+        "builder_version": trt.version,
+        "onnx": onnx_path.name,
+        "engine_bytes": len(data),
+        "build_seconds": round(seconds, 3),
+        "layers": network.num_layers,
+        "profiles": recorded,
+        "plugin_layers": plugins,
+        "plan_records": {op: op.encode() in data for op in ("TreeAttention", "AllReduce", "AllGather")},
+        "log": [f"{level}: {message}" for level, message in logger.messages if level != "VERBOSE"][-200:],
+    }
+    return data, record
