@@ -102,8 +102,8 @@ def load_engine_dir(path: Path) -> EngineDir:
     config = json.loads(config_path.read_text())
     if config.get("schema_version") != ENGINE_SCHEMA:
         raise ValueError(
-            f"{config_path}: schema_version {config.get('schema_version')} is not supported (expected {ENGINE_SCHEMA}); "
-            "rebuild the engines with this version of build-engine"
+            f"{config_path}: schema_version {config.get('schema_version')} is not supported "
+            f"(expected {ENGINE_SCHEMA}); rebuild the engines with this version of build-engine"
         )
     for key in ("pretrained_config", "spec", "build_config", "mapping", "profiles"):
         if key not in config:
