@@ -97,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"build-engine: error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from builder.trt_build import BuildError
+
+        if not isinstance(err, BuildError):
+            raise
+        print(f"build-engine: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

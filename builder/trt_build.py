@@ -33,9 +33,24 @@ def make_logger(trt, verbose: bool = False):
     return CapturingLogger()
 
 
+def check_plugin_creators(trt: TensorRT, onnx_path: Path) -> None:
+    """Every custom-domain node needs a registered creator; say which one is missing before TensorRT parses."""
+    import onnx
+
+    registry = trt.module.get_plugin_registry()
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    for op in sorted({(n.domain, n.op_type) for n in graph.node if n.domain not in ("", "ai.onnx")}):
+        if registry.get_creator(op[1], "1", op[0]) is None:
+            raise BuildError(
+                f"no TensorRT plugin creator is registered for {op[0]}::{op[1]} (version 1), used by {onnx_path}; "
+                "plugins.trt_base.register_plugins() registers the ddtree ops"
+            )
+
+
 def build_engine(trt: TensorRT, onnx_path: Path, inputs: list[TensorIO], profiles: list[Profile]) -> tuple[bytes, dict]:
     """Returns (plan bytes, build record). Profile i of the engine is `profiles[i]`."""
     rt = trt.module
+    check_plugin_creators(trt, onnx_path)
     logger = make_logger(rt)
     builder = rt.Builder(logger)
     network = builder.create_network(1 << int(rt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))

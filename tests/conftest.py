@@ -48,3 +48,35 @@ def copy_checkpoint(src: Path, dst: Path, config_update: dict | None = None) -> 
         config.update(config_update)
         (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+ENGINE_LIMITS = {"max_input_len": 64, "max_seq_len": 512}
+
+
+@pytest.fixture(scope="session")
+def demo_engine(demo_ckpt, tmp_path_factory):
+    """Built engine directories (TensorRT-RTX plans + ONNX + checkpoint) by tp_size, made on first use."""
+    from builder.build import build_engines
+    from engines.spec import BuildConfig, SpecConfig
+
+    made: dict[int, Path] = {}
+
+    def get(tp_size: int) -> Path:
+        if tp_size not in made:
+            out = tmp_path_factory.mktemp(f"engine-tp{tp_size}") / "engine"
+            build_engines(demo_ckpt(tp_size), out, SpecConfig(8, 32), BuildConfig(**ENGINE_LIMITS))
+            made[tp_size] = out
+        return made[tp_size]
+
+    return get
+
+
+def mpirun(np: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Launches `python args...` on np ranks with the venv's MPI launcher."""
+    import subprocess
+    import sys
+
+    launcher = Path(sys.executable).parent / "mpirun"
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.run([str(launcher), "-np", str(np), sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=Path(__file__).resolve().parents[1])  # fmt: skip

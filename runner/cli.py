@@ -1,0 +1,191 @@
+"""`mpirun -np N python -m runner ...`: DDTree speculative generation from an engine directory.
+
+Flags follow TensorRT-LLM's examples/run.py (--engine_dir, --tokenizer_dir, --input_text, --max_output_len, ...).
+Every rank runs this; rank 0 owns the tokenizer, sampling, tree building, acceptance and the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("ddtree.runner")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m runner", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine_dir", type=Path, required=True)
+    parser.add_argument("--tokenizer_dir", type=Path, default=None, help="default: ENGINE_DIR/tokenizer")
+    parser.add_argument("--input_text", action="append", default=[], help="a prompt; repeat for several")
+    parser.add_argument("--input_file", type=Path, default=None, help="a text file, one prompt per line")
+    parser.add_argument("--max_output_len", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=0)
+    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--seed", "--random_seed", dest="seed", type=int, default=0)
+    parser.add_argument("--end_id", type=int, default=None, help="default: the model's eos_token_id")
+    parser.add_argument("--streaming", action="store_true", help="print text as tokens are accepted")
+    parser.add_argument("--backend", choices=["trt", "ort", "torch"], default=None,
+                        help="trt where TensorRT and a GPU exist, else ort")  # fmt: skip
+    parser.add_argument("--ddtree_budget", type=int, default=None, help="tree nodes per step (must fit the engine)")
+    parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap")
+    parser.add_argument("--autoregressive", action="store_true", help="baseline: no drafter, one token per step")
+    parser.add_argument("--output_json", type=Path, default=None, help="write token ids and stats (rank 0)")
+    parser.add_argument("--log_level", default="warning", choices=["error", "warning", "info", "debug"])
+    return parser
+
+
+def load_prompts(args, parser) -> list[str]:
+    prompts = list(args.input_text)
+    if args.input_file is not None:
+        if not args.input_file.is_file():
+            parser.error(f"--input_file {args.input_file} does not exist")
+        prompts += [line for line in args.input_file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        parser.error("give at least one prompt with --input_text or --input_file")
+    return prompts
+
+
+def load_tokenizer(path: Path, vocab_size: int):
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"tokenizer_dir {path} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(file))
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(
+            f"the tokenizer in {path} has {tokenizer.get_vocab_size()} ids but the engine's vocab_size is {vocab_size}"
+        )
+    return tokenizer
+
+
+class TextStream:
+    """Incremental detokenisation: prints the new text of the growing token list (holds back a partial char)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.tokens, self.printed = tokenizer, out, [], 0
+
+    def __call__(self, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed :])
+        self.out.flush()
+        self.printed = len(text)
+
+
+def prepare(args, parser, comm):
+    """Every check that needs no collective, on every rank; returns (engine, prompts, tokenizer or None, spec)."""
+    from engines.engine_dir import load_engine_dir
+    from engines.spec import SpecConfig
+    from runner.backends import default_backend
+
+    engine = load_engine_dir(args.engine_dir)
+    engine.check_world_size(comm.Get_size())
+    args.backend = args.backend or default_backend()
+    engine.check_files(args.backend)
+    base = engine.spec
+    spec = SpecConfig(base.block_size, args.ddtree_budget or base.budget, args.max_topk or base.max_topk)
+    if comm.Get_rank() != 0:
+        return engine, [], None, spec
+    from runner.sampling import SamplingParams
+    from runner.speculate import check_request
+
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validates
+    target = engine.config["pretrained_config"]["target"]
+    tokenizer = load_tokenizer(args.tokenizer_dir or engine.tokenizer_dir, target["vocab_size"])
+    build = engine.build_config
+    prompts = [tokenizer.encode(text).ids for text in load_prompts(args, parser)]
+    for i, ids in enumerate(prompts):
+        try:
+            check_request(len(ids), args.max_output_len, build.max_input_len, build.max_seq_len, spec.block_size)
+        except ValueError as err:
+            raise ValueError(f"prompt {i}: {err}") from None
+    return engine, prompts, tokenizer, spec
+
+
+def generate_all(args, ranks, prompts, tokenizer, spec, end_ids) -> list[dict]:
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate, generate_autoregressive
+
+    results = []
+    for i, prompt in enumerate(prompts):
+        sampler = Sampler(SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i))
+        if args.streaming:
+            print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n", end="", flush=True)
+        stream = TextStream(tokenizer) if args.streaming else None
+        if args.autoregressive:
+            result = generate_autoregressive(ranks, prompt, args.max_output_len, sampler, end_ids)
+            if stream:
+                stream(result.tokens)
+        else:
+            result = generate(ranks, prompt, args.max_output_len, spec, sampler, end_ids, on_tokens=stream)
+        text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+        if not args.streaming:
+            print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n{text}")
+        else:
+            print()
+        print(format_stats(result, "autoregressive" if args.autoregressive else f"budget={spec.budget}"), flush=True)
+        results.append({"prompt_ids": prompt, "output_ids": result.tokens, "text": text,
+                        "accept_lengths": result.accept_lengths, "target_forwards": result.target_forwards,
+                        "seconds": result.seconds, "elapsed": result.elapsed})  # fmt: skip
+    return results
+
+
+def format_stats(result, label: str) -> str:
+    tokens, elapsed = len(result.tokens), result.elapsed
+    phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
+    mean = f", mean acceptance length {result.mean_accept_length:.2f}" if result.accept_lengths else ""
+    return (f"[stats {label}] {tokens} tokens, {result.target_forwards} target forwards "
+            f"({result.tokens_per_target_forward:.2f} tokens/forward){mean}, {tokens / elapsed:.1f} tokens/s; "
+            f"time: {phases}")  # fmt: skip
+
+
+def main_on_rank(comm, argv=None) -> int:
+    from runner.mpi import MpiRanks, setup_logging, worker_loop
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    rank = comm.Get_rank()
+    setup_logging(rank, args.log_level)
+    try:
+        engine, prompts, tokenizer, spec = prepare(args, parser, comm)
+        problem = None
+    except (ValueError, FileNotFoundError) as err:
+        engine = prompts = tokenizer = spec = None
+        problem = str(err)
+    problems = comm.allgather(problem)  # every rank learns whether any rank cannot start
+    if any(problems):
+        if rank == 0:
+            for r, message in enumerate(problems):
+                if message and (r == 0 or message != problems[0]):
+                    print(f"error{'' if r == 0 else f' on rank {r}'}: {message}", file=sys.stderr)
+        return 2
+    from runner.backends import rank_worker
+
+    worker = rank_worker(engine, args.backend, rank, comm, spec)
+    if rank != 0:
+        worker_loop(worker, comm)
+        return 0
+    ranks = MpiRanks(worker, comm)
+    try:
+        target = engine.config["pretrained_config"]["target"]
+        end_id = args.end_id if args.end_id is not None else target.get("eos_token_id")
+        results = generate_all(args, ranks, prompts, tokenizer, spec, {end_id} if end_id is not None else set())
+    finally:
+        ranks.close()
+    if args.output_json:
+        args.output_json.write_text(json.dumps({"backend": args.backend, "world_size": comm.Get_size(),
+                                                "spec": spec.to_dict(), "results": results}, indent=1))  # fmt: skip
+    return 0
+
+
+def main(argv=None) -> int:
+    from runner.mpi import run_on_all_ranks
+
+    return run_on_all_ranks(lambda comm: main_on_rank(comm, argv))

@@ -1,0 +1,95 @@
+"""MPI discipline: every rank runs the same entry point; rank 0 drives, the others execute what it broadcasts.
+
+- `MpiRanks` (rank 0): each call is broadcast, then run locally; the engines' own collectives pair the ranks up.
+- `worker_loop` (ranks > 0): receive a call, run it, until "stop".
+- `run_on_all_ranks`: an exception on any rank prints its traceback once, rank-prefixed, and aborts the whole job
+  (`COMM_WORLD.Abort`), so mpirun exits non-zero promptly instead of hanging in a collective.
+- `MpiCollectives`: all-reduce / all-gather of CPU tensors through mpi4py (the torch backend on CPUs).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from runner.ranks import Ranks
+
+STOP = "stop"
+
+
+def comm_world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def setup_logging(rank: int, level: str = "INFO") -> None:
+    logging.basicConfig(level=level.upper(), format=f"[rank {rank}] %(message)s", stream=sys.stderr, force=True)
+
+
+class MpiRanks(Ranks):
+    def __init__(self, worker, comm):
+        self.worker, self.comm = worker, comm
+
+    def call(self, method: str, *args):
+        self.comm.bcast((method, args), root=0)
+        return getattr(self.worker, method)(*args)
+
+    def close(self) -> None:
+        self.comm.bcast((STOP, ()), root=0)
+
+
+def worker_loop(worker, comm) -> None:
+    while True:
+        method, args = comm.bcast(None, root=0)
+        if method == STOP:
+            return
+        getattr(worker, method)(*args)
+
+
+def run_on_all_ranks(main: Callable[[object], int]) -> int:
+    """Runs main(comm) on this rank; any exception aborts every rank after printing its traceback once."""
+    comm = comm_world()
+    try:
+        return main(comm)
+    except SystemExit:
+        raise
+    except BaseException:
+        rank = comm.Get_rank()
+        text = "".join(traceback.format_exc())
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
+        sys.stderr.write(f"[rank {rank}] aborting all {comm.Get_size()} ranks\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+        return 1
+
+
+class MpiCollectives:
+    """Collectives of the torch backend on CPU ranks (float tensors, through numpy buffers)."""
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self.comm, self.sum, self.world_size = comm, MPI.SUM, comm.Get_size()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = np.ascontiguousarray(x.detach().cpu().numpy()).copy()
+        self.comm.Allreduce(self._in_place(), buffer, op=self.sum)
+        return torch.from_numpy(buffer)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        local = np.ascontiguousarray(x.detach().cpu().numpy())
+        gathered = np.empty((self.world_size, *local.shape), dtype=local.dtype)
+        self.comm.Allgather(local, gathered)
+        return torch.from_numpy(np.moveaxis(gathered, 0, -2).reshape(*local.shape[:-1], -1).copy())
+
+    @staticmethod
+    def _in_place():
+        from mpi4py import MPI
+
+        return MPI.IN_PLACE

@@ -1,0 +1,122 @@
+"""The builder: TensorRT-RTX engines on the CPU with the plugin and named profiles; ONNX == torch everywhere."""
+
+import json
+import re
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from builder.cli import main as cli_main
+from builder.trt_backend import import_tensorrt
+from builder.trt_build import BuildError, build_engine
+from engines.engine_dir import load_engine_dir
+from engines.io import TensorIO
+from engines.spec import BuildConfig, Profile, SpecConfig, check_runtime_spec, derive_profiles
+from tests.conftest import mpirun
+
+
+def test_tp8_engines_record_the_plugin_and_both_token_counts(demo_engine):
+    engine = load_engine_dir(demo_engine(8))
+    assert engine.tp_size == 8 and engine.config["engines"]["builder"] == "tensorrt_rtx"
+    for rank in range(8):
+        target, draft = engine.build_info(rank, "target"), engine.build_info(rank, "draft")
+        for role in ("target", "draft"):
+            plan = engine.engine_path(rank, role).read_bytes()
+            assert len(plan) > 100_000
+            assert b"AllReduce" in plan and b"AllGather" in plan
+        assert b"TreeAttention" in engine.engine_path(rank, "target").read_bytes()
+        assert sum(name.endswith("TreeAttention") for name in target["plugin_layers"]) == 4  # one per layer
+        # the profiles as TensorRT's IOptimizationProfile reports them
+        shapes = {name: p["shapes"]["input_ids"] for name, p in target["profiles"].items()}
+        assert shapes["verify_tree"] == [[33], [33], [33]]
+        assert shapes["verify_chain"] == [[8], [8], [8]]
+        assert shapes["decode"] == [[1], [1], [1]]
+        assert shapes["prefill"][0] == [1] and shapes["prefill"][2] == [64]
+        assert draft["profiles"]["draft"]["shapes"]["block_ids"] == [[8], [8], [8]]
+        fields = {p["op"]: p["fields"] for p in target["plugins"]}
+        assert fields["TreeAttention"]["latent_dim"] == 32 and fields["AllGather"]["world_size"] == 8
+    assert engine.config["profiles"]["verify_tree"]["dims"]["tokens"] == [33, 33, 33]
+
+
+def test_inspect_shows_profiles_and_plugins(demo_engine, capsys):
+    assert cli_main(["inspect", str(demo_engine(8))]) == 0
+    text = capsys.readouterr().out
+    assert "built by tensorrt_rtx" in text and "tp_size=8" in text
+    assert "profile 3 verify_tree: input_ids=[33]" in text
+    assert "profile 2 verify_chain: input_ids=[8]" in text
+    assert "plugin ddtree::TreeAttention x4 (recorded in plan)" in text
+    assert text.count("rank7/") == 2
+
+
+def test_onnx_matches_torch_in_process(demo_engine):
+    """TP=1, one process: every output at every profile shape."""
+    from builder.check_onnx import check_rank
+    from runner.mpi import comm_world
+
+    rows = check_rank(load_engine_dir(demo_engine(1)), 0, comm_world())
+    sizes = {(name, size) for name, size, _, _ in rows}
+    assert {("verify_chain", 8), ("verify_tree", 33), ("decode", 1), ("draft", 8)} <= sizes
+    assert len({size for name, size in sizes if name == "prefill"}) >= 2
+    assert max(error for *_, error in rows) < 1e-4
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tp_size", [2, 8])
+def test_onnx_matches_torch_under_mpirun(demo_engine, tp_size):
+    done = mpirun(tp_size, "-m", "builder.check_onnx", str(demo_engine(tp_size)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"verify_tree +33 tokens +logits", done.stdout) and "OK: 26/26" in done.stdout
+
+
+def test_profiles_must_hold_the_spec(demo_ckpt, tmp_path, capsys):
+    with pytest.raises(ValueError, match="budget=32 needs a 33-token verify_tree profile; got max_num_tokens=8"):
+        derive_profiles(SpecConfig(8, 32), BuildConfig(max_num_tokens=8))
+    args = ["build", "--checkpoint_dir", str(demo_ckpt(2)), "--output_dir", str(tmp_path / "e"),
+            "--ddtree_budget", "32", "--max_num_tokens", "8"]  # fmt: skip
+    assert cli_main(args) == 2
+    assert "budget=32 needs a 33-token verify_tree profile; got max_num_tokens=8" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+    profiles = derive_profiles(SpecConfig(8, 32), BuildConfig())
+    with pytest.raises(ValueError, match="budget=64 needs a 65-token verify_tree profile; got 33"):
+        check_runtime_spec(SpecConfig(8, 64), profiles)
+    check_runtime_spec(SpecConfig(8, 4), profiles)  # a smaller tree fits the chain profile, padded
+    with pytest.raises(ValueError, match="max_batch_size=4 is not supported"):
+        BuildConfig(max_batch_size=4)
+
+
+def test_one_shot_build_rejects_non_dividing_tp(demo_hf, tmp_path, capsys):
+    args = ["--model_dir", str(demo_hf / "kimi-k2-tiny"), "--draft_model_dir", str(demo_hf / "kimi-k2-tiny-dflash"),
+            "--tp_size", "3", "--output_dir", str(tmp_path / "e")]  # fmt: skip
+    assert cli_main(args) == 2
+    assert "tp_size=3 must divide num_attention_heads=8 (8 % 3 = 2)" in capsys.readouterr().err
+
+
+def test_missing_plugin_creator_is_named(tmp_path):
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="ddtree")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])])  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ddtree", 1)])
+    onnx.save(model, str(tmp_path / "g.onnx"))
+    profile = Profile("p", "target", {"n": (1, 2, 4)})
+    with pytest.raises(
+        BuildError, match=r"no TensorRT plugin creator is registered for ddtree::NoSuchOp \(version 1\)"
+    ):
+        build_engine(import_tensorrt(), tmp_path / "g.onnx", [TensorIO("x", "float32", ("n", 4))], [profile])
+
+
+def test_build_refuses_a_non_empty_output_dir(demo_ckpt, tmp_path, capsys):
+    out = tmp_path / "e"
+    out.mkdir()
+    (out / "mine").write_text("keep")
+    assert cli_main(["build", "--checkpoint_dir", str(demo_ckpt(2)), "--output_dir", str(out)]) == 2
+    assert "not empty; pass --force" in capsys.readouterr().err and (out / "mine").read_text() == "keep"
+
+
+def test_exported_graphs_name_every_dynamic_dim(demo_engine):
+    graph = onnx.load(str(load_engine_dir(demo_engine(2)).onnx_path(1, "target")), load_external_data=False).graph
+    dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in graph.input}
+    assert dims["input_ids"] == ["tokens"] and dims["tree_mask"] == ["tokens", "tokens"]
+    assert dims["latent_cache"] == [4, "cache_capacity", 40] and dims["logit_indices"] == ["logits"]
+    record = json.loads((demo_engine(2) / "rank1" / "target.build.json").read_text())
+    assert record["plan_records"]["TreeAttention"]
