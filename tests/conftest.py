@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,9 +75,6 @@ def demo_engine(demo_ckpt, tmp_path_factory):
 
 def mpirun(np: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Launches `python args...` on np ranks with the venv's MPI launcher."""
-    import subprocess
-    import sys
-
     launcher = Path(sys.executable).parent / "mpirun"
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return subprocess.run([str(launcher), "-np", str(np), sys.executable, *args], capture_output=True, text=True,
