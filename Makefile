@@ -4,6 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ddtree-installed
 DEMO := out/demo
+ENGINE := engines/demo
 TP ?= 8
 NP ?= $(TP)
 MPIRUN := $(VENV)/bin/mpirun
@@ -31,9 +32,11 @@ test: lint
 
 demo: $(STAMP)
 	$(PY) -m builder.demo_checkpoints $(DEMO)/hf --force
-	$(VENV)/bin/build-engine convert --model_dir $(DEMO)/hf/kimi-k2-tiny --draft_model_dir $(DEMO)/hf/kimi-k2-tiny-dflash \
-		--output_dir $(DEMO)/ckpt-tp$(TP) --tp_size $(TP) --force
-	@echo "demo: converted TP-$(TP) checkpoint in $(DEMO)/ckpt-tp$(TP). Next (not built yet): ONNX export and TensorRT engines, then mpirun -np $(TP) generation."
+	$(VENV)/bin/build-engine --model_dir $(DEMO)/hf/kimi-k2-tiny --draft_model_dir $(DEMO)/hf/kimi-k2-tiny-dflash \
+		--tp_size $(TP) --output_dir $(ENGINE) --max_input_len 128 --max_seq_len 512 --ddtree_budget 32 --force
+	$(VENV)/bin/build-engine inspect $(ENGINE) | head -12
+	$(MPIRUN) -np $(NP) $(PY) -m runner --engine_dir $(ENGINE) --backend ort --streaming --max_output_len 48 \
+		--input_text "Speculative decoding drafts a block of tokens" --input_text "Hello world! How are you today?"
 
 clean:
-	rm -rf out
+	rm -rf out $(ENGINE)

@@ -82,7 +82,7 @@ class TextStream:
 def prepare(args, parser, comm):
     """Every check that needs no collective, on every rank; returns (engine, prompts, tokenizer or None, spec)."""
     from engines.engine_dir import load_engine_dir
-    from engines.spec import SpecConfig
+    from engines.spec import SpecConfig, check_runtime_spec
     from runner.backends import default_backend
 
     engine = load_engine_dir(args.engine_dir)
@@ -91,6 +91,7 @@ def prepare(args, parser, comm):
     engine.check_files(args.backend)
     base = engine.spec
     spec = SpecConfig(base.block_size, args.ddtree_budget or base.budget, args.max_topk or base.max_topk)
+    check_runtime_spec(spec, engine.profiles)
     if comm.Get_rank() != 0:
         return engine, [], None, spec
     from runner.sampling import SamplingParams

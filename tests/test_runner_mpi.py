@@ -1,0 +1,98 @@
+"""`mpirun -np N python -m runner` end to end with the ort backend: equal to the single-process reference."""
+
+import json
+import shutil
+
+import pytest
+
+from engines.spec import BuildConfig, SpecConfig
+from runner.cli import load_tokenizer
+from runner.sampling import Sampler, SamplingParams
+from runner.speculate import generate_autoregressive
+from runner.torch_engine import local_torch_engine
+from tests.conftest import ENGINE_LIMITS, mpirun
+
+PROMPTS = ["Hello world! Speculative decoding", "The quick brown fox jumps"]
+pytestmark = pytest.mark.mpi
+
+
+def run(np_, engine, tmp_path, *extra, prompts=PROMPTS, max_output_len=48):
+    out = tmp_path / f"out-{np_}-{len(list(tmp_path.iterdir()))}.json"
+    args = ["-m", "runner", "--engine_dir", str(engine), "--backend", "ort", "--max_output_len", str(max_output_len),
+            "--output_json", str(out), *extra]  # fmt: skip
+    for prompt in prompts:
+        args += ["--input_text", prompt]
+    done = mpirun(np_, *args)
+    return done, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def reference(demo_ckpt, demo_engine):
+    """Single-process torch autoregressive greedy output (TP=1 checkpoint of the same model)."""
+    tokenizer = load_tokenizer(demo_engine(2) / "tokenizer", 512)
+    engine = local_torch_engine(demo_ckpt(1), SpecConfig(8, 32), BuildConfig(**ENGINE_LIMITS))
+    outputs = []
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt).ids
+        result = generate_autoregressive(engine, ids, 48, Sampler(SamplingParams()), end_ids={481})
+        outputs.append(result.tokens)
+    engine.close()
+    return outputs
+
+
+@pytest.mark.parametrize("np_", [8, 2])
+def test_greedy_equals_single_process_reference(demo_engine, reference, tmp_path, np_):
+    done, out = run(np_, demo_engine(np_), tmp_path, "--streaming")
+    assert done.returncode == 0, done.stderr
+    assert out["world_size"] == np_ and out["backend"] == "ort"
+    assert [r["output_ids"] for r in out["results"]] == reference
+    assert "[stats budget=32]" in done.stdout and "mean acceptance length" in done.stdout
+    assert "tokens/s; time: prefill" in done.stdout and "verify" in done.stdout
+    assert done.stdout.count("--- prompt") == 2
+
+
+def test_sampling_is_reproducible_with_a_seed(demo_engine, tmp_path):
+    sampled = ["--temperature", "0.8", "--top_p", "0.95", "--seed", "7"]
+    first = run(2, demo_engine(2), tmp_path, *sampled, prompts=PROMPTS[:1], max_output_len=24)[1]
+    second = run(2, demo_engine(2), tmp_path, *sampled, prompts=PROMPTS[:1], max_output_len=24)[1]
+    other = run(2, demo_engine(2), tmp_path, *sampled[:-1], "8", prompts=PROMPTS[:1], max_output_len=24)[1]
+    assert first["results"][0]["output_ids"] == second["results"][0]["output_ids"]
+    assert first["results"][0]["output_ids"] != other["results"][0]["output_ids"]
+
+
+def test_a_failing_rank_aborts_the_job(demo_engine, tmp_path):
+    broken = shutil.copytree(demo_engine(2), tmp_path / "broken")
+    (broken / "rank1" / "target.onnx").write_bytes(b"not an onnx graph")
+    done, _ = run(2, broken, tmp_path)
+    assert done.returncode != 0
+    assert "[rank 1] Traceback" in done.stderr and "aborting all 2 ranks" in done.stderr
+    assert done.stderr.count("Traceback") == 1
+
+
+def test_missing_rank_file_is_a_clear_error(demo_engine, tmp_path):
+    broken = shutil.copytree(demo_engine(2), tmp_path / "incomplete")
+    (broken / "rank1" / "draft.onnx").unlink()
+    done, out = run(2, broken, tmp_path)
+    assert done.returncode == 2 and out is None
+    assert "incomplete for backend 'ort': missing rank1/draft.onnx" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_bad_requests_are_refused_before_any_output(demo_engine, tmp_path):
+    long_prompt = "Hello world! " * 40
+    done, out = run(2, demo_engine(2), tmp_path, prompts=[PROMPTS[0], long_prompt])
+    assert done.returncode == 2 and out is None and "--- prompt" not in done.stdout
+    assert "prompt 1: prompt of" in done.stderr and "longer than the engine's max_input_len=64" in done.stderr
+    done, _ = run(2, demo_engine(2), tmp_path, max_output_len=500)
+    assert done.returncode == 2 and "exceeds the engine's max_seq_len=512" in done.stderr
+    done, _ = run(1, demo_engine(2), tmp_path)
+    assert done.returncode == 2 and "built for tp_size=2; this job has world size 1" in done.stderr
+    done, _ = run(2, tmp_path / "nowhere", tmp_path)
+    assert done.returncode == 2 and "does not exist" in done.stderr
+    done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "64")
+    assert done.returncode == 2 and "budget=64 needs a 65-token verify_tree profile; got 33" in done.stderr
+
+
+def test_tokenizer_larger_than_the_vocab_is_refused(demo_engine):
+    with pytest.raises(ValueError, match="has 512 ids but the engine's vocab_size is 256"):
+        load_tokenizer(demo_engine(2) / "tokenizer", 256)
