@@ -1,0 +1,183 @@
+"""TreeAttention on the GPU, in one run: ceilings, correctness, CUDA-graph safety, timings vs floor and vs SDPA.
+
+    PYTHONPATH=. python3 benchmarks/tree_attention_gpu.py OUT_DIR [--variants]
+
+1. Ceilings measured in this run: device-to-device copy bandwidth (bytes read + written) and the bf16 matrix rate
+   (8192^3 product on random data); medians of repeats.
+2. Every shape T x H x S (plus odd sizes): fresh random bf16 inputs, the output poisoned with NaN before the run,
+   relative error against the torch reference in float64; the cache has spare capacity past its length.
+3. The kernel captured in a CUDA graph, then replayed after the cache length and the inputs change in place.
+4. Median time of the kernel (split + combine), the floor max(bytes / copy rate, flops / matmul rate), the ratio,
+   and the same for torch's scaled_dot_product_attention with an explicit boolean mask (keys pre-concatenated).
+Writes OUT_DIR/tree_attention.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from plugins.tree_attention.kernel import tree_attention_cuda
+from plugins.tree_attention.reference import tree_attention
+
+LATENT, ROPE = 512, 64
+SHAPES = [(t, h, s) for t in (1, 8, 33) for h in (8, 16) for s in (0, 1, 127, 4096, 32768, 131072)]
+ODD = [(5, 8, 1000), (33, 16, 77777), (17, 8, 4099), (65, 8, 2050)]
+TOLERANCE = 1e-2  # bf16 inputs and outputs, fp32 accumulation: expect ~3e-3
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 2 GiB of bf16
+    src, dst = torch.randn(n, dtype=torch.bfloat16, device="cuda"), torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    del src, dst, a, b
+    return {"copy_GBps": 2 * n * 2 / copy_ms / 1e6, "bf16_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def tree_mask(tokens: int, gen) -> torch.Tensor:
+    mask = torch.eye(tokens, dtype=torch.bool)
+    for node in range(1, tokens):
+        mask[node] |= mask[int(torch.randint(0, node, (1,), generator=gen))]
+    return mask.cuda()
+
+
+def inputs(tokens, heads, length, seed):
+    gen = torch.Generator().manual_seed(seed)
+    width = LATENT + ROPE
+    q = torch.randn(tokens, heads, width, generator=gen).to("cuda", torch.bfloat16)
+    cache = torch.randn(length + 37, width, generator=gen).to("cuda", torch.bfloat16)  # spare capacity
+    new_kv = torch.randn(tokens, width, generator=gen).to("cuda", torch.bfloat16)
+    return q, cache, torch.tensor([length], device="cuda"), new_kv, tree_mask(tokens, gen)
+
+
+def relative_error(out, q, cache, length, new_kv, mask, scale):
+    ref = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, scale, LATENT)
+    return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check(tokens, heads, length, scale) -> dict:
+    q, cache, length_t, new_kv, mask = inputs(tokens, heads, length, seed=tokens * 1000 + heads + length)
+    out = torch.full((tokens, heads, LATENT), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out)
+    torch.cuda.synchronize()
+    return {"nan": bool(out.isnan().any()), "rel_error": relative_error(out, q, cache, length_t, new_kv, mask, scale)}
+
+
+def graph_check(scale) -> dict:
+    """Capture at one cache length, replay after changing length and inputs in place."""
+    q, cache, length_t, new_kv, mask = inputs(33, 8, 3000, seed=7)
+    out = torch.empty(33, 8, LATENT, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out)  # warm-up / compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out)
+    errors = []
+    for length in (3000, 17, 2999, 0):
+        q2, cache2, _, new2, mask2 = inputs(33, 8, 3000, seed=length + 11)
+        q.copy_(q2), cache.copy_(cache2), new_kv.copy_(new2), mask.copy_(mask2), length_t.fill_(length)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        errors.append(relative_error(out, q, cache, length_t, new_kv, mask, scale))
+    return {"lengths": [3000, 17, 2999, 0], "rel_errors": errors}
+
+
+def floor_us(tokens, heads, length, ceil) -> tuple[float, float, float]:
+    width = LATENT + ROPE
+    bytes_moved = 2 * (length * width + tokens * width + tokens * heads * width + tokens * heads * LATENT)
+    flops = 2 * tokens * heads * (length + tokens) * (width + LATENT)
+    t_bytes = bytes_moved / (ceil["copy_GBps"] * 1e9) * 1e6
+    t_flops = flops / (ceil["bf16_TFLOPs"] * 1e12) * 1e6
+    return max(t_bytes, t_flops), bytes_moved, flops
+
+
+def time_shape(tokens, heads, length, scale, ceil, config=None) -> dict:
+    q, cache, length_t, new_kv, mask = inputs(tokens, heads, length, seed=1)
+    out = torch.empty(tokens, heads, LATENT, dtype=torch.bfloat16, device="cuda")
+    kwargs = config or {}
+    ours = triton.testing.do_bench(
+        lambda: tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out, **kwargs),
+        warmup=25, rep=200, return_mode="median") * 1e3  # fmt: skip
+    floor, bytes_moved, flops = floor_us(tokens, heads, length, ceil)
+    row = {"T": tokens, "H": heads, "S": length, "ours_us": ours, "floor_us": floor, "ratio": ours / floor,
+           "bytes": bytes_moved, "flops": flops}  # fmt: skip
+    keys = torch.cat((cache[:length], new_kv))[None, None]  # [1, 1, S + T, 576]
+    values = keys[..., :LATENT]
+    query = q.transpose(0, 1)[None]  # [1, H, T, 576]
+    visible = torch.cat((torch.ones(tokens, length, dtype=torch.bool, device="cuda"), mask), dim=1)
+    try:
+        sdpa = triton.testing.do_bench(
+            lambda: F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale,
+                                                   enable_gqa=True),
+            warmup=25, rep=200, return_mode="median") * 1e3  # fmt: skip
+        row.update(sdpa_us=sdpa, sdpa_ratio=sdpa / floor, speedup_vs_sdpa=sdpa / ours)
+    except RuntimeError as err:
+        row.update(sdpa_us=None, sdpa_error=str(err)[:200])
+    return row
+
+
+VARIANTS = [dict(block_m=64, block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (4, 8)
+            for st in (1, 2, 3)]  # fmt: skip
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    scale = (192**-0.5) * (0.1 * 4.1588830833596715 + 1.0) ** 2  # Kimi: qk 192, yarn mscale(64)^2
+    started = time.time()
+    ceil = ceilings()
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    variants = []
+    if "--variants" in sys.argv:
+        for config in VARIANTS:
+            try:
+                row = time_shape(33, 8, 32768, scale, ceil, config)
+                variants.append({**config, "ours_us": row["ours_us"], "ratio": row["ratio"]})
+                print(f"variant {config}: {row['ours_us']:.1f} us ({row['ratio']:.2f}x floor)", flush=True)
+            except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
+                variants.append({**config, "error": str(err)[:200]})
+                print(f"variant {config}: FAILED {str(err)[:120]}", flush=True)
+    checks = {f"{t}x{h}x{s}": check(t, h, s, scale) for t, h, s in SHAPES + ODD}
+    graph = graph_check(scale)
+    timings = [time_shape(t, h, s, scale, ceil) for t, h, s in SHAPES + ODD if s > 0]
+    worst = max(c["rel_error"] for c in checks.values())
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"), "ceilings": ceil, "checks": checks,
+              "graph": graph, "timings": timings, "variants": variants, "tolerance": TOLERANCE,
+              "seconds": time.time() - started}  # fmt: skip
+    (out_dir / "tree_attention.json").write_text(json.dumps(result, indent=1))
+    print(
+        f"\ncorrectness: {len(checks)} shapes, worst rel error {worst:.2e} (tolerance {TOLERANCE}), "
+        f"NaN: {any(c['nan'] for c in checks.values())}; graph replays: {[f'{e:.1e}' for e in graph['rel_errors']]}"
+    )
+    print("\n| T | H | S | ours (us) | floor (us) | ours/floor | SDPA (us) | SDPA/floor | speedup vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in timings:
+        sdpa = (
+            f"{r['sdpa_us']:.1f} | {r['sdpa_ratio']:.2f} | {r['speedup_vs_sdpa']:.2f}"
+            if r.get("sdpa_us")
+            else "n/a | | "
+        )
+        print(
+            f"| {r['T']} | {r['H']} | {r['S']} | {r['ours_us']:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | {sdpa} |"
+        )
+    ok = worst < TOLERANCE and not any(c["nan"] for c in checks.values()) and max(graph["rel_errors"]) < TOLERANCE
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""GPU TreeAttention (Triton): absorbed-MLA attention of T tree tokens x H heads over the committed latent cache and
+the tree's own new rows, split over the cache length so the GPU is full even at T = 33, H = 8.
+
+All T*H query rows share one key/value stream (MQA): keys are the 576-wide latent rows [c_kv | k_pe], values their
+first 512 columns, so each key block is loaded once and used for both products. Program (row tile, split) runs an
+online softmax over its slice of the cache (the slices are cut from the *device* cache length, so the launch needs
+no host sync and is safe under CUDA-graph capture); the program of the last split also visits the T new rows under
+the tree mask. A second kernel merges the splits' partial (max, sum, output) triples. fp32 accumulation throughout;
+a row that sees no key outputs zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q_lat, q_rope, k_ptr, k_stride, rows_k, key_ok, visible,
+                  offs_dl, offs_dr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr, qk_scale):  # fmt: skip
+    k_lat = tl.load(k_ptr + rows_k[:, None] * k_stride + offs_dl[None, :],
+                    mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)  # fmt: skip
+    k_rope = tl.load(k_ptr + rows_k[:, None] * k_stride + D_LAT + offs_dr[None, :],
+                     mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)  # fmt: skip
+    scores = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))  # [BLOCK_M, BLOCK_N] fp32
+    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_split(
+    q_ptr, cache_ptr, length_ptr, new_ptr, mask_ptr, part_out, part_m, part_l,
+    T, H, qk_scale, cache_stride, new_stride, num_splits,
+    D_LAT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    tile, split = tl.program_id(0), tl.program_id(1)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (token, head) query rows
+    row_ok = rows < T * H
+    token = rows // H
+    offs_dl, offs_dr = tl.arange(0, BLOCK_DL), tl.arange(0, BLOCK_DR)
+    q_row = q_ptr + rows[:, None] * (D_LAT + D_ROPE)
+    q_lat = tl.load(q_row + offs_dl[None, :], mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)
+    q_rope = tl.load(q_row + D_LAT + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)
+
+    length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)  # a 0-d scalar
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    stop = tl.minimum(start + chunk, length)
+    acc = tl.zeros((BLOCK_M, BLOCK_DL), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for block in range(start, stop, BLOCK_N):  # committed cache rows: visible to every query
+        keys = block + offs_n
+        key_ok = keys < stop
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q_lat, q_rope, cache_ptr, cache_stride, keys, key_ok,
+                                      row_ok[:, None] & key_ok[None, :], offs_dl, offs_dr, D_LAT, D_ROPE,
+                                      qk_scale)  # fmt: skip
+    if split == num_splits - 1:  # the tree's own rows, under the tree mask
+        for block in range(0, T, BLOCK_N):
+            keys = block + offs_n
+            key_ok = keys < T
+            allowed = tl.load(mask_ptr + token[:, None] * T + keys[None, :],
+                              mask=row_ok[:, None] & key_ok[None, :], other=0).to(tl.int1)  # fmt: skip
+            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q_lat, q_rope, new_ptr, new_stride, keys, key_ok, allowed,
+                                          offs_dl, offs_dr, D_LAT, D_ROPE, qk_scale)  # fmt: skip
+    base = split * T * H + rows
+    tl.store(part_m + base, m_i, mask=row_ok)
+    tl.store(part_l + base, l_i, mask=row_ok)
+    tl.store(part_out + base[:, None] * D_LAT + offs_dl[None, :], acc,
+             mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT))  # fmt: skip
+
+
+@triton.jit
+def _combine_splits(part_out, part_m, part_l, out_ptr, rows_total, num_splits,
+                    D_LAT: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    splits = tl.arange(0, BLOCK_S)
+    ok = splits < num_splits
+    m = tl.load(part_m + splits * rows_total + row, mask=ok, other=float("-inf"))
+    l = tl.load(part_l + splits * rows_total + row, mask=ok, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.where(ok, tl.exp2(m - m_safe), 0.0)
+    total = tl.sum(weight * l, axis=0)
+    offs = tl.arange(0, BLOCK_DL)
+    parts = tl.load(part_out + (splits[:, None] * rows_total + row) * D_LAT + offs[None, :],
+                    mask=ok[:, None] & (offs[None, :] < D_LAT), other=0.0)  # fmt: skip
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * D_LAT + offs, out.to(out_ptr.dtype.element_ty), mask=offs < D_LAT)
+
+
+def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int) -> int:
+    """Enough (row tile, split) programs to fill the GPU ~2 deep; never more splits than key blocks."""
+    tiles = triton.cdiv(rows, block_m)
+    wanted = max(1, (2 * sm_count) // tiles)
+    return max(1, min(wanted, triton.cdiv(max(capacity, 1), block_n), 256))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # TRITON_INTERPRET=1 on a CPU (tests)
+        return 4
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device.index]
+
+
+def tree_attention_cuda(q, cache, cache_length, new_kv, tree_mask, scale: float, latent_dim: int, out=None,
+                        stream=None, block_m: int = 64, block_n: int = 32, num_warps: int = 8,
+                        num_stages: int = 2):  # fmt: skip
+    """q [T, H, D], cache [S, D], cache_length [1] (int, on the device), new_kv [T, D], tree_mask [T, T] bool
+    -> [T, H, latent_dim], with D = latent_dim + rope dim; same contract as `reference.tree_attention`."""
+    tokens, heads, width = q.shape
+    rope = width - latent_dim
+    device = q.device
+    rows = tokens * heads
+    splits = num_splits_for(rows, cache.shape[0], block_m, block_n, _sm_count(device))
+    if cache.shape[0] == 0:  # nothing cached: any valid pointer will do, no cache row is read
+        cache = new_kv
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        if out is None:
+            out = torch.empty((tokens, heads, latent_dim), dtype=q.dtype, device=device)
+        part_out = torch.empty((splits, rows, latent_dim), dtype=torch.float32, device=device)
+        part_m = torch.empty((splits, rows), dtype=torch.float32, device=device)
+        part_l = torch.empty((splits, rows), dtype=torch.float32, device=device)
+        mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
+        block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
+        _tree_attention_split[(triton.cdiv(rows, block_m), splits)](
+            q.contiguous(), cache, cache_length, new_kv.contiguous(), mask, part_out, part_m, part_l,
+            tokens, heads, scale * LOG2E, cache.stride(0), new_kv.stride(0), splits,
+            D_LAT=latent_dim, D_ROPE=rope, BLOCK_DL=block_dl, BLOCK_DR=block_dr, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        _combine_splits[(rows,)](part_out, part_m, part_l, out, rows, splits, D_LAT=latent_dim, BLOCK_DL=block_dl,
+                                 BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)  # fmt: skip
+    return out
