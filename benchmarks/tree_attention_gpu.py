@@ -103,16 +103,34 @@ def floor_us(tokens, heads, length, ceil) -> tuple[float, float, float]:
     return max(t_bytes, t_flops), bytes_moved, flops
 
 
-def time_shape(tokens, heads, length, scale, ceil, config=None) -> dict:
+def graph_time_us(fn) -> float:
+    """Median time of `fn` captured in a CUDA graph (launch overhead excluded), 20 replays per sample."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(20):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3 / 20
+
+
+def time_shape(tokens, heads, length, scale, ceil, config=None, with_sdpa=True) -> dict:
     q, cache, length_t, new_kv, mask = inputs(tokens, heads, length, seed=1)
     out = torch.empty(tokens, heads, LATENT, dtype=torch.bfloat16, device="cuda")
     kwargs = config or {}
-    ours = triton.testing.do_bench(
-        lambda: tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out, **kwargs),
-        warmup=25, rep=200, return_mode="median") * 1e3  # fmt: skip
+
+    def run():
+        tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out, **kwargs)
+
+    ours = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3
+    graphed = graph_time_us(run)
     floor, bytes_moved, flops = floor_us(tokens, heads, length, ceil)
-    row = {"T": tokens, "H": heads, "S": length, "ours_us": ours, "floor_us": floor, "ratio": ours / floor,
-           "bytes": bytes_moved, "flops": flops}  # fmt: skip
+    row = {"T": tokens, "H": heads, "S": length, "ours_us": ours, "graph_us": graphed, "floor_us": floor,
+           "ratio": graphed / floor, "bytes": bytes_moved, "flops": flops}  # fmt: skip
+    if not with_sdpa:
+        return row
     keys = torch.cat((cache[:length], new_kv))[None, None]  # [1, 1, S + T, 576]
     values = keys[..., :LATENT]
     query = q.transpose(0, 1)[None]  # [1, H, T, 576]
@@ -122,14 +140,21 @@ def time_shape(tokens, heads, length, scale, ceil, config=None) -> dict:
             lambda: F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale,
                                                    enable_gqa=True),
             warmup=25, rep=200, return_mode="median") * 1e3  # fmt: skip
-        row.update(sdpa_us=sdpa, sdpa_ratio=sdpa / floor, speedup_vs_sdpa=sdpa / ours)
+        row.update(sdpa_us=sdpa, sdpa_ratio=sdpa / floor, speedup_vs_sdpa=sdpa / graphed)
     except RuntimeError as err:
         row.update(sdpa_us=None, sdpa_error=str(err)[:200])
     return row
 
 
-VARIANTS = [dict(block_m=64, block_n=bn, num_warps=w, num_stages=st) for bn in (32, 64) for w in (4, 8)
-            for st in (1, 2, 3)]  # fmt: skip
+VARIANTS = {  # shape -> tile configurations tried on it
+    (33, 8, 32768): [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, min_blocks=mb) for mb in (1, 4, 16)]
+    + [dict(block_m=64, block_n=32, num_warps=8, num_stages=3)],
+    (33, 8, 131072): [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, min_blocks=mb) for mb in (1, 4, 16)],
+    (1, 8, 131072): [
+        dict(block_m=16, block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)
+    ]
+    + [dict(block_m=64, block_n=64, num_warps=8, num_stages=2)],
+}
 
 
 def main() -> int:
@@ -141,14 +166,15 @@ def main() -> int:
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     variants = []
     if "--variants" in sys.argv:
-        for config in VARIANTS:
-            try:
-                row = time_shape(33, 8, 32768, scale, ceil, config)
-                variants.append({**config, "ours_us": row["ours_us"], "ratio": row["ratio"]})
-                print(f"variant {config}: {row['ours_us']:.1f} us ({row['ratio']:.2f}x floor)", flush=True)
-            except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
-                variants.append({**config, "error": str(err)[:200]})
-                print(f"variant {config}: FAILED {str(err)[:120]}", flush=True)
+        for shape, configs in VARIANTS.items():
+            for config in configs:
+                try:
+                    row = time_shape(*shape, scale, ceil, config, with_sdpa=False)
+                    variants.append({"shape": shape, **config, "graph_us": row["graph_us"], "ratio": row["ratio"]})
+                    print(f"variant {shape} {config}: {row['graph_us']:.1f} us ({row['ratio']:.2f}x floor)", flush=True)
+                except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
+                    variants.append({"shape": shape, **config, "error": str(err)[:200]})
+                    print(f"variant {shape} {config}: FAILED {str(err)[:120]}", flush=True)
     checks = {f"{t}x{h}x{s}": check(t, h, s, scale) for t, h, s in SHAPES + ODD}
     graph = graph_check(scale)
     timings = [time_shape(t, h, s, scale, ceil) for t, h, s in SHAPES + ODD if s > 0]
@@ -162,8 +188,11 @@ def main() -> int:
         f"\ncorrectness: {len(checks)} shapes, worst rel error {worst:.2e} (tolerance {TOLERANCE}), "
         f"NaN: {any(c['nan'] for c in checks.values())}; graph replays: {[f'{e:.1e}' for e in graph['rel_errors']]}"
     )
-    print("\n| T | H | S | ours (us) | floor (us) | ours/floor | SDPA (us) | SDPA/floor | speedup vs SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| T | H | S | ours, graph (us) | ours, eager (us) | floor (us) | ours/floor | SDPA (us) | SDPA/floor "
+        "| speedup vs SDPA |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in timings:
         sdpa = (
             f"{r['sdpa_us']:.1f} | {r['sdpa_ratio']:.2f} | {r['speedup_vs_sdpa']:.2f}"

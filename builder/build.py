@@ -25,7 +25,10 @@ log = logging.getLogger("ddtree.builder")
 
 def build_engines(checkpoint_dir: Path, output_dir: Path, spec: SpecConfig, build: BuildConfig,
                   force: bool = False, tensorrt: str | None = None) -> EngineDir:  # fmt: skip
-    """Exports and builds every rank's target and draft engines; config.json is written last."""
+    """Exports and builds every rank's target and draft engines; config.json is written last.
+
+    `tensorrt`: None picks full TensorRT, else TensorRT-RTX; "none" writes the ONNX graphs and the checkpoint
+    only (the ort and torch backends run from those; machines without TensorRT, like the lent H200s)."""
     from builder.export import custom_ops, export_rank
     from builder.trt_backend import import_tensorrt
     from builder.trt_build import build_engine
@@ -42,10 +45,12 @@ def build_engines(checkpoint_dir: Path, output_dir: Path, spec: SpecConfig, buil
     max_positions = min(checkpoint.target.max_position_embeddings, checkpoint.drafter.max_position_embeddings)
     if build.max_seq_len > max_positions:
         raise ValueError(f"max_seq_len={build.max_seq_len} exceeds the models' max_position_embeddings={max_positions}")
-    trt = import_tensorrt(tensorrt)
-    register_plugins(trt.module)
-    log.info("building %s: tp_size=%d dtype=%s spec=%s limits=%s with %s %s", output_dir, checkpoint.tp_size,
-             checkpoint.dtype, spec.to_dict(), build.to_dict(), trt.flavor, trt.version)  # fmt: skip
+    trt = None if tensorrt == "none" else import_tensorrt(tensorrt)
+    if trt is not None:
+        register_plugins(trt.module)
+    log.info("building %s: tp_size=%d dtype=%s spec=%s limits=%s with %s", output_dir, checkpoint.tp_size,
+             checkpoint.dtype, spec.to_dict(), build.to_dict(),
+             f"{trt.flavor} {trt.version}" if trt else "no TensorRT (ONNX only)")  # fmt: skip
     prepare_output_dir(output_dir, force, protect=(Path(checkpoint_dir),))
     _link_tree(Path(checkpoint_dir), output_dir / "checkpoint")
     if (Path(checkpoint_dir) / "tokenizer").is_dir():
@@ -55,7 +60,7 @@ def build_engines(checkpoint_dir: Path, output_dir: Path, spec: SpecConfig, buil
         rank_dir = output_dir / f"rank{rank}"
         graphs = export_rank(Path(checkpoint_dir), rank, profiles, rank_dir)
         target_cfg, drafter_cfg = checkpoint.rank_configs(rank)
-        for role in ROLES:
+        for role in ROLES if trt is not None else ():
             inputs, _ = role_io(role, target_cfg, drafter_cfg)
             role_profiles = [p for p in profiles.values() if p.role == role]
             plan, record = build_engine(trt, graphs[role], inputs, role_profiles)
@@ -74,7 +79,7 @@ def build_engines(checkpoint_dir: Path, output_dir: Path, spec: SpecConfig, buil
         "build_config": build.to_dict(),
         "mapping": checkpoint.to_dict()["mapping"],
         "profiles": {name: p.to_dict() for name, p in profiles.items()},
-        "engines": {"builder": trt.flavor, "builder_version": trt.version},
+        "engines": {"builder": trt.flavor if trt else "none", "builder_version": trt.version if trt else None},
     }
     (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     log.info("built %d ranks x %d roles in %.1f s", checkpoint.tp_size, len(ROLES), time.perf_counter() - start)
@@ -103,4 +108,5 @@ def build_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
                         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                         dtype=checkpoint.dtype)  # fmt: skip
     logging.getLogger("ddtree.builder").setLevel(args.log_level.upper() if args.log_level != "verbose" else "DEBUG")
-    return build_engines(args.checkpoint_dir, args.output_dir, spec, build, force=args.force)
+    tensorrt = "none" if args.no_tensorrt else None
+    return build_engines(args.checkpoint_dir, args.output_dir, spec, build, force=args.force, tensorrt=tensorrt)

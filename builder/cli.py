@@ -44,6 +44,11 @@ def _add_build_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block_size", type=int, default=None, help="draft block size (default: the drafter's)")
     parser.add_argument("--ddtree_budget", type=int, default=32, help="tree nodes verified per step (default 32)")
     parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap of the tree")
+    parser.add_argument(
+        "--no_tensorrt",
+        action="store_true",
+        help="write ONNX graphs + checkpoint only (ort/torch backends), no TensorRT engines",
+    )
     parser.add_argument("--log_level", default="info", choices=["error", "warning", "info", "verbose"])
 
 

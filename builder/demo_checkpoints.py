@@ -26,6 +26,7 @@ from builder.output_dir import prepare_output_dir
 from builder.tokenizer import SPECIAL_TOKENS, write_tokenizer
 from models.config import DrafterConfig, TargetConfig
 from models.layout import hf_drafter_specs, hf_target_specs
+from models.random_weights import random_state
 
 SEED = 20261130
 VOCAB_SIZE = 512
@@ -144,22 +145,8 @@ def drafter_hf_config() -> dict:
     }
 
 
-def _random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Scales chosen so activations stay O(1) and logits are peaked (std ~4): a random model that is not uniform."""
-    if name.endswith("e_score_correction_bias"):
-        return (torch.rand(shape, generator=gen) - 0.5) * 0.2
-    if len(shape) == 1:  # RMSNorm weights
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
-    if name.endswith("embed_tokens.weight"):
-        return torch.randn(shape, generator=gen)
-    if name == "lm_head.weight":
-        return torch.randn(shape, generator=gen) * (4.0 / shape[1] ** 0.5)
-    return torch.randn(shape, generator=gen) / shape[-1] ** 0.5
-
-
 def random_tensors(specs: dict, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {name: _random_weight(name, spec.shape, gen).contiguous() for name, spec in specs.items()}
+    return random_state({name: spec.shape for name, spec in specs.items()}, seed)
 
 
 def quantize_experts(tensors: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:

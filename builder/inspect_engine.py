@@ -34,6 +34,9 @@ def inspect_engine_dir(path: Path) -> str:
         for role in ROLES:
             info = engine.build_info(rank, role)
             plan = engine.engine_path(rank, role)
+            if config["engines"]["builder"] == "none":
+                lines.append(f"  rank{rank}/{role}: ONNX only (built with --no_tensorrt)")
+                continue
             if not info or not plan.is_file():
                 lines.append(f"  rank{rank}/{role}: NO ENGINE (missing {plan.name} or its build record)")
                 continue

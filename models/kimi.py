@@ -28,10 +28,12 @@ ATTENTION_FORMS = {"absorbed": AbsorbedMLA, "expanded": ExpandedMLA}
 
 @dataclass
 class ModelOps:
-    """The pluggable operators: tree attention (reference, ONNX op, GPU kernel) and the collectives."""
+    """The pluggable operators: tree attention (reference, ONNX op, GPU kernel), the collectives, and the MoE
+    form (gathered experts for export and CPUs, grouped GEMM on GPUs)."""
 
     tree_attention: Callable
     collectives: object
+    moe: type = MoE
 
 
 class DecoderLayer(nn.Module):
@@ -42,7 +44,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = attention_cls(config, layer_idx, ops.tree_attention)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
-            self.mlp = MoE(config, layer_idx)
+            self.mlp = ops.moe(config, layer_idx)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp)
         self.collectives = ops.collectives

@@ -51,6 +51,8 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """Token-choice MoE by gathering the chosen experts' slices (the exported form)."""
+
     def __init__(self, config: TargetConfig, layer_idx: int):
         super().__init__()
         experts, hidden = config.n_routed_experts, config.hidden_size
@@ -76,4 +78,33 @@ class MoE(nn.Module):
         act = F.silu(torch.einsum("th,tkwh->tkw", x, gate)) * torch.einsum("th,tkwh->tkw", x, up)
         routed = torch.einsum("tkw,tkhw->tkh", act, down)
         routed = (routed * weights.to(x.dtype)[..., None]).sum(dim=1)
+        return routed + self.shared_experts(x)
+
+
+class GroupedMoE(MoE):
+    """GPU form: the T*k (token, expert) pairs sorted by expert and run as one grouped GEMM per projection
+    (`torch._grouped_mm`, CUTLASS on Hopper), so each chosen expert's weights are read once per forward however
+    many tokens chose it. Static shapes (the group offsets live on the device), so CUDA graphs capture it.
+    bf16 only; the weights are the same parameters as `MoE`'s."""
+
+    def __init__(self, config: TargetConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        if not hasattr(torch, "_grouped_mm"):
+            raise RuntimeError(f"GroupedMoE needs torch._grouped_mm (torch >= 2.8), this torch is {torch.__version__}")
+        self.num_experts = config.n_routed_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)  # [T, k]
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // ids.shape[1]  # source token of each sorted pair
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
+        offsets = counts.cumsum(0).to(torch.int32)
+        rows = x.index_select(0, token)  # [T*k, hidden], grouped by expert
+        gate = torch._grouped_mm(rows, self.experts["gate_proj"].weight.transpose(1, 2), offs=offsets)
+        up = torch._grouped_mm(rows, self.experts["up_proj"].weight.transpose(1, 2), offs=offsets)
+        down = torch._grouped_mm(F.silu(gate) * up, self.experts["down_proj"].weight.transpose(1, 2), offs=offsets)
+        scaled = down * weights.reshape(-1).index_select(0, order).to(down.dtype)[:, None]
+        routed = torch.zeros_like(x).index_add_(0, token, scaled)
         return routed + self.shared_experts(x)

@@ -66,7 +66,6 @@ def _torch_session(engine: EngineDir, rank: int, comm, profiles, io):
 
     if torch.cuda.is_available():
         from plugins.tree_attention.kernel import tree_attention_cuda
-
         from runner.nccl import NcclCollectives
 
         device = torch.device("cuda", rank % torch.cuda.device_count())

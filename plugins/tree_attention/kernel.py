@@ -22,19 +22,21 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q_lat, q_rope, k_ptr, k_stride, rows_k, key_ok, visible,
-                  offs_dl, offs_dr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr, qk_scale):  # fmt: skip
+                  offs_dl, offs_dr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr, qk_scale,
+                  PRECISION: tl.constexpr):  # fmt: skip
     k_lat = tl.load(k_ptr + rows_k[:, None] * k_stride + offs_dl[None, :],
                     mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)  # fmt: skip
     k_rope = tl.load(k_ptr + rows_k[:, None] * k_stride + D_LAT + offs_dr[None, :],
                      mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)  # fmt: skip
-    scores = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_rope, tl.trans(k_rope))  # [BLOCK_M, BLOCK_N] fp32
+    scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION) + tl.dot(
+        q_rope, tl.trans(k_rope), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -43,7 +45,7 @@ def _tree_attention_split(
     q_ptr, cache_ptr, length_ptr, new_ptr, mask_ptr, part_out, part_m, part_l,
     T, H, qk_scale, cache_stride, new_stride, num_splits,
     D_LAT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     tile, split = tl.program_id(0), tl.program_id(1)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (token, head) query rows
@@ -67,7 +69,7 @@ def _tree_attention_split(
         key_ok = keys < stop
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q_lat, q_rope, cache_ptr, cache_stride, keys, key_ok,
                                       row_ok[:, None] & key_ok[None, :], offs_dl, offs_dr, D_LAT, D_ROPE,
-                                      qk_scale)  # fmt: skip
+                                      qk_scale, PRECISION)  # fmt: skip
     if split == num_splits - 1:  # the tree's own rows, under the tree mask
         for block in range(0, T, BLOCK_N):
             keys = block + offs_n
@@ -75,7 +77,7 @@ def _tree_attention_split(
             allowed = tl.load(mask_ptr + token[:, None] * T + keys[None, :],
                               mask=row_ok[:, None] & key_ok[None, :], other=0).to(tl.int1)  # fmt: skip
             acc, m_i, l_i = _attend_block(acc, m_i, l_i, q_lat, q_rope, new_ptr, new_stride, keys, key_ok, allowed,
-                                          offs_dl, offs_dr, D_LAT, D_ROPE, qk_scale)  # fmt: skip
+                                          offs_dl, offs_dr, D_LAT, D_ROPE, qk_scale, PRECISION)  # fmt: skip
     base = split * T * H + rows
     tl.store(part_m + base, m_i, mask=row_ok)
     tl.store(part_l + base, l_i, mask=row_ok)
@@ -102,11 +104,21 @@ def _combine_splits(part_out, part_m, part_l, out_ptr, rows_total, num_splits,
     tl.store(out_ptr + row * D_LAT + offs, out.to(out_ptr.dtype.element_ty), mask=offs < D_LAT)
 
 
-def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int) -> int:
-    """Enough (row tile, split) programs to fill the GPU ~2 deep; never more splits than key blocks."""
+def default_config(rows: int) -> dict:
+    """Tile shapes measured on the H200 (benchmarks/tree_attention_gpu.py): 64-row tiles (the wgmma M) with
+    64-key blocks for many query rows; 16-row tiles when at most 16 rows exist (T = 1 decode, T*H <= 16)."""
+    if rows <= 16:
+        return {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
+
+
+def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int,
+                   min_blocks: int = 4) -> int:  # fmt: skip
+    """Enough (row tile, split) programs to fill the GPU ~2 deep, each with at least `min_blocks` key blocks of
+    the cache *capacity* (the length is only known on the device)."""
     tiles = triton.cdiv(rows, block_m)
     wanted = max(1, (2 * sm_count) // tiles)
-    return max(1, min(wanted, triton.cdiv(max(capacity, 1), block_n), 256))
+    return max(1, min(wanted, triton.cdiv(max(capacity, 1), block_n * min_blocks), 256))
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -121,15 +133,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 def tree_attention_cuda(q, cache, cache_length, new_kv, tree_mask, scale: float, latent_dim: int, out=None,
-                        stream=None, block_m: int = 64, block_n: int = 32, num_warps: int = 8,
-                        num_stages: int = 2):  # fmt: skip
+                        stream=None, **config):  # fmt: skip
     """q [T, H, D], cache [S, D], cache_length [1] (int, on the device), new_kv [T, D], tree_mask [T, T] bool
     -> [T, H, latent_dim], with D = latent_dim + rope dim; same contract as `reference.tree_attention`."""
     tokens, heads, width = q.shape
     rope = width - latent_dim
     device = q.device
     rows = tokens * heads
-    splits = num_splits_for(rows, cache.shape[0], block_m, block_n, _sm_count(device))
+    config = {**default_config(rows), **config}
+    block_m, block_n = config["block_m"], config["block_n"]
+    splits = num_splits_for(rows, cache.shape[0], block_m, block_n, _sm_count(device), config.get("min_blocks", 4))
     if cache.shape[0] == 0:  # nothing cached: any valid pointer will do, no cache row is read
         cache = new_kv
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
@@ -144,7 +157,8 @@ def tree_attention_cuda(q, cache, cache_length, new_kv, tree_mask, scale: float,
             q.contiguous(), cache, cache_length, new_kv.contiguous(), mask, part_out, part_m, part_l,
             tokens, heads, scale * LOG2E, cache.stride(0), new_kv.stride(0), splits,
             D_LAT=latent_dim, D_ROPE=rope, BLOCK_DL=block_dl, BLOCK_DR=block_dr, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, num_stages=num_stages,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models stay exact; bf16 ignores it
+            num_warps=config["num_warps"], num_stages=config["num_stages"],
         )  # fmt: skip
         _combine_splits[(rows,)](part_out, part_m, part_l, out, rows, splits, D_LAT=latent_dim, BLOCK_DL=block_dl,
                                  BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)  # fmt: skip

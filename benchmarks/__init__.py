@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run in one device call each; their results go into BENCHMARKS.md."""

@@ -1,0 +1,55 @@
+"""Random weights with the scales of a trained model (activations O(1), peaked logits), for the demo checkpoints
+and for benchmarks that build models directly on a GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from models.rope import Rotary
+
+
+def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator, device="cpu",
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    def normal():
+        return torch.randn(shape, generator=gen, device=device)
+
+    if name.endswith("e_score_correction_bias"):
+        value = (torch.rand(shape, generator=gen, device=device) - 0.5) * 0.2
+    elif len(shape) == 1:  # RMSNorm weights
+        value = 1.0 + 0.1 * normal()
+    elif name.endswith("embed_tokens.weight"):
+        value = normal()
+    elif name.endswith("lm_head.weight"):
+        value = normal() * (4.0 / shape[1] ** 0.5)  # logits with std ~4: peaked, not uniform
+    else:
+        value = normal() / shape[-1] ** 0.5
+    return value.to(dtype).contiguous()
+
+
+def random_state(shapes: dict[str, tuple[int, ...]], seed: int, device="cpu", dtype=torch.float32) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return {name: random_weight(name, shape, gen, device, dtype) for name, shape in shapes.items()}
+
+
+def random_rank_models(target_cfg, drafter_cfg, ops, device, dtype: torch.dtype, seed: int = 0):
+    """One rank's target and drafter with random weights, built directly on `device`."""
+    from models.dflash import DFlashDrafter
+    from models.kimi import KimiTarget
+    from models.layout import rank_drafter_shapes, rank_target_shapes
+
+    with torch.device("meta"):
+        target = KimiTarget(target_cfg, drafter_cfg.target_layer_ids, ops)
+        drafter = DFlashDrafter(drafter_cfg, target_cfg, ops.collectives)
+    target_state = random_state(rank_target_shapes(target_cfg), seed, device, dtype)
+    target_state.update({k: v.float() for k, v in target_state.items() if "gate" in k and "proj" not in k})
+    target.load_state_dict(target_state, strict=True, assign=True)
+    drafter_state = random_state(rank_drafter_shapes(drafter_cfg), seed + 1, device, dtype)
+    drafter_state["embed_tokens.weight"] = target_state["model.embed_tokens.weight"]
+    drafter_state["lm_head.weight"] = target_state["lm_head.weight"]
+    drafter.load_state_dict(drafter_state, strict=True, assign=True)
+    for module in (target, drafter):
+        for sub in module.modules():
+            if isinstance(sub, Rotary):
+                sub.rebuild(device)
+        module.eval().requires_grad_(False)
+    return target, drafter

@@ -1,0 +1,68 @@
+"""The torch backend on a GPU: one CUDA graph per fixed-shape profile (draft, decode, verify_chain, verify_tree),
+captured on first use and replayed after copying each new input *into* its captured buffer (a graph ignores a fresh
+tensor). The caches are the runner's own tensors, captured in place. Prefill profiles run eagerly.
+
+With `record_gaps`, CUDA events around every replay measure how long the GPU waits for the host between graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runner.session import TorchSession
+from runner.trt_session import BOUND_IN_PLACE, graph_capturable
+
+
+class CudaGraphSession(TorchSession):
+    backend = "torch"
+
+    def __init__(self, target, drafter, profiles, io, device: torch.device, record_gaps: bool = False):
+        super().__init__(target, drafter, profiles, io)
+        self.device = device
+        self.graphs: dict[str, tuple] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = [] if record_gaps else None
+
+    @torch.no_grad()
+    def execute(self, profile, feeds):
+        if not graph_capturable(profile):
+            return super().execute(profile, feeds)
+        entry = self.graphs.get(profile.name)
+        if entry is None or any(entry[1][n].data_ptr() != feeds[n].data_ptr() for n in BOUND_IN_PLACE if n in feeds):
+            entry = self._capture(profile, feeds)
+        graph, inputs, outputs = entry
+        for name, value in feeds.items():
+            if name not in BOUND_IN_PLACE:
+                inputs[name].copy_(value, non_blocking=True)
+        if self.events is None:
+            graph.replay()
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            self.events.append((profile.name, start, end))
+        return outputs
+
+    def _capture(self, profile, feeds):
+        inputs = {n: (v if n in BOUND_IN_PLACE else v.clone()) for n, v in feeds.items()}
+        names = [t.name for t in self.io[profile.role][0]]
+        module = self.modules[profile.role]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: compiles kernels, allocates outside the graph
+            for _ in range(2):
+                module(*(inputs[n] for n in names))
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            results = module(*(inputs[n] for n in names))
+        outputs = {t.name: value for t, value in zip(self.io[profile.role][1], results)}
+        self.graphs[profile.name] = (graph, inputs, outputs)
+        return self.graphs[profile.name]
+
+    def host_gaps(self) -> list[float]:
+        """GPU idle time (seconds) between consecutive graph replays, in order."""
+        torch.cuda.synchronize(self.device)
+        events = self.events or []
+        return [events[i][2].elapsed_time(events[i + 1][1]) / 1e3 for i in range(len(events) - 1)]
