@@ -146,6 +146,11 @@ def layer_costs(ceilings: dict, device, dtype, smoke: bool) -> list[dict]:
                 cos, sin = rotary(torch.as_tensor(length + depths, device=device), dtype)
                 mask = tree_mask(tokens, device)
                 full, attn, mlp = time_layer(layer, x, cos, sin, mask, cache, cache_length, device, smoke)
+                moe_check = None
+                if kind == "moe" and not smoke:  # the grouped-GEMM MoE against the gathered (exported) form
+                    mlp_in = layer.post_attention_layernorm(x)
+                    grouped, gathered = layer.mlp(mlp_in).float(), MoE.forward(layer.mlp, mlp_in).float()
+                    moe_check = float((grouped - gathered).norm() / gathered.norm())
                 if kind == "moe":
                     ids = layer.mlp.gate(x)[0]
                     distinct = int(ids.unique().numel())
@@ -162,9 +167,10 @@ def layer_costs(ceilings: dict, device, dtype, smoke: bool) -> list[dict]:
                 rows.append({"layer": kind, "S": length, "T": tokens, "layer_us": full, "attention_us": attn,
                              "mlp_us": mlp, "bytes": total_bytes, "attention_bytes": attn_bytes + cache_bytes,
                              "mlp_bytes": mlp_bytes, "floor_us": floor, "ratio": full / floor,
-                             "distinct_experts": distinct})  # fmt: skip
+                             "distinct_experts": distinct, "grouped_vs_gathered_rel_error": moe_check})  # fmt: skip
                 print(f"{kind:5s} S={length:6d} T={tokens:2d}: layer {full:8.1f} us (attention {attn:7.1f}, mlp "
-                      f"{mlp:7.1f}), floor {floor:7.1f} us, {total_bytes / 1e6:7.1f} MB, distinct experts {distinct}",
+                      f"{mlp:7.1f}), floor {floor:7.1f} us, {total_bytes / 1e6:7.1f} MB, distinct experts {distinct}"
+                      f", grouped vs gathered MoE {moe_check}",
                       flush=True)  # fmt: skip
         if not smoke:
             torch.cuda.empty_cache()

@@ -1,6 +1,14 @@
-"""An oracle drafter for measuring the pipeline itself: the real drafter still runs (its time is real), but its
-logits are replaced by a peaked distribution on the target's known greedy continuation, so greedy DDTree accepts
-a whole block every step (accept length = block_size) and the measured speed is the best this runtime delivers."""
+"""An oracle for measuring the pipeline itself at full acceptance.
+
+The real drafter and the real verify forward both run (their time is real), but the drafter's logits are replaced
+by a peaked distribution on a known greedy continuation, and so are the target's verify logits along it. Greedy
+DDTree then accepts a whole block every step (accept length = block_size) and emits exactly that continuation.
+
+Why the verify logits too: in bf16 the target's argmax at a T=33 verify row and at the same position in a T=1
+decode differ now and then (different kernels and reduction orders; MoE top-k routing turns a rounding difference
+into a different expert set), so the autoregressive continuation stops being the target's own choice after a few
+tokens and an oracle built from it stops being accepted. Overriding the logits after the forward keeps the cost of
+every stage and removes that dependence; the tokens emitted are the autoregressive baseline's."""
 
 from __future__ import annotations
 
@@ -35,7 +43,13 @@ class OracleDraftRanks(Ranks):
         return oracle
 
     def verify(self, tokens, depths, mask):
-        return self.engine.verify(tokens, depths, mask)
+        logits = self.engine.verify(tokens, depths, mask)  # [rows, V], computed for real
+        start = self.committed - self.prompt_length + 1
+        agree = torch.zeros_like(logits)
+        # every node's row points at the continuation token one past its depth, so the walk follows the chain
+        wanted = [self.continuation[min(start + int(d), len(self.continuation) - 1)] for d in depths]
+        agree[torch.arange(len(wanted), device=logits.device), torch.tensor(wanted, device=logits.device)] = 1.0
+        return agree
 
     def commit(self, rows):
         self.engine.commit(rows)

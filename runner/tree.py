@@ -29,11 +29,13 @@ class Tree:
     def mask(self) -> np.ndarray:
         """[rows, rows] bool, ancestor-or-self visibility; padding rows and columns all False."""
         visible = np.zeros((self.rows, self.rows), dtype=bool)
-        for node in range(self.num_nodes):
-            parent = self.parents[node]
-            if parent >= 0:
-                visible[node] = visible[parent]
-            visible[node, node] = True
+        nodes = np.arange(self.num_nodes)
+        visible[nodes, nodes] = True
+        ancestor = self.parents[: self.num_nodes].copy()
+        while (ancestor >= 0).any():  # one pass per tree level, vectorised over nodes
+            live = ancestor >= 0
+            visible[nodes[live], ancestor[live]] = True
+            ancestor[live] = self.parents[ancestor[live]]
         return visible
 
     def positions(self, start: int) -> np.ndarray:

@@ -29,7 +29,8 @@ def _attend_block(acc, m_i, l_i, q_lat, q_rope, k_ptr, k_stride, rows_k, key_ok,
     k_rope = tl.load(k_ptr + rows_k[:, None] * k_stride + D_LAT + offs_dr[None, :],
                      mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)  # fmt: skip
     scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION) + tl.dot(
-        q_rope, tl.trans(k_rope), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        q_rope, tl.trans(k_rope), input_precision=PRECISION
+    )  # [BLOCK_M, BLOCK_N] fp32
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -108,7 +109,7 @@ def default_config(rows: int) -> dict:
     """Tile shapes measured on the H200 (benchmarks/tree_attention_gpu.py): 64-row tiles (the wgmma M) with
     64-key blocks for many query rows; 16-row tiles when at most 16 rows exist (T = 1 decode, T*H <= 16)."""
     if rows <= 16:
-        return {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 3}
+        return {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
     return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 
 
