@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ddtree-installed
+TRITON_VENV ?= .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.ddtree-installed
 DEMO := out/demo
 ENGINE := engines/demo
 TP ?= 8
@@ -12,9 +14,10 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv triton-venv serve clean
 
 venv: $(STAMP)
+triton-venv: $(TRITON_STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +26,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[build,run,test]'
 	touch $(STAMP)
 
+# Triton's own environment: nvidia-pytriton bundles tritonserver 2.51 and pins numpy<2.
+$(TRITON_STAMP):
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q nvidia-pytriton==0.7.0 'tritonclient[http,grpc]'
+	touch $(TRITON_STAMP)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
-	$(PY) -m pytest -q -ra tests
+test: lint $(TRITON_STAMP)
+	DDTREE_TRITON_VENV=$(TRITON_VENV) $(PY) -m pytest -q -ra tests
+
+# Serve the demo engines with a real tritonserver on 127.0.0.1:8000 (HTTP) / 8001 (gRPC); Ctrl-C stops everything.
+serve: $(STAMP) $(TRITON_STAMP)
+	$(PY) -m runner.triton_repo --engine_dir $(ENGINE) --output_dir out/triton/repo --force
+	$(PY) -m runner.triton_server --triton_venv $(TRITON_VENV) --model_repository out/triton/repo
 
 demo: $(STAMP)
 	$(PY) -m builder.demo_checkpoints $(DEMO)/hf --force

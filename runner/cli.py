@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap")
     parser.add_argument("--autoregressive", action="store_true", help="baseline: no drafter, one token per step")
     parser.add_argument("--output_json", type=Path, default=None, help="write token ids and stats (rank 0)")
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve JSON requests from stdin, one per line (the Triton model's protocol)",
+    )
     parser.add_argument("--log_level", default="warning", choices=["error", "warning", "info", "debug"])
     return parser
 
@@ -101,6 +106,8 @@ def prepare(args, parser, comm):
     target = engine.config["pretrained_config"]["target"]
     tokenizer = load_tokenizer(args.tokenizer_dir or engine.tokenizer_dir, target["vocab_size"])
     build = engine.build_config
+    if args.serve:
+        return engine, [], tokenizer, spec
     prompts = [tokenizer.encode(text).ids for text in load_prompts(args, parser)]
     for i, ids in enumerate(prompts):
         try:
@@ -174,6 +181,14 @@ def main_on_rank(comm, argv=None) -> int:
         worker_loop(worker, comm)
         return 0
     ranks = MpiRanks(worker, comm)
+    if args.serve:
+        from runner.serve import serve
+
+        try:
+            serve(ranks, tokenizer, engine, spec, args.backend)
+        finally:
+            ranks.close()
+        return 0
     try:
         target = engine.config["pretrained_config"]["target"]
         end_id = args.end_id if args.end_id is not None else target.get("eos_token_id")

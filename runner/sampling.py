@@ -45,10 +45,14 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 class Sampler:
-    """Rank 0's token chooser; its generator is the only source of randomness of a generation."""
+    """Rank 0's token chooser; its generator is the only source of randomness of a generation.
 
-    def __init__(self, params: SamplingParams):
+    `banned_tokens` (bad words) are removed from the target's distribution at every position before the choice,
+    so speculative output stays exactly the output of the target with those tokens banned."""
+
+    def __init__(self, params: SamplingParams, banned_tokens: tuple[int, ...] = ()):
         self.params = params
+        self.banned = list(banned_tokens)
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -58,6 +62,9 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor) -> list[int]:
         """[R, V] -> one token per row."""
+        if self.banned:
+            logits = logits.clone()
+            logits[:, self.banned] = float("-inf")
         if self.params.greedy:
             return logits.argmax(dim=-1).tolist()
         probs = sampling_probs(logits, self.params)

@@ -94,17 +94,21 @@ def check_request(
         )
 
 
-def _emit(tokens: list[int], new: list[int], max_new_tokens: int, end_ids: set[int]) -> tuple[list[int], bool]:
-    """Appends `new` up to the token budget and the first end id; returns (appended, finished)."""
-    taken = []
+def _emit(tokens: list[int], new: list[int], max_new_tokens: int, end_ids: set[int],
+          stop_sequences: tuple[tuple[int, ...], ...] = ()) -> tuple[list[int], bool]:  # fmt: skip
+    """Appends `new` up to the token budget, the first end id, or the end of a stop sequence;
+    returns (appended, finished)."""
+    taken, stopped = [], False
     for token in new:
         if len(tokens) + len(taken) >= max_new_tokens:
             break
         taken.append(token)
-        if token in end_ids:
+        tail = tokens + taken
+        if token in end_ids or any(seq and tuple(tail[-len(seq) :]) == seq for seq in stop_sequences):
+            stopped = True
             break
     tokens.extend(taken)
-    return taken, len(tokens) >= max_new_tokens or bool(taken and taken[-1] in end_ids)
+    return taken, stopped or len(tokens) >= max_new_tokens
 
 
 def generate(
@@ -115,22 +119,23 @@ def generate(
     sampler: Sampler,
     end_ids: set[int] = frozenset(),
     on_tokens: Callable[[list[int]], None] | None = None,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
 ) -> GenerationResult:
-    """Prefill, then speculative steps until max_new_tokens or an end token."""
+    """Prefill, then speculative steps until max_new_tokens, an end token or a stop sequence."""
     timer, start = PhaseTimer(), time.perf_counter()
     result = GenerationResult(prompt=list(prompt), tokens=[])
     engine.reset()
     with timer("prefill"):
         first = sampler.choose(engine.prefill(list(prompt)))
     result.target_forwards = 1
-    new, finished = _emit(result.tokens, first, max_new_tokens, end_ids)
+    new, finished = _emit(result.tokens, first, max_new_tokens, end_ids, stop_sequences)
     if on_tokens and new:
         on_tokens(new)
     while not finished:
         step = speculative_step(engine, spec, sampler, result.tokens[-1], timer)
         result.target_forwards += 1
         result.accept_lengths.append(step.accept_length)
-        new, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids)
+        new, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids, stop_sequences)
         if on_tokens and new:
             on_tokens(new)
     result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start

@@ -1,0 +1,107 @@
+"""Serving mode of the MPI runner: `mpirun -np N python -m runner --serve --engine_dir ...`.
+
+Rank 0 reads one JSON request per line on stdin and writes JSON events, one per line, on stdout; the Triton
+model (`runner/triton/model.py`) owns the job and speaks this protocol. Requests are served one at a time, in
+arrival order (queued, not batched: the engines run batch 1). A bad request gets an error event and the loop goes
+on; end of stdin stops every rank.
+
+    request  {"id": "r1", "text_input": "...", "max_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+              "seed": 0, "end_id": 481, "stop_words": ["..."], "bad_words": ["..."]}
+    events   {"event": "ready", "tp_size": 2, "backend": "ort", ...}
+             {"id": "r1", "event": "tokens", "text": "new text", "output_ids": [...], "accept_length": 3}
+             {"id": "r1", "event": "done", "text": "all new text", "output_ids": [...], "accept_lengths": [...], ...}
+             {"id": "r1", "event": "error", "error": "prompt of 300 tokens is longer than ..."}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from runner.sampling import Sampler, SamplingParams
+from runner.speculate import check_request, generate
+
+REQUEST_FIELDS = {"id", "text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "end_id", "pad_id",
+                  "stop_words", "bad_words", "stream"}  # fmt: skip
+
+
+class Request:
+    def __init__(self, raw: dict, tokenizer, engine, spec, default_end_id):
+        unknown = sorted(set(raw) - REQUEST_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown request fields {unknown}")
+        if not isinstance(raw.get("text_input"), str):
+            raise ValueError(f"text_input must be a string, got {type(raw.get('text_input')).__name__}")
+        max_tokens = raw.get("max_tokens")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise ValueError(f"max_tokens must be an integer, got {max_tokens!r}")
+        self.id = str(raw.get("id", ""))
+        self.prompt = tokenizer.encode(raw["text_input"]).ids
+        build = engine.build_config
+        check_request(len(self.prompt), max_tokens, build.max_input_len, build.max_seq_len, spec.block_size)
+        self.max_tokens = max_tokens
+        self.params = SamplingParams(float(raw.get("temperature", 0.0)), int(raw.get("top_k", 0)),
+                                     float(raw.get("top_p", 1.0)), int(raw.get("seed", 0)))  # fmt: skip
+        end_id = raw.get("end_id", default_end_id)
+        self.end_ids = {int(end_id)} if end_id is not None and int(end_id) >= 0 else set()
+        self.stop_sequences = tuple(tuple(tokenizer.encode(w).ids) for w in raw.get("stop_words") or () if w)
+        banned = []
+        for word in raw.get("bad_words") or ():
+            ids = tokenizer.encode(word).ids if word else []
+            if len(ids) > 1:
+                raise ValueError(f"bad_words entries must be single tokens; {word!r} is {len(ids)} tokens")
+            banned += ids
+        self.banned = tuple(banned)
+
+
+def serve(ranks, tokenizer, engine, spec, backend: str, inp=None, out=None) -> None:
+    inp, out = inp or sys.stdin, out or sys.stdout
+
+    def send(event: dict) -> None:
+        out.write(json.dumps(event) + "\n")
+        out.flush()
+
+    target = engine.config["pretrained_config"]["target"]
+    send(
+        {
+            "event": "ready",
+            "tp_size": engine.tp_size,
+            "backend": backend,
+            "spec": spec.to_dict(),
+            "max_input_len": engine.build_config.max_input_len,
+            "max_seq_len": engine.build_config.max_seq_len,
+        }
+    )
+    for line in inp:
+        if not line.strip():
+            continue
+        request_id = None
+        try:
+            raw = json.loads(line)
+            request_id = raw.get("id") if isinstance(raw, dict) else None
+            if not isinstance(raw, dict):
+                raise ValueError("a request must be a JSON object")
+            request = Request(raw, tokenizer, engine, spec, target.get("eos_token_id"))
+        except (ValueError, TypeError) as err:
+            send({"id": request_id, "event": "error", "error": str(err)})
+            continue
+        emitted: list[int] = []
+        printed = [0]
+
+        def on_tokens(new: list[int], request=request, emitted=emitted, printed=printed) -> None:
+            emitted.extend(new)
+            text = tokenizer.decode(emitted, skip_special_tokens=True)
+            delta = "" if text.endswith("\ufffd") else text[printed[0] :]
+            printed[0] += len(delta)
+            send({"id": request.id, "event": "tokens", "text": delta, "output_ids": new, "accept_length": len(new)})
+
+        result = generate(ranks, request.prompt, request.max_tokens, spec, Sampler(request.params, request.banned),
+                          request.end_ids, on_tokens, request.stop_sequences)  # fmt: skip
+        text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+        if len(text) > printed[0]:  # text held back for a partial character
+            send(
+                {"id": request.id, "event": "tokens", "text": text[printed[0] :], "output_ids": [], "accept_length": 0}
+            )
+        send({"id": request.id, "event": "done", "text": text, "prompt_text": tokenizer.decode(request.prompt),
+              "output_ids": result.tokens, "accept_lengths": result.accept_lengths,
+              "target_forwards": result.target_forwards, "elapsed": result.elapsed})  # fmt: skip

@@ -1,0 +1,202 @@
+"""Triton Inference Server Python-backend model (decoupled, streaming) that owns the `mpirun -np N` runner job.
+
+Copied as `<repository>/<model>/1/model.py` by `python -m runner.triton_repo`. Runs inside Triton's Python stub,
+so it uses only the standard library and numpy; the engines run in the MPI job (the project's own environment),
+which speaks JSON lines over its stdin/stdout (`runner/serve.py`).
+
+Tensor names follow TensorRT-LLM's Triton backend: text_input, max_tokens, temperature, top_k, top_p, seed,
+end_id, pad_id, stream, exclude_input_in_output, stop_words, bad_words -> text_output, plus accept_length.
+Requests are queued: the runner serves one at a time. A malformed request gets its own error response; if the
+runner dies, every in-flight request gets an error and the runner is started again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+READY_TIMEOUT_S = 300
+
+
+class RunnerJob:
+    """The mpirun job: a pipe to rank 0's stdin, a thread reading its stdout."""
+
+    def __init__(self, command: list[str], env: dict, log_path: str, on_event, on_exit):
+        self.log = open(log_path, "a")  # noqa: SIM115 (kept open for the job's lifetime)
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                        text=True, bufsize=1, env=env, start_new_session=True)  # fmt: skip
+        self.ready = threading.Event()
+        self.info: dict = {}
+        self.on_event, self.on_exit = on_event, on_exit
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event.get("event") == "ready":
+                self.info = event
+                self.ready.set()
+            else:
+                self.on_event(event)
+        code = self.process.wait()
+        self.ready.set()
+        self.on_exit(self, code)
+
+    def send(self, request: dict) -> None:
+        with self.lock:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        try:
+            self.process.stdin.close()  # end of input: every rank stops
+            self.process.wait(timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.log.close()
+
+
+def _scalar(request, name, default=None):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return default
+    value = tensor.as_numpy().reshape(-1)
+    if value.size != 1:
+        raise ValueError(f"{name} must hold one value, got {value.size}")
+    value = value[0]
+    return value.decode() if isinstance(value, bytes) else value.item()
+
+
+def _words(request, name) -> list[str]:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return []
+    return [w.decode() if isinstance(w, bytes) else str(w) for w in tensor.as_numpy().reshape(-1) if w]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise pb_utils.TritonModelException("this model streams: model_transaction_policy { decoupled: true }")
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.command = [params["mpirun"], "-np", params["tp_size"], params["python"], "-m", "runner", "--serve",
+                        "--engine_dir", params["engine_dir"], "--backend", params["backend"]]  # fmt: skip
+        self.env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONHOME", "PYTHONPATH")}
+        self.env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                        PATH=os.path.dirname(params["python"]) + ":/usr/local/bin:/usr/bin:/bin")  # fmt: skip
+        self.log_path = params.get("runner_log", "/tmp/ddtree-runner.log")
+        self.pending: dict[str, dict] = {}
+        self.lock = threading.Lock()
+        self.shutting_down = False
+        self.job = None
+        self._start_job()
+
+    def _start_job(self):
+        job = RunnerJob(self.command, self.env, self.log_path, self._on_event, self._on_exit)
+        if not job.ready.wait(READY_TIMEOUT_S) or not job.info:
+            job.stop()
+            raise pb_utils.TritonModelException(f"the runner did not start; see {self.log_path}")
+        self.job = job
+        pb_utils.Logger.log_info(f"ddtree runner ready: {job.info}")
+
+    def _respond(self, entry, text=None, accept=None, error=None, final=False):
+        sender = entry["sender"]
+        if error is not None:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(error)),
+                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # fmt: skip
+            return
+        if text is None:
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        outputs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
+                   pb_utils.Tensor("accept_length", np.array(accept or [], dtype=np.int32))]  # fmt: skip
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
+
+    def _on_event(self, event):
+        with self.lock:
+            entry = self.pending.get(event.get("id"))
+            if entry is None:
+                return
+            if event["event"] != "tokens":
+                del self.pending[event["id"]]
+        if event["event"] == "error":
+            self._respond(entry, error=event["error"])
+        elif event["event"] == "tokens" and entry["stream"] and (event["text"] or event["accept_length"]):
+            self._respond(entry, text=event["text"], accept=[event["accept_length"]])
+        elif event["event"] == "done":
+            if entry["stream"]:
+                self._respond(entry, final=True)
+            else:
+                prefix = "" if entry["exclude_input"] else event["prompt_text"]
+                self._respond(entry, text=prefix + event["text"], accept=event["accept_lengths"], final=True)
+
+    def _on_exit(self, job, code):
+        with self.lock:
+            orphans, self.pending = list(self.pending.values()), {}
+        for entry in orphans:
+            self._respond(entry, error=f"the ddtree runner exited (code {code}) during this request")
+        if not self.shutting_down and job is self.job:
+            pb_utils.Logger.log_warn(f"ddtree runner exited with code {code}; restarting it")
+            time.sleep(1.0)
+            try:
+                self._start_job()
+            except pb_utils.TritonModelException as err:
+                pb_utils.Logger.log_error(str(err))
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                payload = {
+                    "id": uuid.uuid4().hex,
+                    "text_input": _scalar(request, "text_input"),
+                    "max_tokens": int(_scalar(request, "max_tokens")),
+                    "temperature": float(_scalar(request, "temperature", 0.0)),
+                    "top_k": int(_scalar(request, "top_k", 0)),
+                    "top_p": float(_scalar(request, "top_p", 1.0)),
+                    "seed": int(_scalar(request, "seed", 0)),
+                    "stop_words": _words(request, "stop_words"),
+                    "bad_words": _words(request, "bad_words"),
+                }
+                end_id = _scalar(request, "end_id")
+                if end_id is not None:
+                    payload["end_id"] = int(end_id)
+                stream = bool(_scalar(request, "stream", False))
+                exclude = bool(_scalar(request, "exclude_input_in_output", False))
+            except (ValueError, TypeError) as err:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"bad request: {err}")),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # fmt: skip
+                continue
+            entry = {"sender": sender, "stream": stream, "exclude_input": exclude}
+            with self.lock:
+                self.pending[payload["id"]] = entry
+            try:
+                self.job.send(payload)
+            except (OSError, AttributeError) as err:
+                with self.lock:
+                    self.pending.pop(payload["id"], None)
+                self._respond(entry, error=f"the ddtree runner is not available: {err}")
+        return None
+
+    def finalize(self):
+        self.shutting_down = True
+        if self.job is not None:
+            self.job.stop()

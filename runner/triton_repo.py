@@ -1,0 +1,95 @@
+"""Writes a Triton model repository that serves an engine directory.
+
+    python -m runner.triton_repo --engine_dir ENGINE_DIR --output_dir REPO [--model_name ddtree] [--backend ort]
+
+REPO/<model_name>/config.pbtxt + REPO/<model_name>/1/model.py (the Python-backend model in `triton_model.py`).
+The model starts `mpirun -np <tp_size>` with this environment's Python and MPI launcher, so tritonserver itself may
+run from another environment (nvidia-pytriton pins numpy < 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from engines.engine_dir import load_engine_dir
+
+CONFIG = """name: "{name}"
+backend: "python"
+# The engines run batch 1 (max_batch_size={engine_batch} at build time): requests are queued by the runner.
+max_batch_size: 0
+model_transaction_policy {{ decoupled: true }}
+input [
+  {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "temperature" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
+  {{ name: "top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "top_p" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
+  {{ name: "seed" data_type: TYPE_UINT64 dims: [ 1 ] optional: true }},
+  {{ name: "end_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "pad_id" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
+  {{ name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
+  {{ name: "exclude_input_in_output" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
+  {{ name: "stop_words" data_type: TYPE_STRING dims: [ -1 ] optional: true }},
+  {{ name: "bad_words" data_type: TYPE_STRING dims: [ -1 ] optional: true }}
+]
+output [
+  {{ name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }},
+  {{ name: "accept_length" data_type: TYPE_INT32 dims: [ -1 ] }}
+]
+instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+parameters {{ key: "engine_dir" value: {{ string_value: "{engine_dir}" }} }}
+parameters {{ key: "tp_size" value: {{ string_value: "{tp_size}" }} }}
+parameters {{ key: "backend" value: {{ string_value: "{backend}" }} }}
+parameters {{ key: "max_input_len" value: {{ string_value: "{max_input_len}" }} }}
+parameters {{ key: "max_seq_len" value: {{ string_value: "{max_seq_len}" }} }}
+parameters {{ key: "python" value: {{ string_value: "{python}" }} }}
+parameters {{ key: "mpirun" value: {{ string_value: "{mpirun}" }} }}
+parameters {{ key: "runner_log" value: {{ string_value: "{runner_log}" }} }}
+"""
+
+
+def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort",
+                     force: bool = False) -> Path:  # fmt: skip
+    from builder.output_dir import prepare_output_dir
+
+    engine = load_engine_dir(engine_dir)
+    engine.check_files(backend)
+    prepare_output_dir(output_dir, force)
+    python = Path(sys.executable)
+    mpirun = python.parent / "mpirun"
+    if not mpirun.exists():
+        mpirun = Path(shutil.which("mpirun") or "mpirun")
+    model_dir = output_dir / model_name
+    (model_dir / "1").mkdir(parents=True)
+    build = engine.build_config
+    (model_dir / "config.pbtxt").write_text(CONFIG.format(
+        name=model_name, engine_dir=engine.path.resolve(), tp_size=engine.tp_size, backend=backend,
+        engine_batch=build.max_batch_size, max_input_len=build.max_input_len, max_seq_len=build.max_seq_len,
+        python=python, mpirun=mpirun, runner_log=(output_dir / f"{model_name}-runner.log").resolve(),
+    ))  # fmt: skip
+    shutil.copy2(Path(__file__).with_name("triton_model.py"), model_dir / "1" / "model.py")
+    return model_dir
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runner.triton_repo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine_dir", type=Path, required=True)
+    parser.add_argument("--output_dir", type=Path, required=True)
+    parser.add_argument("--model_name", default="ddtree")
+    parser.add_argument("--backend", choices=["trt", "ort", "torch"], default="ort")
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        path = write_repository(args.engine_dir, args.output_dir, args.model_name, args.backend, args.force)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""A real tritonserver (the one bundled in nvidia-pytriton, its own venv) serving the TP-2 demo engines through the
+generated model repository: generate, generate_stream, gRPC streaming, concurrency, bad requests, crash, shutdown."""
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from runner.triton_repo import write_repository
+from runner.triton_server import start_server, stop_server, wait_ready
+from tests.conftest import mpirun
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON_VENV = Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton"))
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(not (TRITON_VENV / "bin" / "python").exists(),
+                       reason=f"no Triton venv at {TRITON_VENV} (`make test` creates it)"),
+]  # fmt: skip
+PROMPTS = ["Hello world! Speculative decoding", "The quick brown fox", "Numbers: 1 2 3", "Kimi is a large model"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def runner_pids(engine_dir: Path) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", f"runner --serve --engine_dir {engine_dir}"], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+@pytest.fixture(scope="module")
+def server(demo_engine, tmp_path_factory):
+    engine = demo_engine(2)
+    work = tmp_path_factory.mktemp("triton")
+    write_repository(engine, work / "repo")
+    ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+    process = start_server(TRITON_VENV, work / "repo", work, ports["http"], ports["grpc"], ports["metrics"],
+                           work / "server.log")  # fmt: skip
+    try:
+        wait_ready(process, ports["http"], work / "server.log")
+        yield {**ports, "engine": engine, "process": process, "log": work / "server.log"}
+    finally:
+        stop_server(process)
+        deadline = time.monotonic() + 30
+        while runner_pids(engine) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not runner_pids(engine), "the MPI runner outlived the server"
+
+
+@pytest.fixture(scope="module")
+def cli_outputs(demo_engine, tmp_path_factory):
+    """The CLI's text for each prompt (greedy), and for prompt 0 sampled at temperature 0.8, seed 5."""
+    out = tmp_path_factory.mktemp("cli")
+    args = ["-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "ort", "--max_output_len", "16"]
+    for prompt in PROMPTS:
+        args += ["--input_text", prompt]
+    greedy = mpirun(2, *args, "--output_json", str(out / "greedy.json"))
+    assert greedy.returncode == 0, greedy.stderr
+    sampled = mpirun(2, *args[:8], "--input_text", PROMPTS[0], "--temperature", "0.8", "--seed", "5",
+                     "--output_json", str(out / "sampled.json"))  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr
+    read = lambda name: [r["text"] for r in json.loads((out / name).read_text())["results"]]  # noqa: E731
+    return {"greedy": read("greedy.json"), "sampled": read("sampled.json")[0]}
+
+
+def post(port: int, path: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/ddtree/{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def stream_events(port: int, body: dict) -> list[dict]:
+    status, text = post(port, "generate_stream", body)
+    assert status == 200, text
+    return [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_generate_equals_cli(server, cli_outputs):
+    status, text = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16})
+    assert status == 200, text
+    reply = json.loads(text)
+    assert reply["text_output"] == PROMPTS[0] + cli_outputs["greedy"][0]  # TensorRT-LLM default: prompt included
+    assert reply["accept_length"] and all(a >= 1 for a in reply["accept_length"])
+    status, text = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16,
+                                                     "exclude_input_in_output": True})  # fmt: skip
+    assert json.loads(text)["text_output"] == cli_outputs["greedy"][0]
+
+
+def test_generate_stream_equals_cli(server, cli_outputs):
+    events = stream_events(server["http"], {"text_input": PROMPTS[1], "max_tokens": 16, "stream": True})
+    assert len(events) > 3 and all("error" not in e for e in events)
+    assert "".join(e["text_output"] for e in events) == cli_outputs["greedy"][1]
+    assert sum(e["accept_length"] for e in events) == 16
+
+
+def test_stock_grpc_client_streams_sampled_tokens(server, cli_outputs):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    chunks, done = [], threading.Event()
+
+    def callback(result, error):
+        if error is not None:
+            chunks.append(error)
+        elif result.get_response().parameters.get("triton_final_response") and result.as_numpy("text_output") is None:
+            done.set()
+        else:
+            chunks.append(result.as_numpy("text_output")[0].decode())
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                done.set()
+
+    def tensor(name, value, dtype, triton_type):
+        t = grpcclient.InferInput(name, [1], triton_type)
+        t.set_data_from_numpy(np.array([value], dtype=dtype))
+        return t
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")
+    client.start_stream(callback=callback)
+    inputs = [tensor("text_input", PROMPTS[0].encode(), np.object_, "BYTES"), tensor("max_tokens", 16, np.int32, "INT32"),
+              tensor("temperature", 0.8, np.float32, "FP32"), tensor("seed", 5, np.uint64, "UINT64"),
+              tensor("stream", True, bool, "BOOL")]  # fmt: skip
+    client.async_stream_infer("ddtree", inputs, enable_empty_final_response=True)
+    assert done.wait(120), chunks
+    client.stop_stream()
+    client.close()
+    assert all(isinstance(c, str) for c in chunks), chunks
+    assert len(chunks) > 3 and "".join(chunks) == cli_outputs["sampled"]
+
+
+def test_concurrent_requests_all_complete(server, cli_outputs):
+    results = {}
+
+    def ask(i):
+        results[i] = post(server["http"], "generate", {"text_input": PROMPTS[i], "max_tokens": 16,
+                                                       "exclude_input_in_output": True})  # fmt: skip
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    for i in range(len(PROMPTS)):
+        status, text = results[i]
+        assert status == 200, text
+        assert json.loads(text)["text_output"] == cli_outputs["greedy"][i]
+
+
+def test_bad_requests_get_errors_and_the_server_keeps_serving(server, cli_outputs):
+    status, text = post(server["http"], "generate", {"text_input": PROMPTS[0]})
+    assert status == 400 and "missing required input(s) ['max_tokens']" in text
+    status, text = post(server["http"], "generate", {"text_input": "Hello world! " * 40, "max_tokens": 4})
+    assert "longer than the engine's max_input_len=64" in text
+    status, text = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 4, "top_p": 0.0})
+    assert "top_p must be in (0, 1]" in text
+    status, text = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16,
+                                                     "exclude_input_in_output": True})  # fmt: skip
+    assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
+
+
+def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs):
+    reply = {}
+    asker = threading.Thread(
+        target=lambda: reply.update(r=post(server["http"], "generate", {"text_input": PROMPTS[2], "max_tokens": 400}))
+    )
+    asker.start()
+    time.sleep(1.5)
+    pids = runner_pids(server["engine"])
+    assert pids
+    os.kill(pids[-1], 9)  # a rank dies mid-request
+    asker.join(120)
+    status, text = reply["r"]
+    assert "the ddtree runner exited" in text
+    deadline, last = time.monotonic() + 120, None
+    while time.monotonic() < deadline:  # the model starts a new runner
+        last = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16,
+                                                 "exclude_input_in_output": True})  # fmt: skip
+        if last[0] == 200:
+            break
+        time.sleep(2)
+    assert last[0] == 200 and json.loads(last[1])["text_output"] == cli_outputs["greedy"][0]
