@@ -44,12 +44,26 @@ KIMI_ROPE = RopeConfig("yarn", 50000.0, 64.0, 4096, 32.0, 1.0, 1.0, 1.0)
 
 def kimi_tp8_rank() -> TargetConfig:
     return TargetConfig(
-        vocab_size=163840, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-        num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, num_experts_per_tok=8, n_shared_experts=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.827, rope=KIMI_ROPE, max_position_embeddings=262144,
+        vocab_size=163840,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=64,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=384,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.827,
+        rope=KIMI_ROPE,
+        max_position_embeddings=262144,
         mapping=Mapping(8, 0, 8),
-    )  # fmt: skip
+    )
 
 
 def scaled_models(dense: bool, smoke: bool) -> tuple[TargetConfig, DrafterConfig]:
@@ -59,17 +73,38 @@ def scaled_models(dense: bool, smoke: bool) -> tuple[TargetConfig, DrafterConfig
     else:
         hidden, layers, heads, experts, width, vocab, q_lora, kv_lora, rope = 2048, 8, 16, 64, 768, 32768, 1536, 512, 64
     target = TargetConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=width,
-        num_hidden_layers=layers, num_attention_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora,
-        qk_nope_head_dim=2 * rope, qk_rope_head_dim=rope, v_head_dim=2 * rope, n_routed_experts=experts,
-        num_experts_per_tok=min(8, experts), n_shared_experts=1, first_k_dense_replace=layers if dense else 1,
-        routed_scaling_factor=2.827, rope=KIMI_ROPE, max_position_embeddings=262144,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        moe_intermediate_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        q_lora_rank=q_lora,
+        kv_lora_rank=kv_lora,
+        qk_nope_head_dim=2 * rope,
+        qk_rope_head_dim=rope,
+        v_head_dim=2 * rope,
+        n_routed_experts=experts,
+        num_experts_per_tok=min(8, experts),
+        n_shared_experts=1,
+        first_k_dense_replace=layers if dense else 1,
+        routed_scaling_factor=2.827,
+        rope=KIMI_ROPE,
+        max_position_embeddings=262144,
+    )
     drafter = DrafterConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 4), head_dim=2 * rope, vocab_size=vocab, block_size=8,
-        mask_token_id=vocab - 2, target_layer_ids=(1, layers // 2, layers - 2), rope=KIMI_ROPE,
-    )  # fmt: skip
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        head_dim=2 * rope,
+        vocab_size=vocab,
+        block_size=8,
+        mask_token_id=vocab - 2,
+        target_layer_ids=(1, layers // 2, layers - 2),
+        rope=KIMI_ROPE,
+    )
     return target, drafter
 
 
@@ -162,16 +197,32 @@ def layer_costs(ceilings: dict, device, dtype, smoke: bool) -> list[dict]:
                 total_bytes = attn_bytes + cache_bytes + mlp_bytes
                 heads = config.heads_per_rank
                 flops = 2 * tokens * (attn_bytes + mlp_bytes) / 2 + 2 * tokens * heads * (length + tokens) * (
-                    config.latent_dim + config.kv_lora_rank)  # fmt: skip
+                    config.latent_dim + config.kv_lora_rank
+                )
                 floor = max(total_bytes / ceilings["copy_Bps"], flops / ceilings["bf16_flops"]) * 1e6
-                rows.append({"layer": kind, "S": length, "T": tokens, "layer_us": full, "attention_us": attn,
-                             "mlp_us": mlp, "bytes": total_bytes, "attention_bytes": attn_bytes + cache_bytes,
-                             "mlp_bytes": mlp_bytes, "floor_us": floor, "ratio": full / floor,
-                             "distinct_experts": distinct, "grouped_vs_gathered_rel_error": moe_check})  # fmt: skip
-                print(f"{kind:5s} S={length:6d} T={tokens:2d}: layer {full:8.1f} us (attention {attn:7.1f}, mlp "
-                      f"{mlp:7.1f}), floor {floor:7.1f} us, {total_bytes / 1e6:7.1f} MB, distinct experts {distinct}"
-                      f", grouped vs gathered MoE {moe_check}",
-                      flush=True)  # fmt: skip
+                rows.append(
+                    {
+                        "layer": kind,
+                        "S": length,
+                        "T": tokens,
+                        "layer_us": full,
+                        "attention_us": attn,
+                        "mlp_us": mlp,
+                        "bytes": total_bytes,
+                        "attention_bytes": attn_bytes + cache_bytes,
+                        "mlp_bytes": mlp_bytes,
+                        "floor_us": floor,
+                        "ratio": full / floor,
+                        "distinct_experts": distinct,
+                        "grouped_vs_gathered_rel_error": moe_check,
+                    }
+                )
+                print(
+                    f"{kind:5s} S={length:6d} T={tokens:2d}: layer {full:8.1f} us (attention {attn:7.1f}, mlp "
+                    f"{mlp:7.1f}), floor {floor:7.1f} us, {total_bytes / 1e6:7.1f} MB, distinct experts {distinct}"
+                    f", grouped vs gathered MoE {moe_check}",
+                    flush=True,
+                )
         if not smoke:
             torch.cuda.empty_cache()
     return rows
@@ -203,22 +254,35 @@ def end_to_end(device, dtype, smoke: bool, new_tokens: int) -> list[dict]:
         ops = ModelOps(tree_attention if smoke else tree_attention_cuda, SingleRank(), MoE if smoke else GroupedMoE)
         target, drafter = random_rank_models(target_cfg, drafter_cfg, ops, device, dtype, seed=3)
         model = "dense" if dense else "moe"
-        dims = {"hidden": target_cfg.hidden_size, "layers": target_cfg.num_hidden_layers,
-                "heads": target_cfg.num_attention_heads, "experts": target_cfg.n_routed_experts,
-                "expert_width": target_cfg.moe_intermediate_size, "top_k": target_cfg.num_experts_per_tok,
-                "dense_layers": target_cfg.first_k_dense_replace, "vocab": target_cfg.vocab_size,
-                "drafter_layers": drafter_cfg.num_hidden_layers,
-                "params": sum(p.numel() for p in target.parameters())}  # fmt: skip
+        dims = {
+            "hidden": target_cfg.hidden_size,
+            "layers": target_cfg.num_hidden_layers,
+            "heads": target_cfg.num_attention_heads,
+            "experts": target_cfg.n_routed_experts,
+            "expert_width": target_cfg.moe_intermediate_size,
+            "top_k": target_cfg.num_experts_per_tok,
+            "dense_layers": target_cfg.first_k_dense_replace,
+            "vocab": target_cfg.vocab_size,
+            "drafter_layers": drafter_cfg.num_hidden_layers,
+            "params": sum(p.numel() for p in target.parameters()),
+        }
         prompt = torch.randint(0, target_cfg.vocab_size - 2, (64,), generator=torch.Generator().manual_seed(0)).tolist()
         greedy = Sampler(SamplingParams())
-        engine, session = make_engine(target, drafter, target_cfg, drafter_cfg, SpecConfig(8, 32), device, dtype,
-                                      smoke)  # fmt: skip
+        engine, session = make_engine(target, drafter, target_cfg, drafter_cfg, SpecConfig(8, 32), device, dtype, smoke)
         generate_autoregressive(engine, prompt, 8, greedy)  # warm-up: capture the decode graph
         baseline = generate_autoregressive(engine, prompt, new_tokens, greedy)
         decode_seconds = baseline.elapsed - baseline.seconds.get("prefill", 0.0)
         ar_rate = (len(baseline.tokens) - 1) / decode_seconds
-        rows.append({"model": model, "mode": "autoregressive", "drafter": "-", "tokens_per_s": ar_rate,
-                     "speedup": 1.0, "dims": dims})  # fmt: skip
+        rows.append(
+            {
+                "model": model,
+                "mode": "autoregressive",
+                "drafter": "-",
+                "tokens_per_s": ar_rate,
+                "speedup": 1.0,
+                "dims": dims,
+            }
+        )
         print(f"{model}: autoregressive {ar_rate:.1f} tokens/s ({dims})", flush=True)
         modes = [("dflash chain", SpecConfig(8, 7, 1))] + [(f"ddtree {b}", SpecConfig(8, b)) for b in (8, 16, 32)]
         for drafter_kind in ("random", "oracle"):
@@ -234,18 +298,30 @@ def end_to_end(device, dtype, smoke: bool, new_tokens: int) -> list[dict]:
                 rate = (len(result.tokens) - 1) / seconds
                 gaps = session.host_gaps() if not smoke else []
                 per_step_gap = sum(gaps) / steps * 1e6 if gaps and steps else None
-                match = next((i for i, (a, b) in enumerate(zip(result.tokens, baseline.tokens)) if a != b),
-                             min(len(result.tokens), len(baseline.tokens)))  # fmt: skip
-                row = {"model": model, "mode": mode, "drafter": drafter_kind, "tokens_per_s": rate,
-                       "speedup": rate / ar_rate, "mean_accept_length": result.mean_accept_length,
-                       "steps": steps, "step_ms": {k: v / steps * 1e3 for k, v in result.seconds.items()
-                                                   if k != "prefill"},
-                       "host_gap_us_per_step": per_step_gap, "tokens_equal_to_autoregressive": match,
-                       "tokens": len(result.tokens)}  # fmt: skip
+                match = next(
+                    (i for i, (a, b) in enumerate(zip(result.tokens, baseline.tokens)) if a != b),
+                    min(len(result.tokens), len(baseline.tokens)),
+                )
+                row = {
+                    "model": model,
+                    "mode": mode,
+                    "drafter": drafter_kind,
+                    "tokens_per_s": rate,
+                    "speedup": rate / ar_rate,
+                    "mean_accept_length": result.mean_accept_length,
+                    "steps": steps,
+                    "step_ms": {k: v / steps * 1e3 for k, v in result.seconds.items() if k != "prefill"},
+                    "host_gap_us_per_step": per_step_gap,
+                    "tokens_equal_to_autoregressive": match,
+                    "tokens": len(result.tokens),
+                }
                 rows.append(row)
-                print(f"{model}: {mode:12s} {drafter_kind:6s} {rate:8.1f} tokens/s (x{rate / ar_rate:.2f}), accept "
-                      f"{result.mean_accept_length:.2f}, per step {row['step_ms']}, host gaps {per_step_gap} us, "
-                      f"equal to AR for {match}/{len(result.tokens)} tokens", flush=True)  # fmt: skip
+                print(
+                    f"{model}: {mode:12s} {drafter_kind:6s} {rate:8.1f} tokens/s (x{rate / ar_rate:.2f}), accept "
+                    f"{result.mean_accept_length:.2f}, per step {row['step_ms']}, host gaps {per_step_gap} us, "
+                    f"equal to AR for {match}/{len(result.tokens)} tokens",
+                    flush=True,
+                )
         del target, drafter
         if not smoke:
             torch.cuda.empty_cache()
@@ -278,24 +354,34 @@ def main() -> int:
     with torch.no_grad():
         costs = layer_costs(ceilings, device, dtype, smoke)
         e2e = end_to_end(device, dtype, smoke, new_tokens=24 if smoke else 256)
-    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "seconds": time.time() - started,
-            "gpu": torch.cuda.get_device_name() if not smoke else "cpu (smoke)", "ceilings": ceilings,
-            "layer_costs": costs, "end_to_end": e2e}  # fmt: skip
+    info = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "seconds": time.time() - started,
+        "gpu": torch.cuda.get_device_name() if not smoke else "cpu (smoke)",
+        "ceilings": ceilings,
+        "layer_costs": costs,
+        "end_to_end": e2e,
+    }
     (out_dir / "gpu_runtime.json").write_text(json.dumps(info, indent=1))
     print(
         "\n| layer | S | T | layer (us) | attention (us) | MLP (us) | MB moved | floor (us) | layer/floor "
         "| distinct experts |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for r in costs:
-        print(f"| {r['layer']} | {r['S']} | {r['T']} | {r['layer_us']:.1f} | {r['attention_us']:.1f} | "
-              f"{r['mlp_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | "
-              f"{r['distinct_experts'] if r['distinct_experts'] is not None else '-'} |")  # fmt: skip
+        print(
+            f"| {r['layer']} | {r['S']} | {r['T']} | {r['layer_us']:.1f} | {r['attention_us']:.1f} | "
+            f"{r['mlp_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | "
+            f"{r['distinct_experts'] if r['distinct_experts'] is not None else '-'} |"
+        )
     print("\n| model | mode | drafter | tokens/s | speedup | accept length | host gap us/step |")
     print("|---|---|---|---|---|---|---|")
     for r in e2e:
         gap = r.get("host_gap_us_per_step")
-        print(f"| {r['model']} | {r['mode']} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
-              f"{r.get('mean_accept_length', 1.0):.2f} | {gap if gap is None else round(gap, 1)} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['mode']} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+            f"{r.get('mean_accept_length', 1.0):.2f} | {gap if gap is None else round(gap, 1)} |"
+        )
     print(f"median layer/floor {statistics.median(r['ratio'] for r in costs):.2f}")
     return 0
 

@@ -127,8 +127,17 @@ def time_shape(tokens, heads, length, scale, ceil, config=None, with_sdpa=True) 
     ours = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e3
     graphed = graph_time_us(run)
     floor, bytes_moved, flops = floor_us(tokens, heads, length, ceil)
-    row = {"T": tokens, "H": heads, "S": length, "ours_us": ours, "graph_us": graphed, "floor_us": floor,
-           "ratio": graphed / floor, "bytes": bytes_moved, "flops": flops}  # fmt: skip
+    row = {
+        "T": tokens,
+        "H": heads,
+        "S": length,
+        "ours_us": ours,
+        "graph_us": graphed,
+        "floor_us": floor,
+        "ratio": graphed / floor,
+        "bytes": bytes_moved,
+        "flops": flops,
+    }
     if not with_sdpa:
         return row
     keys = torch.cat((cache[:length], new_kv))[None, None]  # [1, 1, S + T, 576]
@@ -136,10 +145,17 @@ def time_shape(tokens, heads, length, scale, ceil, config=None, with_sdpa=True) 
     query = q.transpose(0, 1)[None]  # [1, H, T, 576]
     visible = torch.cat((torch.ones(tokens, length, dtype=torch.bool, device="cuda"), mask), dim=1)
     try:
-        sdpa = triton.testing.do_bench(
-            lambda: F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale,
-                                                   enable_gqa=True),
-            warmup=25, rep=200, return_mode="median") * 1e3  # fmt: skip
+        sdpa = (
+            triton.testing.do_bench(
+                lambda: F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+                ),
+                warmup=25,
+                rep=200,
+                return_mode="median",
+            )
+            * 1e3
+        )
         row.update(sdpa_us=sdpa, sdpa_ratio=sdpa / floor, speedup_vs_sdpa=sdpa / graphed)
     except RuntimeError as err:
         row.update(sdpa_us=None, sdpa_error=str(err)[:200])
@@ -179,10 +195,20 @@ def main() -> int:
     graph = graph_check(scale)
     timings = [time_shape(t, h, s, scale, ceil) for t, h, s in SHAPES + ODD if s > 0]
     worst = max(c["rel_error"] for c in checks.values())
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"), "ceilings": ceil, "checks": checks,
-              "graph": graph, "timings": timings, "variants": variants, "tolerance": TOLERANCE,
-              "seconds": time.time() - started}  # fmt: skip
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": time.strftime("%Y-%m-%d"),
+        "ceilings": ceil,
+        "checks": checks,
+        "graph": graph,
+        "timings": timings,
+        "variants": variants,
+        "tolerance": TOLERANCE,
+        "seconds": time.time() - started,
+    }
     (out_dir / "tree_attention.json").write_text(json.dumps(result, indent=1))
     print(
         f"\ncorrectness: {len(checks)} shapes, worst rel error {worst:.2e} (tolerance {TOLERANCE}), "

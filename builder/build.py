@@ -23,8 +23,14 @@ from models.checkpoint import load_checkpoint_config
 log = logging.getLogger("ddtree.builder")
 
 
-def build_engines(checkpoint_dir: Path, output_dir: Path, spec: SpecConfig, build: BuildConfig,
-                  force: bool = False, tensorrt: str | None = None) -> EngineDir:  # fmt: skip
+def build_engines(
+    checkpoint_dir: Path,
+    output_dir: Path,
+    spec: SpecConfig,
+    build: BuildConfig,
+    force: bool = False,
+    tensorrt: str | None = None,
+) -> EngineDir:
     """Exports and builds every rank's target and draft engines; config.json is written last.
 
     `tensorrt`: None picks full TensorRT, else TensorRT-RTX; "none" writes the ONNX graphs and the checkpoint
@@ -40,17 +46,26 @@ def build_engines(checkpoint_dir: Path, output_dir: Path, spec: SpecConfig, buil
         raise ValueError(f"build dtype={build.dtype} differs from the checkpoint's dtype={checkpoint.dtype}")
     profiles = derive_profiles(spec, build)
     if spec.block_size != checkpoint.drafter.block_size:
-        log.warning("block_size=%d differs from the drafter's trained block_size=%d", spec.block_size,
-                    checkpoint.drafter.block_size)  # fmt: skip
+        log.warning(
+            "block_size=%d differs from the drafter's trained block_size=%d",
+            spec.block_size,
+            checkpoint.drafter.block_size,
+        )
     max_positions = min(checkpoint.target.max_position_embeddings, checkpoint.drafter.max_position_embeddings)
     if build.max_seq_len > max_positions:
         raise ValueError(f"max_seq_len={build.max_seq_len} exceeds the models' max_position_embeddings={max_positions}")
     trt = None if tensorrt == "none" else import_tensorrt(tensorrt)
     if trt is not None:
         register_plugins(trt.module)
-    log.info("building %s: tp_size=%d dtype=%s spec=%s limits=%s with %s", output_dir, checkpoint.tp_size,
-             checkpoint.dtype, spec.to_dict(), build.to_dict(),
-             f"{trt.flavor} {trt.version}" if trt else "no TensorRT (ONNX only)")  # fmt: skip
+    log.info(
+        "building %s: tp_size=%d dtype=%s spec=%s limits=%s with %s",
+        output_dir,
+        checkpoint.tp_size,
+        checkpoint.dtype,
+        spec.to_dict(),
+        build.to_dict(),
+        f"{trt.flavor} {trt.version}" if trt else "no TensorRT (ONNX only)",
+    )
     prepare_output_dir(output_dir, force, protect=(Path(checkpoint_dir),))
     _link_tree(Path(checkpoint_dir), output_dir / "checkpoint")
     if (Path(checkpoint_dir) / "tokenizer").is_dir():
@@ -64,12 +79,19 @@ def build_engines(checkpoint_dir: Path, output_dir: Path, spec: SpecConfig, buil
             inputs, _ = role_io(role, target_cfg, drafter_cfg)
             role_profiles = [p for p in profiles.values() if p.role == role]
             plan, record = build_engine(trt, graphs[role], inputs, role_profiles)
-            record["plugins"] = [{"layer": name, "op": op, "fields": fields}
-                                 for name, op, fields in custom_ops(graphs[role])]  # fmt: skip
+            record["plugins"] = [
+                {"layer": name, "op": op, "fields": fields} for name, op, fields in custom_ops(graphs[role])
+            ]
             (rank_dir / f"{role}.engine").write_bytes(plan)
             (rank_dir / f"{role}.build.json").write_text(json.dumps(record, indent=1) + "\n")
-            log.info("rank %d %s engine: %.1f MB, %d plugin layers, %.2f s", rank, role, len(plan) / 1e6,
-                     len(record["plugin_layers"]), record["build_seconds"])  # fmt: skip
+            log.info(
+                "rank %d %s engine: %.1f MB, %d plugin layers, %.2f s",
+                rank,
+                role,
+                len(plan) / 1e6,
+                len(record["plugin_layers"]),
+                record["build_seconds"],
+            )
 
     config = {
         "schema_version": ENGINE_SCHEMA,
@@ -104,9 +126,13 @@ def build_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     if args.max_num_tokens is not None and args.max_num_tokens < 1:
         parser.error(f"--max_num_tokens must be >= 1, got {args.max_num_tokens}")
     spec = SpecConfig(block_size=block_size, budget=args.ddtree_budget, max_topk=args.max_topk)
-    build = BuildConfig(max_input_len=args.max_input_len, max_seq_len=args.max_seq_len,
-                        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-                        dtype=checkpoint.dtype)  # fmt: skip
+    build = BuildConfig(
+        max_input_len=args.max_input_len,
+        max_seq_len=args.max_seq_len,
+        max_batch_size=args.max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        dtype=checkpoint.dtype,
+    )
     logging.getLogger("ddtree.builder").setLevel(args.log_level.upper() if args.log_level != "verbose" else "DEBUG")
     tensorrt = "none" if args.no_tensorrt else None
     return build_engines(args.checkpoint_dir, args.output_dir, spec, build, force=args.force, tensorrt=tensorrt)

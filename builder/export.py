@@ -80,8 +80,14 @@ def export_rank(checkpoint_dir: Path, rank: int, profiles: dict[str, Profile], o
         model = onnx.load(str(path))
         data = path.with_suffix(".onnx.data")
         data.unlink(missing_ok=True)  # onnx appends to an existing data file
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=0)  # fmt: skip
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data.name,
+            size_threshold=0,
+        )
         check_graph(path, inputs, outputs)
         paths[role] = path
         log.info("rank %d %s: %s (%d nodes)", rank, role, path, len(model.graph.node))

@@ -41,8 +41,10 @@ def inspect_engine_dir(path: Path) -> str:
                 lines.append(f"  rank{rank}/{role}: NO ENGINE (missing {plan.name} or its build record)")
                 continue
             data = plan.read_bytes()
-            lines.append(f"  rank{rank}/{role}.engine: {len(data) / 1e6:.2f} MB, {info['layers']} layers, "
-                         f"built in {info['build_seconds']} s")  # fmt: skip
+            lines.append(
+                f"  rank{rank}/{role}.engine: {len(data) / 1e6:.2f} MB, {info['layers']} layers, "
+                f"built in {info['build_seconds']} s"
+            )
             for name, profile in info["profiles"].items():
                 dims = ", ".join(f"{t}={_bounds(s)}" for t, s in profile["shapes"].items() if t != "latent_cache")
                 lines.append(f"    profile {profile['index']} {name}: {dims}")

@@ -8,8 +8,9 @@ import torch
 from models.rope import Rotary
 
 
-def random_weight(name: str, shape: tuple[int, ...], gen: torch.Generator, device="cpu",
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+def random_weight(
+    name: str, shape: tuple[int, ...], gen: torch.Generator, device="cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     def normal():
         return torch.randn(shape, generator=gen, device=device)
 

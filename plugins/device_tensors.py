@@ -5,16 +5,35 @@ Only used on a GPU inside a TensorRT execution context; torch is imported lazily
 
 from __future__ import annotations
 
-_TORCH_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64",
-                 "BOOL": "bool", "INT8": "int8"}  # fmt: skip
-_TYPESTR = {"float32": "<f4", "float16": "<f2", "bfloat16": "<V2", "int32": "<i4", "int64": "<i8", "bool": "|b1",
-            "int8": "|i1"}  # fmt: skip
+_TORCH_DTYPES = {
+    "FLOAT": "float32",
+    "HALF": "float16",
+    "BF16": "bfloat16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "BOOL": "bool",
+    "INT8": "int8",
+}
+_TYPESTR = {
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<V2",
+    "int32": "<i4",
+    "int64": "<i8",
+    "bool": "|b1",
+    "int8": "|i1",
+}
 
 
 class _CudaArray:
     def __init__(self, pointer: int, shape: tuple[int, ...], typestr: str):
-        self.__cuda_array_interface__ = {"data": (int(pointer), False), "shape": shape, "typestr": typestr,
-                                         "version": 3, "strides": None}  # fmt: skip
+        self.__cuda_array_interface__ = {
+            "data": (int(pointer), False),
+            "shape": shape,
+            "typestr": typestr,
+            "version": 3,
+            "strides": None,
+        }
 
 
 def as_torch(desc, pointer: int):

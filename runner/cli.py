@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", "--random_seed", dest="seed", type=int, default=0)
     parser.add_argument("--end_id", type=int, default=None, help="default: the model's eos_token_id")
     parser.add_argument("--streaming", action="store_true", help="print text as tokens are accepted")
-    parser.add_argument("--backend", choices=["trt", "ort", "torch"], default=None,
-                        help="trt where TensorRT and a GPU exist, else ort")  # fmt: skip
+    parser.add_argument(
+        "--backend", choices=["trt", "ort", "torch"], default=None, help="trt where TensorRT and a GPU exist, else ort"
+    )
     parser.add_argument("--ddtree_budget", type=int, default=None, help="tree nodes per step (must fit the engine)")
     parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap")
     parser.add_argument("--autoregressive", action="store_true", help="baseline: no drafter, one token per step")
@@ -139,9 +140,17 @@ def generate_all(args, ranks, prompts, tokenizer, spec, end_ids) -> list[dict]:
         else:
             print()
         print(format_stats(result, "autoregressive" if args.autoregressive else f"budget={spec.budget}"), flush=True)
-        results.append({"prompt_ids": prompt, "output_ids": result.tokens, "text": text,
-                        "accept_lengths": result.accept_lengths, "target_forwards": result.target_forwards,
-                        "seconds": result.seconds, "elapsed": result.elapsed})  # fmt: skip
+        results.append(
+            {
+                "prompt_ids": prompt,
+                "output_ids": result.tokens,
+                "text": text,
+                "accept_lengths": result.accept_lengths,
+                "target_forwards": result.target_forwards,
+                "seconds": result.seconds,
+                "elapsed": result.elapsed,
+            }
+        )
     return results
 
 
@@ -149,9 +158,11 @@ def format_stats(result, label: str) -> str:
     tokens, elapsed = len(result.tokens), result.elapsed
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     mean = f", mean acceptance length {result.mean_accept_length:.2f}" if result.accept_lengths else ""
-    return (f"[stats {label}] {tokens} tokens, {result.target_forwards} target forwards "
-            f"({result.tokens_per_target_forward:.2f} tokens/forward){mean}, {tokens / elapsed:.1f} tokens/s; "
-            f"time: {phases}")  # fmt: skip
+    return (
+        f"[stats {label}] {tokens} tokens, {result.target_forwards} target forwards "
+        f"({result.tokens_per_target_forward:.2f} tokens/forward){mean}, {tokens / elapsed:.1f} tokens/s; "
+        f"time: {phases}"
+    )
 
 
 def main_on_rank(comm, argv=None) -> int:
@@ -196,8 +207,12 @@ def main_on_rank(comm, argv=None) -> int:
     finally:
         ranks.close()
     if args.output_json:
-        args.output_json.write_text(json.dumps({"backend": args.backend, "world_size": comm.Get_size(),
-                                                "spec": spec.to_dict(), "results": results}, indent=1))  # fmt: skip
+        args.output_json.write_text(
+            json.dumps(
+                {"backend": args.backend, "world_size": comm.Get_size(), "spec": spec.to_dict(), "results": results},
+                indent=1,
+            )
+        )
     return 0
 
 

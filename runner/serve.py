@@ -21,8 +21,20 @@ import sys
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import check_request, generate
 
-REQUEST_FIELDS = {"id", "text_input", "max_tokens", "temperature", "top_k", "top_p", "seed", "end_id", "pad_id",
-                  "stop_words", "bad_words", "stream"}  # fmt: skip
+REQUEST_FIELDS = {
+    "id",
+    "text_input",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "end_id",
+    "pad_id",
+    "stop_words",
+    "bad_words",
+    "stream",
+}
 
 
 class Request:
@@ -40,8 +52,12 @@ class Request:
         build = engine.build_config
         check_request(len(self.prompt), max_tokens, build.max_input_len, build.max_seq_len, spec.block_size)
         self.max_tokens = max_tokens
-        self.params = SamplingParams(float(raw.get("temperature", 0.0)), int(raw.get("top_k", 0)),
-                                     float(raw.get("top_p", 1.0)), int(raw.get("seed", 0)))  # fmt: skip
+        self.params = SamplingParams(
+            float(raw.get("temperature", 0.0)),
+            int(raw.get("top_k", 0)),
+            float(raw.get("top_p", 1.0)),
+            int(raw.get("seed", 0)),
+        )
         end_id = raw.get("end_id", default_end_id)
         self.end_ids = {int(end_id)} if end_id is not None and int(end_id) >= 0 else set()
         self.stop_sequences = tuple(tuple(tokenizer.encode(w).ids) for w in raw.get("stop_words") or () if w)
@@ -95,13 +111,30 @@ def serve(ranks, tokenizer, engine, spec, backend: str, inp=None, out=None) -> N
             printed[0] += len(delta)
             send({"id": request.id, "event": "tokens", "text": delta, "output_ids": new, "accept_length": len(new)})
 
-        result = generate(ranks, request.prompt, request.max_tokens, spec, Sampler(request.params, request.banned),
-                          request.end_ids, on_tokens, request.stop_sequences)  # fmt: skip
+        result = generate(
+            ranks,
+            request.prompt,
+            request.max_tokens,
+            spec,
+            Sampler(request.params, request.banned),
+            request.end_ids,
+            on_tokens,
+            request.stop_sequences,
+        )
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
         if len(text) > printed[0]:  # text held back for a partial character
             send(
                 {"id": request.id, "event": "tokens", "text": text[printed[0] :], "output_ids": [], "accept_length": 0}
             )
-        send({"id": request.id, "event": "done", "text": text, "prompt_text": tokenizer.decode(request.prompt),
-              "output_ids": result.tokens, "accept_lengths": result.accept_lengths,
-              "target_forwards": result.target_forwards, "elapsed": result.elapsed})  # fmt: skip
+        send(
+            {
+                "id": request.id,
+                "event": "done",
+                "text": text,
+                "prompt_text": tokenizer.decode(request.prompt),
+                "output_ids": result.tokens,
+                "accept_lengths": result.accept_lengths,
+                "target_forwards": result.target_forwards,
+                "elapsed": result.elapsed,
+            }
+        )

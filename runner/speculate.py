@@ -94,8 +94,13 @@ def check_request(
         )
 
 
-def _emit(tokens: list[int], new: list[int], max_new_tokens: int, end_ids: set[int],
-          stop_sequences: tuple[tuple[int, ...], ...] = ()) -> tuple[list[int], bool]:  # fmt: skip
+def _emit(
+    tokens: list[int],
+    new: list[int],
+    max_new_tokens: int,
+    end_ids: set[int],
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
+) -> tuple[list[int], bool]:
     """Appends `new` up to the token budget, the first end id, or the end of a stop sequence;
     returns (appended, finished)."""
     taken, stopped = [], False

@@ -31,8 +31,16 @@ class RunnerJob:
 
     def __init__(self, command: list[str], env: dict, log_path: str, on_event, on_exit):
         self.log = open(log_path, "a")  # noqa: SIM115 (kept open for the job's lifetime)
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                        text=True, bufsize=1, env=env, start_new_session=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            env=env,
+            start_new_session=True,
+        )
         self.ready = threading.Event()
         self.info: dict = {}
         self.on_event, self.on_exit = on_event, on_exit
@@ -96,11 +104,26 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise pb_utils.TritonModelException("this model streams: model_transaction_policy { decoupled: true }")
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        self.command = [params["mpirun"], "-np", params["tp_size"], params["python"], "-m", "runner", "--serve",
-                        "--engine_dir", params["engine_dir"], "--backend", params["backend"]]  # fmt: skip
+        self.command = [
+            params["mpirun"],
+            "-np",
+            params["tp_size"],
+            params["python"],
+            "-m",
+            "runner",
+            "--serve",
+            "--engine_dir",
+            params["engine_dir"],
+            "--backend",
+            params["backend"],
+        ]
         self.env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONHOME", "PYTHONPATH")}
-        self.env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                        PATH=os.path.dirname(params["python"]) + ":/usr/local/bin:/usr/bin:/bin")  # fmt: skip
+        self.env.update(
+            OMP_NUM_THREADS="1",
+            OPENBLAS_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            PATH=os.path.dirname(params["python"]) + ":/usr/local/bin:/usr/bin:/bin",
+        )
         self.log_path = params.get("runner_log", "/tmp/ddtree-runner.log")
         self.pending: dict[str, dict] = {}
         self.lock = threading.Lock()
@@ -119,14 +142,18 @@ class TritonPythonModel:
     def _respond(self, entry, text=None, accept=None, error=None, final=False):
         sender = entry["sender"]
         if error is not None:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(error)),
-                        flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # fmt: skip
+            sender.send(
+                pb_utils.InferenceResponse(error=pb_utils.TritonError(error)),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
             return
         if text is None:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        outputs = [pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
-                   pb_utils.Tensor("accept_length", np.array(accept or [], dtype=np.int32))]  # fmt: skip
+        outputs = [
+            pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
+            pb_utils.Tensor("accept_length", np.array(accept or [], dtype=np.int32)),
+        ]
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=flags)
 
@@ -182,8 +209,10 @@ class TritonPythonModel:
                 stream = bool(_scalar(request, "stream", False))
                 exclude = bool(_scalar(request, "exclude_input_in_output", False))
             except (ValueError, TypeError) as err:
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"bad request: {err}")),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # fmt: skip
+                sender.send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"bad request: {err}")),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
                 continue
             entry = {"sender": sender, "stream": stream, "exclude_input": exclude}
             with self.lock:

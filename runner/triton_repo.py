@@ -51,8 +51,9 @@ parameters {{ key: "runner_log" value: {{ string_value: "{runner_log}" }} }}
 """
 
 
-def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort",
-                     force: bool = False) -> Path:  # fmt: skip
+def write_repository(
+    engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort", force: bool = False
+) -> Path:
     from builder.output_dir import prepare_output_dir
 
     engine = load_engine_dir(engine_dir)
@@ -65,11 +66,20 @@ def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtr
     model_dir = output_dir / model_name
     (model_dir / "1").mkdir(parents=True)
     build = engine.build_config
-    (model_dir / "config.pbtxt").write_text(CONFIG.format(
-        name=model_name, engine_dir=engine.path.resolve(), tp_size=engine.tp_size, backend=backend,
-        engine_batch=build.max_batch_size, max_input_len=build.max_input_len, max_seq_len=build.max_seq_len,
-        python=python, mpirun=mpirun, runner_log=(output_dir / f"{model_name}-runner.log").resolve(),
-    ))  # fmt: skip
+    (model_dir / "config.pbtxt").write_text(
+        CONFIG.format(
+            name=model_name,
+            engine_dir=engine.path.resolve(),
+            tp_size=engine.tp_size,
+            backend=backend,
+            engine_batch=build.max_batch_size,
+            max_input_len=build.max_input_len,
+            max_seq_len=build.max_seq_len,
+            python=python,
+            mpirun=mpirun,
+            runner_log=(output_dir / f"{model_name}-runner.log").resolve(),
+        )
+    )
     shutil.copy2(Path(__file__).with_name("triton_model.py"), model_dir / "1" / "model.py")
     return model_dir
 

@@ -26,13 +26,16 @@ def _venv_paths(venv: Path) -> dict:
     python = venv / "bin" / "python"
     if not python.exists():
         raise FileNotFoundError(f"no Python in the Triton venv {venv} (make it with `make triton-venv`)")
-    script = ("import json, sys, sysconfig; print(json.dumps({'purelib': sysconfig.get_paths()['purelib'], "
-              "'version': f'{sys.version_info[0]}.{sys.version_info[1]}', 'libdir': sysconfig.get_config_var('LIBDIR')}))")  # fmt: skip
+    script = (
+        "import json, sys, sysconfig; print(json.dumps({'purelib': sysconfig.get_paths()['purelib'], "
+        "'version': f'{sys.version_info[0]}.{sys.version_info[1]}', 'libdir': sysconfig.get_config_var('LIBDIR')}))"
+    )
     return json.loads(subprocess.check_output([str(python), "-c", script], text=True))
 
 
-def start_server(triton_venv: Path, repository: Path, work: Path, http_port: int, grpc_port: int, metrics_port: int,
-                 log_path: Path) -> subprocess.Popen:  # fmt: skip
+def start_server(
+    triton_venv: Path, repository: Path, work: Path, http_port: int, grpc_port: int, metrics_port: int, log_path: Path
+) -> subprocess.Popen:
     paths = _venv_paths(Path(triton_venv))
     site = Path(paths["purelib"])
     server = site / "pytriton" / "tritonserver"
@@ -40,18 +43,31 @@ def start_server(triton_venv: Path, repository: Path, work: Path, http_port: int
         raise FileNotFoundError(f"{triton_venv} has no pytriton tritonserver (pip install nvidia-pytriton==0.7.0)")
     backend = Path(work) / "backends" / "python"
     backend.mkdir(parents=True, exist_ok=True)
-    for file in (server / "backends/python/libtriton_python.so", server / "backends/python/triton_python_backend_utils.py",
-                 server / f"python_backend_stubs/{paths['version']}/triton_python_backend_stub"):  # fmt: skip
+    for file in (
+        server / "backends/python/libtriton_python.so",
+        server / "backends/python/triton_python_backend_utils.py",
+        server / f"python_backend_stubs/{paths['version']}/triton_python_backend_stub",
+    ):
         shutil.copy2(file, backend / file.name)
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = ":".join(filter(None, [paths["libdir"], str(site / "nvidia_pytriton.libs"),
-                                                    os.environ.get("LD_LIBRARY_PATH")]))  # fmt: skip
+    env["LD_LIBRARY_PATH"] = ":".join(
+        filter(None, [paths["libdir"], str(site / "nvidia_pytriton.libs"), os.environ.get("LD_LIBRARY_PATH")])
+    )
     env["PATH"] = f"{Path(triton_venv).resolve() / 'bin'}:{env.get('PATH', '')}"
-    command = [str(server / "bin" / "tritonserver"), f"--model-repository={Path(repository).resolve()}",
-               f"--backend-directory={Path(work).resolve() / 'backends'}", "--http-address=127.0.0.1",
-               f"--http-port={http_port}", "--grpc-address=127.0.0.1", f"--grpc-port={grpc_port}",
-               "--metrics-address=127.0.0.1", f"--metrics-port={metrics_port}", "--allow-gpu-metrics=false",
-               "--exit-timeout-secs=10", "--log-verbose=0"]  # fmt: skip
+    command = [
+        str(server / "bin" / "tritonserver"),
+        f"--model-repository={Path(repository).resolve()}",
+        f"--backend-directory={Path(work).resolve() / 'backends'}",
+        "--http-address=127.0.0.1",
+        f"--http-port={http_port}",
+        "--grpc-address=127.0.0.1",
+        f"--grpc-port={grpc_port}",
+        "--metrics-address=127.0.0.1",
+        f"--metrics-port={metrics_port}",
+        "--allow-gpu-metrics=false",
+        "--exit-timeout-secs=10",
+        "--log-verbose=0",
+    ]
     log = open(log_path, "w")  # noqa: SIM115 (the server writes to it until it stops)
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -104,13 +120,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     log = args.work_dir / "tritonserver.log"
-    process = start_server(args.triton_venv, args.model_repository, args.work_dir, args.http_port, args.grpc_port,
-                           args.metrics_port, log)  # fmt: skip
+    process = start_server(
+        args.triton_venv, args.model_repository, args.work_dir, args.http_port, args.grpc_port, args.metrics_port, log
+    )
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         wait_ready(process, args.http_port, log)
-        print(f"tritonserver ready (pid {process.pid}): http://127.0.0.1:{args.http_port}/v2/models "
-              f"grpc 127.0.0.1:{args.grpc_port}; log {log}; Ctrl-C stops it", flush=True)  # fmt: skip
+        print(
+            f"tritonserver ready (pid {process.pid}): http://127.0.0.1:{args.http_port}/v2/models "
+            f"grpc 127.0.0.1:{args.grpc_port}; log {log}; Ctrl-C stops it",
+            flush=True,
+        )
         process.wait()
     except KeyboardInterrupt:
         pass

@@ -77,5 +77,11 @@ def mpirun(np: int, *args: str, timeout: float = 300) -> subprocess.CompletedPro
     """Launches `python args...` on np ranks with the venv's MPI launcher."""
     launcher = Path(sys.executable).parent / "mpirun"
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return subprocess.run([str(launcher), "-np", str(np), sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    return subprocess.run(
+        [str(launcher), "-np", str(np), sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )

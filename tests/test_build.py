@@ -72,8 +72,17 @@ def test_onnx_matches_torch_under_mpirun(demo_engine, tp_size):
 def test_profiles_must_hold_the_spec(demo_ckpt, tmp_path, capsys):
     with pytest.raises(ValueError, match="budget=32 needs a 33-token verify_tree profile; got max_num_tokens=8"):
         derive_profiles(SpecConfig(8, 32), BuildConfig(max_num_tokens=8))
-    args = ["build", "--checkpoint_dir", str(demo_ckpt(2)), "--output_dir", str(tmp_path / "e"),
-            "--ddtree_budget", "32", "--max_num_tokens", "8"]  # fmt: skip
+    args = [
+        "build",
+        "--checkpoint_dir",
+        str(demo_ckpt(2)),
+        "--output_dir",
+        str(tmp_path / "e"),
+        "--ddtree_budget",
+        "32",
+        "--max_num_tokens",
+        "8",
+    ]
     assert cli_main(args) == 2
     assert "budget=32 needs a 33-token verify_tree profile; got max_num_tokens=8" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
@@ -86,16 +95,28 @@ def test_profiles_must_hold_the_spec(demo_ckpt, tmp_path, capsys):
 
 
 def test_one_shot_build_rejects_non_dividing_tp(demo_hf, tmp_path, capsys):
-    args = ["--model_dir", str(demo_hf / "kimi-k2-tiny"), "--draft_model_dir", str(demo_hf / "kimi-k2-tiny-dflash"),
-            "--tp_size", "3", "--output_dir", str(tmp_path / "e")]  # fmt: skip
+    args = [
+        "--model_dir",
+        str(demo_hf / "kimi-k2-tiny"),
+        "--draft_model_dir",
+        str(demo_hf / "kimi-k2-tiny-dflash"),
+        "--tp_size",
+        "3",
+        "--output_dir",
+        str(tmp_path / "e"),
+    ]
     assert cli_main(args) == 2
     assert "tp_size=3 must divide num_attention_heads=8 (8 % 3 = 2)" in capsys.readouterr().err
 
 
 def test_missing_plugin_creator_is_named(tmp_path):
     node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="ddtree")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])])  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ddtree", 1)])
     onnx.save(model, str(tmp_path / "g.onnx"))
     profile = Profile("p", "target", {"n": (1, 2, 4)})

@@ -18,8 +18,19 @@ pytestmark = pytest.mark.mpi
 
 def run(np_, engine, tmp_path, *extra, prompts=PROMPTS, max_output_len=48):
     out = tmp_path / f"out-{np_}-{len(list(tmp_path.iterdir()))}.json"
-    args = ["-m", "runner", "--engine_dir", str(engine), "--backend", "ort", "--max_output_len", str(max_output_len),
-            "--output_json", str(out), *extra]  # fmt: skip
+    args = [
+        "-m",
+        "runner",
+        "--engine_dir",
+        str(engine),
+        "--backend",
+        "ort",
+        "--max_output_len",
+        str(max_output_len),
+        "--output_json",
+        str(out),
+        *extra,
+    ]
     for prompt in prompts:
         args += ["--input_text", prompt]
     done = mpirun(np_, *args)

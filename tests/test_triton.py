@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TRITON_VENV = Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton"))
 pytestmark = [
     pytest.mark.triton,
-    pytest.mark.skipif(not (TRITON_VENV / "bin" / "python").exists(),
-                       reason=f"no Triton venv at {TRITON_VENV} (`make test` creates it)"),
-]  # fmt: skip
+    pytest.mark.skipif(
+        not (TRITON_VENV / "bin" / "python").exists(),
+        reason=f"no Triton venv at {TRITON_VENV} (`make test` creates it)",
+    ),
+]
 PROMPTS = ["Hello world! Speculative decoding", "The quick brown fox", "Numbers: 1 2 3", "Kimi is a large model"]
 
 
@@ -44,8 +46,9 @@ def server(demo_engine, tmp_path_factory):
     work = tmp_path_factory.mktemp("triton")
     write_repository(engine, work / "repo")
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
-    process = start_server(TRITON_VENV, work / "repo", work, ports["http"], ports["grpc"], ports["metrics"],
-                           work / "server.log")  # fmt: skip
+    process = start_server(
+        TRITON_VENV, work / "repo", work, ports["http"], ports["grpc"], ports["metrics"], work / "server.log"
+    )
     try:
         wait_ready(process, ports["http"], work / "server.log")
         yield {**ports, "engine": engine, "process": process, "log": work / "server.log"}
@@ -66,16 +69,29 @@ def cli_outputs(demo_engine, tmp_path_factory):
         args += ["--input_text", prompt]
     greedy = mpirun(2, *args, "--output_json", str(out / "greedy.json"))
     assert greedy.returncode == 0, greedy.stderr
-    sampled = mpirun(2, *args[:8], "--input_text", PROMPTS[0], "--temperature", "0.8", "--seed", "5",
-                     "--output_json", str(out / "sampled.json"))  # fmt: skip
+    sampled = mpirun(
+        2,
+        *args[:8],
+        "--input_text",
+        PROMPTS[0],
+        "--temperature",
+        "0.8",
+        "--seed",
+        "5",
+        "--output_json",
+        str(out / "sampled.json"),
+    )
     assert sampled.returncode == 0, sampled.stderr
     read = lambda name: [r["text"] for r in json.loads((out / name).read_text())["results"]]  # noqa: E731
     return {"greedy": read("greedy.json"), "sampled": read("sampled.json")[0]}
 
 
 def post(port: int, path: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/ddtree/{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v2/models/ddtree/{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, reply.read().decode()
@@ -95,8 +111,9 @@ def test_generate_equals_cli(server, cli_outputs):
     reply = json.loads(text)
     assert reply["text_output"] == PROMPTS[0] + cli_outputs["greedy"][0]  # TensorRT-LLM default: prompt included
     assert reply["accept_length"] and all(a >= 1 for a in reply["accept_length"])
-    status, text = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16,
-                                                     "exclude_input_in_output": True})  # fmt: skip
+    status, text = post(
+        server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
+    )
     assert json.loads(text)["text_output"] == cli_outputs["greedy"][0]
 
 
@@ -130,9 +147,13 @@ def test_stock_grpc_client_streams_sampled_tokens(server, cli_outputs):
 
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")
     client.start_stream(callback=callback)
-    inputs = [tensor("text_input", PROMPTS[0].encode(), np.object_, "BYTES"), tensor("max_tokens", 16, np.int32, "INT32"),
-              tensor("temperature", 0.8, np.float32, "FP32"), tensor("seed", 5, np.uint64, "UINT64"),
-              tensor("stream", True, bool, "BOOL")]  # fmt: skip
+    inputs = [
+        tensor("text_input", PROMPTS[0].encode(), np.object_, "BYTES"),
+        tensor("max_tokens", 16, np.int32, "INT32"),
+        tensor("temperature", 0.8, np.float32, "FP32"),
+        tensor("seed", 5, np.uint64, "UINT64"),
+        tensor("stream", True, bool, "BOOL"),
+    ]
     client.async_stream_infer("ddtree", inputs, enable_empty_final_response=True)
     assert done.wait(120), chunks
     client.stop_stream()
@@ -145,8 +166,9 @@ def test_concurrent_requests_all_complete(server, cli_outputs):
     results = {}
 
     def ask(i):
-        results[i] = post(server["http"], "generate", {"text_input": PROMPTS[i], "max_tokens": 16,
-                                                       "exclude_input_in_output": True})  # fmt: skip
+        results[i] = post(
+            server["http"], "generate", {"text_input": PROMPTS[i], "max_tokens": 16, "exclude_input_in_output": True}
+        )
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
     for thread in threads:
@@ -166,8 +188,9 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, cli_output
     assert "longer than the engine's max_input_len=64" in text
     status, text = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 4, "top_p": 0.0})
     assert "top_p must be in (0, 1]" in text
-    status, text = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16,
-                                                     "exclude_input_in_output": True})  # fmt: skip
+    status, text = post(
+        server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
+    )
     assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
 
 
@@ -186,8 +209,9 @@ def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs)
     assert "the ddtree runner exited" in text
     deadline, last = time.monotonic() + 120, None
     while time.monotonic() < deadline:  # the model starts a new runner
-        last = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16,
-                                                 "exclude_input_in_output": True})  # fmt: skip
+        last = post(
+            server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
+        )
         if last[0] == 200:
             break
         time.sleep(2)

@@ -40,8 +40,9 @@ def test_feeds_are_checked_against_the_named_profile(setup):
 
     profiles, io = setup
     session = EngineSession(profiles, io)
-    feeds = {t.name: torch.zeros(8 if d == "tokens" else 1, dtype=torch.int64) for t in io["target"][0] for d in
-             t.dims[:1]}  # fmt: skip
+    feeds = {
+        t.name: torch.zeros(8 if d == "tokens" else 1, dtype=torch.int64) for t in io["target"][0] for d in t.dims[:1]
+    }
     with pytest.raises(ValueError, match=r"profile verify_tree: input input_ids expected shape \[33\]"):
         session.run("verify_tree", feeds)
     with pytest.raises(ValueError, match=r"the engine has no profile 'verify'; it has \['decode', 'draft'"):

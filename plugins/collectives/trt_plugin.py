@@ -43,8 +43,9 @@ class _AllGatherSpec(_AllReduceSpec):
         for i in range(len(dims)):
             out[i] = dims[i]
         last = len(dims) - 1
-        out[last] = exprs.operation(self.trt.DimensionOperation.PROD, dims[last],
-                                    exprs.constant(int(plugin.fields["world_size"])))  # fmt: skip
+        out[last] = exprs.operation(
+            self.trt.DimensionOperation.PROD, dims[last], exprs.constant(int(plugin.fields["world_size"]))
+        )
         return [out]
 
     def enqueue(self, plugin, input_desc, output_desc, inputs, outputs, workspace, stream):

@@ -21,13 +21,34 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q_lat, q_rope, k_ptr, k_stride, rows_k, key_ok, visible,
-                  offs_dl, offs_dr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr, qk_scale,
-                  PRECISION: tl.constexpr):  # fmt: skip
-    k_lat = tl.load(k_ptr + rows_k[:, None] * k_stride + offs_dl[None, :],
-                    mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)  # fmt: skip
-    k_rope = tl.load(k_ptr + rows_k[:, None] * k_stride + D_LAT + offs_dr[None, :],
-                     mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)  # fmt: skip
+def _attend_block(
+    acc,
+    m_i,
+    l_i,
+    q_lat,
+    q_rope,
+    k_ptr,
+    k_stride,
+    rows_k,
+    key_ok,
+    visible,
+    offs_dl,
+    offs_dr,
+    D_LAT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    qk_scale,
+    PRECISION: tl.constexpr,
+):
+    k_lat = tl.load(
+        k_ptr + rows_k[:, None] * k_stride + offs_dl[None, :],
+        mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT),
+        other=0.0,
+    )
+    k_rope = tl.load(
+        k_ptr + rows_k[:, None] * k_stride + D_LAT + offs_dr[None, :],
+        mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE),
+        other=0.0,
+    )
     scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION) + tl.dot(
         q_rope, tl.trans(k_rope), input_precision=PRECISION
     )  # [BLOCK_M, BLOCK_N] fp32
@@ -43,11 +64,28 @@ def _attend_block(acc, m_i, l_i, q_lat, q_rope, k_ptr, k_stride, rows_k, key_ok,
 
 @triton.jit
 def _tree_attention_split(
-    q_ptr, cache_ptr, length_ptr, new_ptr, mask_ptr, part_out, part_m, part_l,
-    T, H, qk_scale, cache_stride, new_stride, num_splits,
-    D_LAT: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    cache_ptr,
+    length_ptr,
+    new_ptr,
+    mask_ptr,
+    part_out,
+    part_m,
+    part_l,
+    T,
+    H,
+    qk_scale,
+    cache_stride,
+    new_stride,
+    num_splits,
+    D_LAT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_DL: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     tile, split = tl.program_id(0), tl.program_id(1)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (token, head) query rows
     row_ok = rows < T * H
@@ -68,27 +106,69 @@ def _tree_attention_split(
     for block in range(start, stop, BLOCK_N):  # committed cache rows: visible to every query
         keys = block + offs_n
         key_ok = keys < stop
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q_lat, q_rope, cache_ptr, cache_stride, keys, key_ok,
-                                      row_ok[:, None] & key_ok[None, :], offs_dl, offs_dr, D_LAT, D_ROPE,
-                                      qk_scale, PRECISION)  # fmt: skip
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q_lat,
+            q_rope,
+            cache_ptr,
+            cache_stride,
+            keys,
+            key_ok,
+            row_ok[:, None] & key_ok[None, :],
+            offs_dl,
+            offs_dr,
+            D_LAT,
+            D_ROPE,
+            qk_scale,
+            PRECISION,
+        )
     if split == num_splits - 1:  # the tree's own rows, under the tree mask
         for block in range(0, T, BLOCK_N):
             keys = block + offs_n
             key_ok = keys < T
-            allowed = tl.load(mask_ptr + token[:, None] * T + keys[None, :],
-                              mask=row_ok[:, None] & key_ok[None, :], other=0).to(tl.int1)  # fmt: skip
-            acc, m_i, l_i = _attend_block(acc, m_i, l_i, q_lat, q_rope, new_ptr, new_stride, keys, key_ok, allowed,
-                                          offs_dl, offs_dr, D_LAT, D_ROPE, qk_scale, PRECISION)  # fmt: skip
+            allowed = tl.load(
+                mask_ptr + token[:, None] * T + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0
+            ).to(tl.int1)
+            acc, m_i, l_i = _attend_block(
+                acc,
+                m_i,
+                l_i,
+                q_lat,
+                q_rope,
+                new_ptr,
+                new_stride,
+                keys,
+                key_ok,
+                allowed,
+                offs_dl,
+                offs_dr,
+                D_LAT,
+                D_ROPE,
+                qk_scale,
+                PRECISION,
+            )
     base = split * T * H + rows
     tl.store(part_m + base, m_i, mask=row_ok)
     tl.store(part_l + base, l_i, mask=row_ok)
-    tl.store(part_out + base[:, None] * D_LAT + offs_dl[None, :], acc,
-             mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT))  # fmt: skip
+    tl.store(
+        part_out + base[:, None] * D_LAT + offs_dl[None, :], acc, mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT)
+    )
 
 
 @triton.jit
-def _combine_splits(part_out, part_m, part_l, out_ptr, rows_total, num_splits,
-                    D_LAT: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+def _combine_splits(
+    part_out,
+    part_m,
+    part_l,
+    out_ptr,
+    rows_total,
+    num_splits,
+    D_LAT: tl.constexpr,
+    BLOCK_DL: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     row = tl.program_id(0)
     splits = tl.arange(0, BLOCK_S)
     ok = splits < num_splits
@@ -99,8 +179,11 @@ def _combine_splits(part_out, part_m, part_l, out_ptr, rows_total, num_splits,
     weight = tl.where(ok, tl.exp2(m - m_safe), 0.0)
     total = tl.sum(weight * l, axis=0)
     offs = tl.arange(0, BLOCK_DL)
-    parts = tl.load(part_out + (splits[:, None] * rows_total + row) * D_LAT + offs[None, :],
-                    mask=ok[:, None] & (offs[None, :] < D_LAT), other=0.0)  # fmt: skip
+    parts = tl.load(
+        part_out + (splits[:, None] * rows_total + row) * D_LAT + offs[None, :],
+        mask=ok[:, None] & (offs[None, :] < D_LAT),
+        other=0.0,
+    )
     out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * D_LAT + offs, out.to(out_ptr.dtype.element_ty), mask=offs < D_LAT)
 
@@ -113,8 +196,7 @@ def default_config(rows: int) -> dict:
     return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
 
 
-def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int,
-                   min_blocks: int = 4) -> int:  # fmt: skip
+def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int, min_blocks: int = 4) -> int:
     """Enough (row tile, split) programs to fill the GPU ~2 deep, each with at least `min_blocks` key blocks of
     the cache *capacity* (the length is only known on the device)."""
     tiles = triton.cdiv(rows, block_m)
@@ -133,8 +215,9 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device.index]
 
 
-def tree_attention_cuda(q, cache, cache_length, new_kv, tree_mask, scale: float, latent_dim: int, out=None,
-                        stream=None, **config):  # fmt: skip
+def tree_attention_cuda(
+    q, cache, cache_length, new_kv, tree_mask, scale: float, latent_dim: int, out=None, stream=None, **config
+):
     """q [T, H, D], cache [S, D], cache_length [1] (int, on the device), new_kv [T, D], tree_mask [T, T] bool
     -> [T, H, latent_dim], with D = latent_dim + rope dim; same contract as `reference.tree_attention`."""
     tokens, heads, width = q.shape
@@ -155,12 +238,40 @@ def tree_attention_cuda(q, cache, cache_length, new_kv, tree_mask, scale: float,
         mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
         block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
         _tree_attention_split[(triton.cdiv(rows, block_m), splits)](
-            q.contiguous(), cache, cache_length, new_kv.contiguous(), mask, part_out, part_m, part_l,
-            tokens, heads, scale * LOG2E, cache.stride(0), new_kv.stride(0), splits,
-            D_LAT=latent_dim, D_ROPE=rope, BLOCK_DL=block_dl, BLOCK_DR=block_dr, BLOCK_M=block_m, BLOCK_N=block_n,
+            q.contiguous(),
+            cache,
+            cache_length,
+            new_kv.contiguous(),
+            mask,
+            part_out,
+            part_m,
+            part_l,
+            tokens,
+            heads,
+            scale * LOG2E,
+            cache.stride(0),
+            new_kv.stride(0),
+            splits,
+            D_LAT=latent_dim,
+            D_ROPE=rope,
+            BLOCK_DL=block_dl,
+            BLOCK_DR=block_dr,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models stay exact; bf16 ignores it
-            num_warps=config["num_warps"], num_stages=config["num_stages"],
-        )  # fmt: skip
-        _combine_splits[(rows,)](part_out, part_m, part_l, out, rows, splits, D_LAT=latent_dim, BLOCK_DL=block_dl,
-                                 BLOCK_S=max(2, triton.next_power_of_2(splits)), num_warps=4)  # fmt: skip
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
+        _combine_splits[(rows,)](
+            part_out,
+            part_m,
+            part_l,
+            out,
+            rows,
+            splits,
+            D_LAT=latent_dim,
+            BLOCK_DL=block_dl,
+            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            num_warps=4,
+        )
     return out

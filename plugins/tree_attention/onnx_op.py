@@ -17,8 +17,9 @@ class TreeAttentionOp(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, q, cache, cache_length, new_kv, tree_mask, scale, latent_dim):
-        out = g.op("ddtree::TreeAttention", q, cache, cache_length, new_kv, tree_mask, scale_f=scale,
-                   latent_dim_i=latent_dim)  # fmt: skip
+        out = g.op(
+            "ddtree::TreeAttention", q, cache, cache_length, new_kv, tree_mask, scale_f=scale, latent_dim_i=latent_dim
+        )
         sizes = q.type().varyingSizes()
         if sizes is not None:
             out.setType(q.type().with_sizes([sizes[0], sizes[1], latent_dim]))

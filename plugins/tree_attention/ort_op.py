@@ -27,7 +27,11 @@ def tree_attention_numpy(q, cache, cache_length, new_kv, tree_mask, scale, laten
     return np.einsum("thk,kc->thc", probs, keys[:, :latent_dim]).astype(np.float32)
 
 
-@onnx_op(op_type="ddtree::TreeAttention", inputs=[_F, _F, _I64, _F, _B], outputs=[_F],
-         attrs={"scale": PyCustomOpDef.dt_float, "latent_dim": PyCustomOpDef.dt_int64})  # fmt: skip
+@onnx_op(
+    op_type="ddtree::TreeAttention",
+    inputs=[_F, _F, _I64, _F, _B],
+    outputs=[_F],
+    attrs={"scale": PyCustomOpDef.dt_float, "latent_dim": PyCustomOpDef.dt_int64},
+)
 def _tree_attention(q, cache, cache_length, new_kv, tree_mask, **attrs):
     return tree_attention_numpy(q, cache, cache_length, new_kv, tree_mask, attrs["scale"], int(attrs["latent_dim"]))

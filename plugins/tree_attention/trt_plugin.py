@@ -41,8 +41,17 @@ class _Spec:
 
         q, cache, length, new_kv, mask = (as_torch(d, p) for d, p in zip(input_desc, inputs))
         out = as_torch(output_desc[0], outputs[0])
-        tree_attention_cuda(q, cache, length, new_kv, mask, plugin.fields["scale"], int(plugin.fields["latent_dim"]),
-                            out=out, stream=torch_stream(stream))  # fmt: skip
+        tree_attention_cuda(
+            q,
+            cache,
+            length,
+            new_kv,
+            mask,
+            plugin.fields["scale"],
+            int(plugin.fields["latent_dim"]),
+            out=out,
+            stream=torch_stream(stream),
+        )
 
 
 def creator(trt):
