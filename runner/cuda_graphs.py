@@ -45,7 +45,7 @@ class CudaGraphSession(TorchSession):
         return outputs
 
     def _capture(self, profile, feeds):
-        inputs = {n: (v if n in BOUND_IN_PLACE else v.clone()) for n, v in feeds.items()}
+        inputs = {n: (v if n in BOUND_IN_PLACE else v.to(self.device, copy=True)) for n, v in feeds.items()}
         names = [t.name for t in self.io[profile.role][0]]
         module = self.modules[profile.role]
         side = torch.cuda.Stream(self.device)

@@ -42,5 +42,6 @@ class TorchSession(EngineSession):
     @torch.no_grad()
     def execute(self, profile, feeds):
         inputs, outputs = self.io[profile.role]
-        results = self.modules[profile.role](*(feeds[t.name] for t in inputs))
+        device = self.modules[profile.role].lm_head.weight.device
+        results = self.modules[profile.role](*(feeds[t.name].to(device, non_blocking=True) for t in inputs))
         return {t.name: value for t, value in zip(outputs, results)}

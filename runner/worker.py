@@ -33,7 +33,8 @@ class RankWorker:
         self._pending: dict[str, torch.Tensor] = {}
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values), dtype=dtype, device=self.device)
+        """Small step inputs stay on the host: a session copies each one once into its own (device) buffer."""
+        return torch.as_tensor(np.asarray(values), dtype=dtype)
 
     def _target(self, profile: str, tokens, positions, mask, logit_rows) -> dict[str, torch.Tensor]:
         return self.session.run(

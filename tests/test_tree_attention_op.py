@@ -1,0 +1,94 @@
+"""TreeAttention: every implementation against the torch reference (the oracle), on fresh random inputs.
+
+Tolerances by dtype: float32 1e-5 relative (the GPU kernel's bf16 tolerance, 1e-2, is checked on the H200 by
+benchmarks/tree_attention_gpu.py). The Triton kernel runs here under the Triton interpreter (TRITON_INTERPRET=1).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from plugins.tree_attention.reference import tree_attention
+
+TOLERANCE = {torch.float32: 1e-5}
+# (tokens, heads, capacity, length, latent, rope): empty cache, spare capacity, one token, odd sizes
+SHAPES = [(3, 2, 10, 7, 32, 8), (5, 4, 70, 66, 32, 8), (33, 2, 0, 0, 64, 16), (1, 8, 40, 40, 32, 8),
+          (8, 2, 100, 100, 32, 16), (17, 3, 9, 0, 32, 8)]  # fmt: skip
+
+
+def random_case(tokens, heads, capacity, length, latent, rope, seed):
+    gen = torch.Generator().manual_seed(seed)
+    width = latent + rope
+    mask = torch.eye(tokens, dtype=torch.bool)
+    for node in range(1, tokens):
+        mask[node] |= mask[int(torch.randint(0, node, (1,), generator=gen))]
+    return (torch.randn(tokens, heads, width, generator=gen), torch.randn(capacity, width, generator=gen),
+            torch.tensor([length]), torch.randn(tokens, width, generator=gen), mask)  # fmt: skip
+
+
+def rel(a, b):
+    return float((torch.as_tensor(a).double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def test_reference_matches_dense_masked_softmax():
+    q, cache, length, new_kv, mask = random_case(6, 3, 20, 13, 32, 8, seed=1)
+    keys = torch.cat((cache[:13], new_kv)).double()
+    visible = torch.cat((torch.ones(6, 13, dtype=torch.bool), mask), 1)
+    scores = torch.einsum("thd,kd->thk", q.double(), keys) * 0.3
+    probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1)
+    expected = torch.einsum("thk,kc->thc", probs, keys[:, :32])
+    assert rel(tree_attention(q, cache, length, new_kv, mask, 0.3, 32), expected) < TOLERANCE[torch.float32]
+
+
+def test_rows_that_see_nothing_are_zero():
+    q, cache, _, new_kv, mask = random_case(4, 2, 5, 0, 32, 8, seed=2)
+    mask[2] = False
+    out = tree_attention(q, cache, torch.tensor([0]), new_kv, mask, 0.3, 32)
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and not out.isnan().any()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_onnx_runtime_op_matches_reference(shape):
+    from plugins.tree_attention.ort_op import tree_attention_numpy
+
+    q, cache, length, new_kv, mask = random_case(*shape, seed=sum(shape))
+    expected = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, 0.25, shape[4])
+    got = tree_attention_numpy(q.numpy(), cache.numpy(), length.numpy(), new_kv.numpy(), mask.numpy(), 0.25, shape[4])
+    assert got.dtype == np.float32 and rel(got, expected) < TOLERANCE[torch.float32]
+
+
+def test_triton_kernel_matches_reference_under_the_interpreter():
+    pytest.importorskip("triton")
+    script = textwrap.dedent(f"""
+        import numpy as np, torch
+        import triton.runtime.interpreter as interpreter
+        # Triton 3.6's interpreter turns 1-element arrays into ints with int(array), which NumPy >= 2.4 refuses.
+        _patch = interpreter._patch_lang_tensor
+        def _patched(tensor, scope):
+            _patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+        interpreter._patch_lang_tensor = _patched
+        from plugins.tree_attention.kernel import tree_attention_cuda
+        from plugins.tree_attention.reference import tree_attention
+        from tests.test_tree_attention_op import random_case, rel
+        worst = 0.0
+        for i, shape in enumerate({SHAPES!r}):
+            q, cache, length, new_kv, mask = random_case(*shape, seed=i)
+            out = torch.full((shape[0], shape[1], shape[4]), float("nan"))
+            tree_attention_cuda(q, cache, length, new_kv, mask, 0.3, shape[4], out=out, block_m=16, block_n=16,
+                                num_warps=1, num_stages=1)
+            expected = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, 0.3, shape[4])
+            assert not out.isnan().any(), shape
+            worst = max(worst, rel(out, expected))
+        print("worst", worst)
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
