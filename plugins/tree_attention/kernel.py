@@ -188,12 +188,28 @@ def _combine_splits(
     tl.store(out_ptr + row * D_LAT + offs, out.to(out_ptr.dtype.element_ty), mask=offs < D_LAT)
 
 
-def default_config(rows: int) -> dict:
+SHARED_MEMORY_BUDGET = 232448 - 8192  # Hopper allows 227 KB a block; Triton adds a few KB of its own (measured)
+
+
+def shared_bytes(config: dict, width: int, element_size: int) -> int:
+    """What a tile configuration stages in shared memory: the query tile plus num_stages key blocks."""
+    return (config["block_m"] + config["num_stages"] * config["block_n"]) * width * element_size
+
+
+def default_config(rows: int, width: int = 576, element_size: int = 2) -> dict:
     """Tile shapes measured on the H200 (benchmarks/tree_attention_gpu.py): 64-row tiles (the wgmma M) with
-    64-key blocks for many query rows; 16-row tiles when at most 16 rows exist (T = 1 decode, T*H <= 16)."""
-    if rows <= 16:
-        return {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}
-    return {"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2}
+    64-key blocks for many query rows; 16-row tiles when at most 16 rows exist (T = 1 decode, T*H <= 16).
+    Wider or fp32 rows fall back to smaller tiles until the shared memory fits."""
+    preferred = [{"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}] if rows <= 16 else []
+    preferred += [{"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
+                  {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
+                  {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
+                  {"block_m": 16, "block_n": 32, "num_warps": 4, "num_stages": 2},
+                  {"block_m": 16, "block_n": 16, "num_warps": 4, "num_stages": 1}]  # fmt: skip
+    for config in preferred:
+        if shared_bytes(config, width, element_size) <= SHARED_MEMORY_BUDGET:
+            return config
+    return preferred[-1]
 
 
 def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int, min_blocks: int = 4) -> int:
@@ -224,7 +240,8 @@ def tree_attention_cuda(
     rope = width - latent_dim
     device = q.device
     rows = tokens * heads
-    config = {**default_config(rows), **config}
+    padded = max(16, triton.next_power_of_2(latent_dim)) + max(16, triton.next_power_of_2(rope))
+    config = {**default_config(rows, padded, q.element_size()), **config}
     block_m, block_n = config["block_m"], config["block_n"]
     splits = num_splits_for(rows, cache.shape[0], block_m, block_n, _sm_count(device), config.get("min_blocks", 4))
     if cache.shape[0] == 0:  # nothing cached: any valid pointer will do, no cache row is read
