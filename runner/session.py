@@ -15,6 +15,7 @@ class EngineSession:
 
     def __init__(self, profiles: dict[str, Profile], io: dict[str, tuple[list[TensorIO], list[TensorIO]]]):
         self.profiles, self.io = profiles, io
+        self._checked: set = set()
 
     def profile(self, name: str) -> Profile:
         if name not in self.profiles:
@@ -23,7 +24,11 @@ class EngineSession:
 
     def run(self, profile_name: str, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         profile = self.profile(profile_name)
-        check_feeds(profile, self.io[profile.role][0], {name: tuple(t.shape) for name, t in feeds.items()})
+        shapes = {name: tuple(t.shape) for name, t in feeds.items()}
+        key = (profile_name, tuple(sorted(shapes.items())))
+        if key not in self._checked:  # every new combination of shapes is checked once, then remembered
+            check_feeds(profile, self.io[profile.role][0], shapes)
+            self._checked.add(key)
         return self.execute(profile, feeds)
 
     def execute(self, profile: Profile, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
