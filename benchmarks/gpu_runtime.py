@@ -329,9 +329,53 @@ def end_to_end(device, dtype, smoke: bool, new_tokens: int, repeats: int = 3) ->
                     f"equal to AR for {match}/{len(result.tokens)} tokens",
                     flush=True,
                 )
+        rows += device_loop_rows(model, target, drafter, target_cfg, drafter_cfg, prompt, baseline.tokens, ar_rate,
+                                 device, dtype, smoke, new_tokens, repeats)  # fmt: skip
         del target, drafter
         if not smoke:
             torch.cuda.empty_cache()
+    return rows
+
+
+def device_loop_rows(model, target, drafter, target_cfg, drafter_cfg, prompt, continuation, ar_rate, device, dtype,
+                     smoke, new_tokens, repeats) -> list[dict]:  # fmt: skip
+    """The same modes with the whole step on the device (runner/device_loop.py), one CUDA graph a step."""
+    from runner.device_loop import DeviceLoop, generate_on_device
+
+    rows = []
+    for drafter_kind in ("random", "oracle"):
+        for mode, spec in [("dflash chain", SpecConfig(8, 7, 1))] + [
+            (f"ddtree {b}", SpecConfig(8, b)) for b in (8, 32)
+        ]:
+            engine, _ = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, smoke)
+            oracle = torch.tensor(continuation, device=device) if drafter_kind == "oracle" else None
+            loop = DeviceLoop(engine.workers[0], spec, use_graph=not smoke, oracle=oracle)
+            generate_on_device(engine, loop, prompt, 32)  # warm-up: capture the step graph
+            rates, gaps = [], []
+            for _ in range(repeats):
+                loop.events = [] if not smoke else None
+                result = generate_on_device(engine, loop, prompt, new_tokens)
+                rates.append((len(result.tokens) - 1) / (result.elapsed - result.seconds.get("prefill", 0.0)))
+                if loop.events:
+                    torch.cuda.synchronize()
+                    idle = [loop.events[i][1].elapsed_time(loop.events[i + 1][0]) for i in range(len(loop.events) - 1)]
+                    gaps.append(statistics.median(idle) * 1e3)
+                    step_ms = statistics.median(s.elapsed_time(e) for s, e in loop.events)
+            match = next((i for i, (a, b) in enumerate(zip(result.tokens, continuation)) if a != b),
+                         min(len(result.tokens), len(continuation)))  # fmt: skip
+            rate = statistics.median(rates)
+            row = {"model": model, "mode": f"{mode} (device loop)", "drafter": drafter_kind, "tokens_per_s": rate,
+                   "speedup": rate / ar_rate, "mean_accept_length": result.mean_accept_length,
+                   "host_gap_us_per_step": statistics.median(gaps) if gaps else None,
+                   "step_graph_ms": step_ms if gaps else None, "tokens_equal_to_autoregressive": match,
+                   "tokens": len(result.tokens)}  # fmt: skip
+            rows.append(row)
+            print(
+                f"{model}: {mode:12s} device loop {drafter_kind:6s} {rate:8.1f} tokens/s (x{rate / ar_rate:.2f}), "
+                f"accept {result.mean_accept_length:.2f}, GPU idle between steps {row['host_gap_us_per_step']} us, "
+                f"step graph {row['step_graph_ms']} ms, equal to AR for {match}/{len(result.tokens)}",
+                flush=True,
+            )
     return rows
 
 

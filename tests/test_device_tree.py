@@ -1,0 +1,91 @@
+"""The device-side tree build and greedy walk equal the host versions (runner/tree.py) on random cases."""
+
+import numpy as np
+import pytest
+import torch
+
+from runner.device_tree import accept_greedy_device, build_tree_device
+from runner.tree import build_tree, follow_tree
+
+
+def _top(rng, depth, k):
+    logits = rng.normal(size=(depth, 60)) * 2
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    order = np.argsort(-logprobs, axis=-1)[:, :k]
+    return np.take_along_axis(logprobs, order, -1), order
+
+
+def _paths(tokens, parents, count):
+    out = set()
+    for node in range(1, count):
+        path, n = [], node
+        while n > 0:
+            path.append(int(tokens[n]))
+            n = int(parents[n])
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_device_tree_equals_host_tree(seed):
+    rng = np.random.default_rng(seed)
+    depth, budget = int(rng.integers(1, 8)), int(rng.integers(1, 40))
+    k = min(budget, int(rng.integers(1, 6)))
+    logprobs, ids = _top(rng, depth, k)
+    rows = budget + 1 + int(rng.integers(0, 4))
+    host = build_tree(logprobs, ids, budget, root_token=5, rows=rows)
+    tokens, parents, depths, mask, count = build_tree_device(torch.tensor(logprobs), torch.tensor(ids), budget,
+                                                             torch.tensor(5), rows)  # fmt: skip
+    n = int(count)
+    assert n == host.num_nodes
+    assert _paths(tokens, parents, n) == _paths(host.tokens, host.parents, host.num_nodes)
+    for node in range(1, n):
+        assert 0 <= parents[node] < node and depths[node] == depths[parents[node]] + 1
+    # the same visibility once rows are matched by their token paths
+    host_rows = {}
+    for node in range(host.num_nodes):
+        host_rows[_node_path(host.tokens, host.parents, node)] = node
+    order = [host_rows[_node_path(tokens, parents, node)] for node in range(n)]
+    assert np.array_equal(mask[:n, :n].numpy(), host.mask()[np.ix_(order, order)])
+    assert not mask[n:].any() and not mask[:, n:].any()
+
+
+def _node_path(tokens, parents, node):
+    path = []
+    while node > 0:
+        path.append(int(tokens[node]))
+        node = int(parents[node])
+    return tuple(reversed(path))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_device_walk_equals_host_walk(seed):
+    rng = np.random.default_rng(100 + seed)
+    logprobs, ids = _top(rng, 5, 3)
+    tokens, parents, _, _, count = build_tree_device(torch.tensor(logprobs), torch.tensor(ids), 20, torch.tensor(1), 24)
+    host = build_tree(logprobs, ids, 20, root_token=1, rows=24)
+    # target choices that follow the tree for a random number of steps, then leave it
+    choices = torch.tensor(rng.integers(0, 60, size=24))
+    node = 0
+    for _ in range(int(rng.integers(0, 5))):
+        kids = [i for i in range(int(count)) if int(parents[i]) == node and i > 0]
+        if not kids:
+            break
+        child = kids[int(rng.integers(0, len(kids)))]
+        choices[node] = tokens[child]
+        node = child
+    real = torch.arange(24) < count
+    path, length, bonus = accept_greedy_device(tokens, parents, real, choices, 5)
+    accepted = [int(tokens[i]) for i in path[1 : int(length)]]
+    host_choices = [int(choices[_index(tokens, parents, host, i)]) for i in range(host.num_nodes)]
+    host_path, host_bonus = follow_tree(host, host_choices)
+    assert accepted == [int(host.tokens[i]) for i in host_path[1:]] and int(bonus) == host_bonus
+
+
+def _index(tokens, parents, host, host_node):
+    """The device row holding the host node's token path."""
+    want = _node_path(host.tokens, host.parents, host_node)
+    for row in range(len(tokens)):
+        if _node_path(tokens, parents, row) == want and (row == 0 or parents[row] >= 0):
+            return row
+    raise AssertionError(want)
