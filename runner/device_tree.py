@@ -53,9 +53,9 @@ def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
     tokens[1 : budget + 1] = torch.where(valid, torch.stack(beam_tokens)[chosen_depth, chosen_slot], pad_token)
     parents[1 : budget + 1] = torch.where(valid, parent_node, -1)
     depths[1 : budget + 1] = torch.where(valid, chosen_depth + 1, 0)
-    real = torch.zeros(rows, dtype=torch.bool, device=device)
-    real[0] = True
-    real[1 : budget + 1] = valid
+    # no Python-scalar stores into device tensors: they would be host copies inside a CUDA-graph capture
+    root_row = torch.ones(1, dtype=torch.bool, device=device)
+    real = torch.cat((root_row, valid, torch.zeros(rows - budget - 1, dtype=torch.bool, device=device)))
     return tokens, parents, depths, ancestor_mask(parents, real, depth_limit), real.sum().reshape(1)
 
 
