@@ -83,11 +83,12 @@ def accept_greedy_device(tokens, parents, real, choices: torch.Tensor, depth_lim
     path = [current]
     length = torch.ones((), dtype=torch.long, device=tokens.device)
     for _ in range(depth_limit):
-        match = real & (parents == current) & (tokens == choices[current])
+        wanted = choices.index_select(0, current.reshape(1))  # a tensor index would sync (int conversion)
+        match = real & (parents == current) & (tokens == wanted)
         found = match.any() & alive
         following = match.to(torch.int32).argmax()
         current = torch.where(found, following, current)
         path.append(torch.where(found, following, 0))
         length = length + found.to(torch.long)
         alive = found
-    return torch.stack(path), length.reshape(1), choices[current].reshape(1)
+    return torch.stack(path), length.reshape(1), choices.index_select(0, current.reshape(1))
