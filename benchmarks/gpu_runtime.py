@@ -340,7 +340,7 @@ def end_to_end(device, dtype, smoke: bool, new_tokens: int, repeats: int = 3) ->
 def device_loop_rows(model, target, drafter, target_cfg, drafter_cfg, prompt, continuation, ar_rate, device, dtype,
                      smoke, new_tokens, repeats) -> list[dict]:  # fmt: skip
     """The same modes with the whole step on the device (runner/device_loop.py), one CUDA graph a step."""
-    from runner.device_loop import DeviceLoop, generate_on_device
+    from runner.device_loop import generate_on_device
 
     rows = []
     for drafter_kind in ("random", "oracle"):
@@ -349,12 +349,13 @@ def device_loop_rows(model, target, drafter, target_cfg, drafter_cfg, prompt, co
         ]:
             engine, _ = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, smoke)
             oracle = torch.tensor(continuation, device=device) if drafter_kind == "oracle" else None
-            loop = DeviceLoop(engine.workers[0], spec, use_graph=not smoke, oracle=oracle)
-            generate_on_device(engine, loop, prompt, 32)  # warm-up: capture the step graph
+            engine.workers[0].enable_device_loop(oracle)
+            loop = engine.workers[0].loop
+            generate_on_device(engine, spec, prompt, 32, 1024)  # warm-up: capture the step graph
             rates, gaps = [], []
             for _ in range(repeats):
                 loop.events = [] if not smoke else None
-                result = generate_on_device(engine, loop, prompt, new_tokens)
+                result = generate_on_device(engine, spec, prompt, new_tokens, 1024)
                 rates.append((len(result.tokens) - 1) / (result.elapsed - result.seconds.get("prefill", 0.0)))
                 if loop.events:
                     torch.cuda.synchronize()

@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ddtree_budget", type=int, default=None, help="tree nodes per step (must fit the engine)")
     parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap")
     parser.add_argument("--autoregressive", action="store_true", help="baseline: no drafter, one token per step")
+    parser.add_argument(
+        "--device_loop",
+        action="store_true",
+        help="torch backend, greedy: build the tree, accept and commit on the device, one graph a step",
+    )
     parser.add_argument("--output_json", type=Path, default=None, help="write token ids and stats (rank 0)")
     parser.add_argument(
         "--serve",
@@ -98,6 +103,11 @@ def prepare(args, parser, comm):
     base = engine.spec
     spec = SpecConfig(base.block_size, args.ddtree_budget or base.budget, args.max_topk or base.max_topk)
     check_runtime_spec(spec, engine.profiles)
+    if args.device_loop and (args.backend != "torch" or args.temperature > 0 or args.autoregressive):
+        raise ValueError(
+            f"--device_loop runs greedy speculative steps on the torch backend; got --backend {args.backend}, "
+            f"--temperature {args.temperature}{', --autoregressive' if args.autoregressive else ''}"
+        )
     if comm.Get_rank() != 0:
         return engine, [], None, spec
     from runner.sampling import SamplingParams
@@ -118,7 +128,7 @@ def prepare(args, parser, comm):
     return engine, prompts, tokenizer, spec
 
 
-def generate_all(args, ranks, prompts, tokenizer, spec, end_ids) -> list[dict]:
+def generate_all(args, ranks, prompts, tokenizer, spec, end_ids, engine) -> list[dict]:
     from runner.sampling import Sampler, SamplingParams
     from runner.speculate import generate, generate_autoregressive
 
@@ -132,6 +142,11 @@ def generate_all(args, ranks, prompts, tokenizer, spec, end_ids) -> list[dict]:
             result = generate_autoregressive(ranks, prompt, args.max_output_len, sampler, end_ids)
             if stream:
                 stream(result.tokens)
+        elif args.device_loop:
+            from runner.device_loop import generate_on_device
+
+            capacity = engine.build_config.max_seq_len
+            result = generate_on_device(ranks, spec, prompt, args.max_output_len, capacity, end_ids, stream)
         else:
             result = generate(ranks, prompt, args.max_output_len, spec, sampler, end_ids, on_tokens=stream)
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -188,6 +203,8 @@ def main_on_rank(comm, argv=None) -> int:
     from runner.backends import rank_worker
 
     worker = rank_worker(engine, args.backend, rank, comm, spec)
+    if args.device_loop:
+        worker.enable_device_loop()
     if rank != 0:
         worker_loop(worker, comm)
         return 0
@@ -203,7 +220,8 @@ def main_on_rank(comm, argv=None) -> int:
     try:
         target = engine.config["pretrained_config"]["target"]
         end_id = args.end_id if args.end_id is not None else target.get("eos_token_id")
-        results = generate_all(args, ranks, prompts, tokenizer, spec, {end_id} if end_id is not None else set())
+        end_ids = {end_id} if end_id is not None else set()
+        results = generate_all(args, ranks, prompts, tokenizer, spec, end_ids, engine)
     finally:
         ranks.close()
     if args.output_json:

@@ -140,9 +140,10 @@ class DeviceLoop:
             self._step()
 
 
-def generate_on_device(engine, loop: DeviceLoop, prompt: list[int], max_new_tokens: int,
-                       end_ids: set[int] = frozenset()) -> GenerationResult:  # fmt: skip
-    """Greedy speculative generation: prefill and the first step on the host loop, then device steps."""
+def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_tokens: int, capacity: int,
+                       end_ids: set[int] = frozenset(), on_tokens=None) -> GenerationResult:  # fmt: skip
+    """Greedy speculative generation: prefill and the first step on the host loop (the prompt's context may exceed
+    a block), then device steps. Every rank's worker must have called `enable_device_loop`."""
     from runner.sampling import Sampler, SamplingParams
 
     timer, start = PhaseTimer(), time.perf_counter()
@@ -152,21 +153,27 @@ def generate_on_device(engine, loop: DeviceLoop, prompt: list[int], max_new_toke
     with timer("prefill"):
         first = greedy.choose(engine.prefill(list(prompt)))
     result.target_forwards = 1
-    _, finished = _emit(result.tokens, first, max_new_tokens, end_ids)
-    if not finished:  # the prompt's context is longer than a block: one host step first
-        step = speculative_step(engine, loop.spec, greedy, result.tokens[-1], timer)
+    new, finished = _emit(result.tokens, first, max_new_tokens, end_ids)
+    if on_tokens and new:
+        on_tokens(new)
+    if not finished:
+        step = speculative_step(engine, spec, greedy, result.tokens[-1], timer)
         result.target_forwards += 1
         result.accept_lengths.append(step.accept_length)
-        _, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids)
+        new, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids)
+        if on_tokens and new:
+            on_tokens(new)
     if not finished:
-        loop.load(result.tokens[-1], len(prompt))
+        engine.device_load(result.tokens[-1], len(prompt))
     while not finished:
-        if loop.cache.num_cached + 2 * loop.spec.block_size > loop.cache.capacity:
-            raise ValueError(f"the sequence reached the cache capacity ({loop.cache.capacity} rows)")
+        if len(prompt) + len(result.tokens) + 2 * spec.block_size > capacity:
+            raise ValueError(f"the sequence reached the cache capacity ({capacity} rows)")
         with timer("device_step"):
-            new = loop.step()
+            step_tokens = engine.device_step()
         result.target_forwards += 1
-        result.accept_lengths.append(len(new))
-        _, finished = _emit(result.tokens, new, max_new_tokens, end_ids)
+        result.accept_lengths.append(len(step_tokens))
+        new, finished = _emit(result.tokens, step_tokens, max_new_tokens, end_ids)
+        if on_tokens and new:
+            on_tokens(new)
     result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start
     return result

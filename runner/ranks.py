@@ -34,6 +34,12 @@ class Ranks:
     def commit(self, rows: list[int]) -> None:
         self.call("commit", rows)
 
+    def device_load(self, bonus: int, prompt_length: int) -> None:
+        self.call("device_load", bonus, prompt_length)
+
+    def device_step(self) -> list[int]:
+        return self.call("device_step")
+
     def close(self) -> None:
         pass
 

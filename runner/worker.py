@@ -99,6 +99,18 @@ class RankWorker:
         self._pending = out
         return out["logits"]
 
+    def enable_device_loop(self, oracle=None) -> None:
+        """Runs later greedy steps as one tensor program (a CUDA graph on GPUs): `runner/device_loop.py`."""
+        from runner.device_loop import DeviceLoop
+
+        self.loop = DeviceLoop(self, self.spec, use_graph=self.device.type == "cuda", oracle=oracle)
+
+    def device_load(self, bonus: int, prompt_length: int) -> None:
+        self.loop.load(bonus, prompt_length)
+
+    def device_step(self) -> list[int]:
+        return self.loop.step()
+
     def commit(self, rows: list[int]) -> None:
         """Commits the accepted tree rows (root first) of the last verify."""
         self.cache.commit_target(self._pending["new_latent_kv"], self._pending["taps"], rows)

@@ -5,7 +5,7 @@ Run eagerly on the CPU here (the same tensor program a CUDA graph captures on a 
 import pytest
 
 from engines.spec import BuildConfig, SpecConfig
-from runner.device_loop import DeviceLoop, generate_on_device
+from runner.device_loop import generate_on_device
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate_autoregressive
 from runner.torch_engine import local_torch_engine
@@ -17,10 +17,10 @@ PROMPTS = [[5, 77, 300, 12, 480, 33, 250], [200, 201, 9, 88, 17, 400, 402, 300, 
 def test_device_loop_equals_autoregressive(demo_ckpt, block_size, budget, max_topk):
     spec = SpecConfig(block_size, budget, max_topk)
     engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
-    loop = DeviceLoop(engine.workers[0], spec, use_graph=False)
+    engine.workers[0].enable_device_loop()
     for prompt in PROMPTS:
         expected = generate_autoregressive(engine, prompt, 96, Sampler(SamplingParams())).tokens
-        result = generate_on_device(engine, loop, prompt, 96)
+        result = generate_on_device(engine, spec, prompt, 96, capacity=512)
         assert result.tokens == expected
         assert all(1 <= a <= block_size for a in result.accept_lengths)
     engine.close()
@@ -32,8 +32,8 @@ def test_device_loop_with_an_oracle_accepts_whole_blocks(demo_ckpt):
     spec = SpecConfig(8, 32)
     engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
     expected = generate_autoregressive(engine, PROMPTS[0], 80, Sampler(SamplingParams())).tokens
-    loop = DeviceLoop(engine.workers[0], spec, use_graph=False, oracle=torch.tensor(expected))
-    result = generate_on_device(engine, loop, PROMPTS[0], 80)
+    engine.workers[0].enable_device_loop(oracle=torch.tensor(expected))
+    result = generate_on_device(engine, spec, PROMPTS[0], 80, capacity=512)
     assert result.tokens == expected
     assert result.accept_lengths[1:-1] == [8] * (len(result.accept_lengths) - 2)
     engine.close()
