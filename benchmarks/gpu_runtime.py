@@ -32,7 +32,7 @@ from models.mapping import Mapping
 from models.mla import AbsorbedMLA
 from models.moe import GroupedMoE, MoE
 from models.parallel import SingleRank
-from models.random_weights import random_rank_models, random_state
+from models.random_weights import random_rank_models, random_state, router_in_fp32
 from models.rope import Rotary
 from runner.ranks import LocalRanks
 from runner.sampling import Sampler, SamplingParams
@@ -139,8 +139,7 @@ def random_layer(config: TargetConfig, layer_idx: int, ops: ModelOps, device, dt
     shapes = {k[len(prefix) :]: v for k, v in rank_target_shapes(config).items() if k.startswith(prefix)}
     with torch.device("meta"):
         layer = DecoderLayer(config, layer_idx, AbsorbedMLA, ops)
-    state = random_state(shapes, seed=layer_idx, device=device, dtype=dtype)
-    state.update({k: v.float() for k, v in state.items() if ".gate." in k and "proj" not in k})  # router: fp32
+    state = router_in_fp32(random_state(shapes, seed=layer_idx, device=device, dtype=dtype))
     layer.load_state_dict(state, strict=True, assign=True)
     layer.self_attn.prepare_weights()
     return layer.eval().requires_grad_(False)

@@ -39,6 +39,10 @@ class SpecConfig:
         """Deepest tree level: one per mask token of the block."""
         return self.block_size - 1
 
+    def tree_width(self, vocab_size: int) -> int:
+        """Candidates kept per depth: the budget, capped by max_topk and by the vocabulary."""
+        return min(self.budget, self.max_topk or self.budget, vocab_size)
+
     @property
     def uses_tree_profile(self) -> bool:
         return self.budget + 1 > self.block_size

@@ -32,6 +32,11 @@ def random_state(shapes: dict[str, tuple[int, ...]], seed: int, device="cpu", dt
     return {name: random_weight(name, shape, gen, device, dtype) for name, shape in shapes.items()}
 
 
+def router_in_fp32(state: dict) -> dict:
+    """The MoE router (`mlp.gate.weight`, `e_score_correction_bias`) stays fp32, as transformers keeps it."""
+    return {k: v.float() if "mlp.gate." in k else v for k, v in state.items()}
+
+
 def random_rank_models(target_cfg, drafter_cfg, ops, device, dtype: torch.dtype, seed: int = 0):
     """One rank's target and drafter with random weights, built directly on `device`."""
     from models.dflash import DFlashDrafter
@@ -41,8 +46,7 @@ def random_rank_models(target_cfg, drafter_cfg, ops, device, dtype: torch.dtype,
     with torch.device("meta"):
         target = KimiTarget(target_cfg, drafter_cfg.target_layer_ids, ops)
         drafter = DFlashDrafter(drafter_cfg, target_cfg, ops.collectives)
-    target_state = random_state(rank_target_shapes(target_cfg), seed, device, dtype)
-    target_state.update({k: v.float() for k, v in target_state.items() if "gate" in k and "proj" not in k})
+    target_state = router_in_fp32(random_state(rank_target_shapes(target_cfg), seed, device, dtype))
     target.load_state_dict(target_state, strict=True, assign=True)
     drafter_state = random_state(rank_drafter_shapes(drafter_cfg), seed + 1, device, dtype)
     drafter_state["embed_tokens.weight"] = target_state["model.embed_tokens.weight"]

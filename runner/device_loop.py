@@ -34,7 +34,7 @@ class DeviceLoop:
         device = self.device = self.cache.latent.device
         block, depth = spec.block_size, spec.draft_depth
         self.rows = spec.verify_tokens
-        self.width = min(spec.budget, spec.max_topk or spec.budget)
+        self.width = spec.tree_width(self.target.config.vocab_size)
         long = {"dtype": torch.long, "device": device}
         self.num_cached = torch.zeros(1, **long)
         self.num_drafted = torch.zeros(1, **long)
@@ -126,15 +126,15 @@ class DeviceLoop:
         return values[:count]
 
     def _capture(self) -> None:
-        state = [t.clone() for t in (self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context)]
+        state = (self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context)
+        saved = [t.clone() for t in state]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._step()  # warm-up: compiles and allocates outside the graph
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for target, saved in zip((self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context),
-                                 state):  # fmt: skip
-            target.copy_(saved)  # the warm-up must not count as a step
+        for tensor, before in zip(state, saved):
+            tensor.copy_(before)  # the warm-up must not count as a step
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._step()
@@ -153,16 +153,12 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
     with timer("prefill"):
         first = greedy.choose(engine.prefill(list(prompt)))
     result.target_forwards = 1
-    new, finished = _emit(result.tokens, first, max_new_tokens, end_ids)
-    if on_tokens and new:
-        on_tokens(new)
+    _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, on_tokens=on_tokens)
     if not finished:
         step = speculative_step(engine, spec, greedy, result.tokens[-1], timer)
         result.target_forwards += 1
         result.accept_lengths.append(step.accept_length)
-        new, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids)
-        if on_tokens and new:
-            on_tokens(new)
+        _, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids, on_tokens=on_tokens)
     if not finished:
         engine.device_load(result.tokens[-1], len(prompt))
     while not finished:
@@ -172,8 +168,6 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
             step_tokens = engine.device_step()
         result.target_forwards += 1
         result.accept_lengths.append(len(step_tokens))
-        new, finished = _emit(result.tokens, step_tokens, max_new_tokens, end_ids)
-        if on_tokens and new:
-            on_tokens(new)
+        _, finished = _emit(result.tokens, step_tokens, max_new_tokens, end_ids, on_tokens=on_tokens)
     result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start
     return result

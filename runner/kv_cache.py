@@ -43,11 +43,9 @@ class SequenceCache:
                 f"sequence needs {self.num_cached + count} cache rows; the engine's max_seq_len is {self.capacity}"
             )
         self.latent[:, self.num_cached : self.num_cached + count] = new_kv
-        if taps is None:
-            pass
-        elif self.pending_taps is None:
+        if taps is not None and self.pending_taps is None:
             self.pending_taps, self.pending_start = taps, self.num_cached
-        else:
+        elif taps is not None:
             self.pending_taps = torch.cat((self.pending_taps, taps), dim=0)
         self.num_cached += count
 

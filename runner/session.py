@@ -43,10 +43,10 @@ class TorchSession(EngineSession):
     def __init__(self, target, drafter, profiles, io):
         super().__init__(profiles, io)
         self.modules = {"target": target, "draft": drafter}
+        self.device = target.lm_head.weight.device
 
     @torch.no_grad()
     def execute(self, profile, feeds):
         inputs, outputs = self.io[profile.role]
-        device = self.modules[profile.role].lm_head.weight.device
-        results = self.modules[profile.role](*(feeds[t.name].to(device, non_blocking=True) for t in inputs))
+        results = self.modules[profile.role](*(feeds[t.name].to(self.device, non_blocking=True) for t in inputs))
         return {t.name: value for t, value in zip(outputs, results)}

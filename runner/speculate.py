@@ -60,8 +60,7 @@ def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: i
     """One DDTree round from the last committed token `bonus` (already emitted, not yet in the target cache)."""
     with timer("draft"):  # one drafter forward over [bonus, mask x (block_size - 1)]
         draft_logits = engine.draft(bonus)  # [block_size - 1, V]
-        width = min(spec.budget, spec.max_topk or spec.budget, draft_logits.shape[-1])
-        top = torch.log_softmax(draft_logits.to(torch.float32), dim=-1).topk(width, dim=-1)
+        top = torch.log_softmax(draft_logits.to(torch.float32), dim=-1).topk(spec.tree_width(draft_logits.shape[-1]))
         top_logprobs, top_ids = top.values.cpu().numpy(), top.indices.cpu().numpy()
     with timer("tree"):  # best-first by cumulative draft log-probability, padded to the verify profile's rows
         tree = build_tree(top_logprobs, top_ids, spec.budget, bonus, rows=spec.verify_tokens)
@@ -100,9 +99,10 @@ def _emit(
     max_new_tokens: int,
     end_ids: set[int],
     stop_sequences: tuple[tuple[int, ...], ...] = (),
+    on_tokens: Callable[[list[int]], None] | None = None,
 ) -> tuple[list[int], bool]:
-    """Appends `new` up to the token budget, the first end id, or the end of a stop sequence;
-    returns (appended, finished)."""
+    """Appends `new` up to the token budget, the first end id, or the end of a stop sequence, and hands what was
+    appended to `on_tokens`; returns (appended, finished)."""
     taken, stopped = [], False
     for token in new:
         if len(tokens) + len(taken) >= max_new_tokens:
@@ -113,6 +113,8 @@ def _emit(
             stopped = True
             break
     tokens.extend(taken)
+    if on_tokens and taken:
+        on_tokens(taken)
     return taken, stopped or len(tokens) >= max_new_tokens
 
 
@@ -133,16 +135,12 @@ def generate(
     with timer("prefill"):
         first = sampler.choose(engine.prefill(list(prompt)))
     result.target_forwards = 1
-    new, finished = _emit(result.tokens, first, max_new_tokens, end_ids, stop_sequences)
-    if on_tokens and new:
-        on_tokens(new)
+    _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, stop_sequences, on_tokens)
     while not finished:
         step = speculative_step(engine, spec, sampler, result.tokens[-1], timer)
         result.target_forwards += 1
         result.accept_lengths.append(step.accept_length)
-        new, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids, stop_sequences)
-        if on_tokens and new:
-            on_tokens(new)
+        _, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids, stop_sequences, on_tokens)
     result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start
     return result
 
