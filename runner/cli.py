@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--device_loop",
         action="store_true",
-        help="torch backend, greedy: build the tree, accept and commit on the device, one graph a step",
+        help="torch backend, greedy: each step (tree build, accept and commit included; or an --autoregressive decode) "
+        "on the device, one graph a step, the next queued behind it",
     )
     parser.add_argument("--output_json", type=Path, default=None, help="write token ids and stats (rank 0)")
     parser.add_argument(
@@ -103,10 +104,10 @@ def prepare(args, parser, comm):
     base = engine.spec
     spec = SpecConfig(base.block_size, args.ddtree_budget or base.budget, args.max_topk or base.max_topk)
     check_runtime_spec(spec, engine.profiles)
-    if args.device_loop and (args.backend != "torch" or args.temperature > 0 or args.autoregressive):
+    if args.device_loop and (args.backend != "torch" or args.temperature > 0):
         raise ValueError(
-            f"--device_loop runs greedy speculative steps on the torch backend; got --backend {args.backend}, "
-            f"--temperature {args.temperature}{', --autoregressive' if args.autoregressive else ''}"
+            f"--device_loop runs greedy steps on the torch backend; got --backend {args.backend}, "
+            f"--temperature {args.temperature}"
         )
     if comm.Get_rank() != 0:
         return engine, [], None, spec
@@ -138,15 +139,16 @@ def generate_all(args, ranks, prompts, tokenizer, spec, end_ids, engine) -> list
         if args.streaming:
             print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n", end="", flush=True)
         stream = TextStream(tokenizer) if args.streaming else None
-        if args.autoregressive:
-            result = generate_autoregressive(ranks, prompt, args.max_output_len, sampler, end_ids)
-            if stream:
-                stream(result.tokens)
-        elif args.device_loop:
+        if args.device_loop:
             from runner.device_loop import generate_on_device
 
             capacity = engine.build_config.max_seq_len
-            result = generate_on_device(ranks, spec, prompt, args.max_output_len, capacity, end_ids, stream)
+            result = generate_on_device(ranks, spec, prompt, args.max_output_len, capacity, end_ids, stream,
+                                        autoregressive=args.autoregressive)  # fmt: skip
+        elif args.autoregressive:
+            result = generate_autoregressive(ranks, prompt, args.max_output_len, sampler, end_ids)
+            if stream:
+                stream(result.tokens)
         else:
             result = generate(ranks, prompt, args.max_output_len, spec, sampler, end_ids, on_tokens=stream)
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -204,7 +206,7 @@ def main_on_rank(comm, argv=None) -> int:
 
     worker = rank_worker(engine, args.backend, rank, comm, spec)
     if args.device_loop:
-        worker.enable_device_loop()
+        worker.enable_device_loop(autoregressive=args.autoregressive)
     if rank != 0:
         worker_loop(worker, comm)
         return 0

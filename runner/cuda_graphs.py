@@ -48,15 +48,7 @@ class CudaGraphSession(TorchSession):
         inputs = {n: (v if n in BOUND_IN_PLACE else v.to(self.device, copy=True)) for n, v in feeds.items()}
         names = [t.name for t in self.io[profile.role][0]]
         module = self.modules[profile.role]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up: compiles kernels, allocates outside the graph
-            for _ in range(2):
-                module(*(inputs[n] for n in names))
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            results = module(*(inputs[n] for n in names))
+        graph, results = capture_graph(lambda: module(*(inputs[n] for n in names)), self.device, 2, self.pool)
         outputs = {t.name: value for t, value in zip(self.io[profile.role][1], results)}
         self.graphs[profile.name] = (graph, inputs, outputs)
         return self.graphs[profile.name]
@@ -66,3 +58,24 @@ class CudaGraphSession(TorchSession):
         torch.cuda.synchronize(self.device)
         events = self.events or []
         return [events[i][2].elapsed_time(events[i + 1][1]) / 1e3 for i in range(len(events) - 1)]
+
+
+def warm_up(fn, device: torch.device, times: int = 1) -> None:
+    """Runs fn on a side stream, as graph capture wants: kernels compile and memory is allocated outside any graph."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+
+
+def capture_graph(fn, device: torch.device, warmups: int = 1, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`warmups` warm-up runs of fn, then fn captured into a new graph (in `pool`); returns the graph and fn's result
+    (the graph's output tensors, rewritten by every replay)."""
+    if warmups:
+        warm_up(fn, device, warmups)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        result = fn()
+    return graph, result

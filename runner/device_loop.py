@@ -1,76 +1,98 @@
-"""The whole greedy speculative step on the device, one CUDA graph a step (torch backend, one process).
+"""The whole greedy step on the device, one CUDA graph a step (torch backend), with the next step queued behind
+the running one so the GPU never waits for the host.
 
 The host loop (`speculate.speculative_step`) goes to the host twice a step: for the draft's top-k, to build the
-tree in Python, and for the target's argmax, to walk it. Here the step is fixed-shape tensor work end to end:
-draft -> top-k -> `build_tree_device` -> verify -> argmax -> `accept_greedy_device` -> commit of the accepted rows
-into the caches -> next step's context and bonus, with the sequence state (cached rows, drafted rows, context rows,
-bonus token) in device scalars. The host replays the graph and reads back one small tensor (the emitted tokens and
-their count) per step. Greedy only: sampling uses the host loop.
+tree in Python, and for the target's argmax, to walk it. Here the step is fixed-shape tensor work end to end, in four
+phases: draft -> tree (top-k, `build_tree_device`) -> verify (target forward, greedy choices) -> accept (the walk
+`accept_greedy_device`, the commit of the accepted rows into the caches, the next step's context and bonus), with the
+sequence state (cached rows, drafted rows, context rows, bonus token) in device scalars. The autoregressive mode is
+the same machinery with one phase (decode a token, commit it): the baseline the speed-ups are measured against.
+
+`launch` replays the step graph and queues an asynchronous copy of the emitted tokens into a pinned host slot;
+`collect` waits for the oldest launched step and returns its tokens. `generate_on_device` keeps one step in flight
+behind the one it collects (as SGLang's overlap scheduler does), so graph replays run back to back; a step launched
+past the end of a request is discarded. Greedy only: sampling uses the host loop.
 
 Rows past the accepted path are written too (into cache rows past the new length, which no step reads before they
-are overwritten): fixed shapes, no data-dependent slicing. The caller keeps `block_size` rows of cache spare.
+are overwritten): fixed shapes, no data-dependent slicing. The caller keeps `2 * block_size` rows of cache spare.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
 from engines.spec import SpecConfig
+from runner.cuda_graphs import capture_graph, warm_up
 from runner.device_tree import accept_greedy_device, build_tree_device
 from runner.speculate import GenerationResult, PhaseTimer, _emit, speculative_step
 
+SLOTS = 2  # steps in flight at most: the one running and the one queued behind it
+
 
 class DeviceLoop:
-    def __init__(self, worker, spec: SpecConfig, use_graph: bool = True, oracle: torch.Tensor | None = None):
-        """worker: a one-rank `RankWorker` on the torch backend (its modules and caches are used in place).
+    def __init__(self, worker, spec: SpecConfig, use_graph: bool = True, oracle: torch.Tensor | None = None,
+                 autoregressive: bool = False, split_phases: bool = False):  # fmt: skip
+        """worker: a `RankWorker` on the torch backend (its modules and caches are used in place).
         oracle: optional [N] device tensor, the known continuation (benchmarks): drafts and target choices follow it.
+        split_phases: one graph per phase instead of one per step (benchmarks: events between phases time each).
         """
-        self.worker, self.spec = worker, spec
+        self.worker, self.spec, self.autoregressive = worker, spec, autoregressive
         self.target = worker.session.modules["target"]
         self.drafter = worker.session.modules["draft"]
         self.cache = worker.cache
         device = self.device = self.cache.latent.device
         block, depth = spec.block_size, spec.draft_depth
-        self.rows = spec.verify_tokens
+        self.rows = 1 if autoregressive else spec.verify_tokens
         self.width = spec.tree_width(self.target.config.vocab_size)
         long = {"dtype": torch.long, "device": device}
         self.num_cached = torch.zeros(1, **long)
         self.num_drafted = torch.zeros(1, **long)
         self.context_count = torch.zeros(1, **long)
         self.bonus = torch.zeros(1, **long)
-        self.context = torch.zeros(block, self.cache_taps_width(), dtype=self.cache.latent.dtype, device=device)
+        self.context = torch.zeros(block, self.drafter.fc.weight.shape[1], dtype=self.cache.latent.dtype, device=device)
         self.masks = torch.full((block - 1,), worker.mask_token_id, **long)
         self.arange_block = torch.arange(block, device=device)
         self.arange_rows = torch.arange(self.rows, device=device)
         self.arange_path = torch.arange(depth + 1, device=device)
+        self.decode_mask = torch.ones(1, 1, dtype=torch.bool, device=device)
         self.emitted = torch.zeros(depth + 2, **long)  # tokens (depth + 1 at most), then the count
         self.oracle, self.prompt_length = oracle, torch.zeros(1, **long)
-        self.use_graph, self.graph = use_graph, None
-        self.events: list | None = None  # set to [] to time each replay (GPU idle between steps)
-
-    def cache_taps_width(self) -> int:
-        return self.drafter.fc.weight.shape[1]
+        self.phases = [self._decode] if autoregressive else [self._draft, self._tree, self._verify, self._accept]
+        self.use_graph, self.split_phases, self.graphs = use_graph, split_phases, None
+        pinned = device.type == "cuda"
+        self.host = [torch.zeros(depth + 2, dtype=torch.long, pin_memory=pinned) for _ in range(SLOTS)]
+        self.done = [torch.cuda.Event() for _ in range(SLOTS)] if pinned else None
+        self.in_flight: deque[int] = deque()
+        self.launched = 0
+        # benchmarks: set to [] to record, per step, an event before the first graph and after each graph
+        self.events: list[tuple] | None = None
 
     def load(self, bonus: int, prompt_length: int) -> None:
-        """Takes over a sequence the host loop has stepped at least once (its context fits one block)."""
-        taps, start = self.cache.take_context()
-        count = taps.shape[0]
-        if count > self.spec.block_size:
-            raise ValueError(f"the device loop needs <= {self.spec.block_size} context rows, got {count}")
-        self.context.zero_()
-        self.context[:count] = taps
+        """Takes over a sequence the host loop has prefilled (autoregressive) or stepped at least once (speculative:
+        its pending context then fits one block)."""
+        if self.in_flight:
+            raise RuntimeError(f"{len(self.in_flight)} device steps are still in flight: collect them first")
+        if not self.autoregressive:
+            taps, _ = self.cache.take_context()
+            count = taps.shape[0]
+            if count > self.spec.block_size:
+                raise ValueError(f"the device loop needs <= {self.spec.block_size} context rows, got {count}")
+            self.context.zero_()
+            self.context[:count] = taps
+            self.context_count.fill_(count)
         self.num_cached.fill_(self.cache.num_cached)
         self.num_drafted.fill_(self.cache.num_drafted)
-        self.context_count.fill_(count)
         self.bonus.fill_(bonus)
         self.prompt_length.fill_(prompt_length)
 
-    @torch.no_grad()
-    def _step(self) -> None:
-        spec, depth = self.spec, self.spec.draft_depth
-        # Draft: [bonus, mask x (block - 1)] attending to the cached and the new context rows.
+    # --- the phases (fixed shapes, device tensors only: each can be captured in a graph) ---
+
+    def _draft(self) -> None:
+        """Draft: [bonus, mask x (block - 1)] attending to the cached and the new context rows."""
+        depth = self.spec.draft_depth
         block_ids = torch.cat((self.bonus, self.masks))
         positions = self.num_cached + self.arange_block
         context_positions = self.num_cached - self.context_count + self.arange_block
@@ -81,19 +103,28 @@ class DeviceLoop:
         if self.oracle is not None:  # benchmarks: a drafter that knows the continuation
             ahead = self._oracle_tokens(self.arange_block[:depth] + 1)
             draft_logits = torch.zeros_like(draft_logits).scatter_(1, ahead[:, None], 30.0)
-        # Tree: best-first under the budget, on the device.
-        top = torch.log_softmax(draft_logits.float(), dim=-1).topk(self.width, dim=-1)
-        tokens, parents, depths, mask, count = build_tree_device(top.values, top.indices, spec.budget, self.bonus,
-                                                                 self.rows)  # fmt: skip
-        # Verify: every node at position start + depth, one target forward; the target's greedy choice per node.
-        logits, new_kv, taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent, self.num_cached,
-                                           self.arange_rows)  # fmt: skip
-        choices = logits.argmax(dim=-1) if self.oracle is None else self._oracle_tokens(depths + 1)
-        # Accept the longest path whose every step is the target's own choice; its end's choice is the next bonus.
-        path, length, next_bonus = accept_greedy_device(tokens, parents, self.arange_rows < count, choices, depth)
-        # Commit the path's rows (and, harmlessly, rows past it); they become the drafter's next context.
-        self.cache.latent.index_copy_(1, self.num_cached + self.arange_path, new_kv.index_select(1, path))
-        self.context.copy_(taps.index_select(0, path))
+        self.draft_logits = draft_logits
+
+    def _tree(self) -> None:
+        """Tree: best-first under the budget."""
+        top = torch.log_softmax(self.draft_logits.float(), dim=-1).topk(self.width, dim=-1)
+        self.tree = build_tree_device(top.values, top.indices, self.spec.budget, self.bonus, self.rows)
+
+    def _verify(self) -> None:
+        """Every node at position start + depth, one target forward; the target's greedy choice per node."""
+        tokens, _, depths, mask, _ = self.tree
+        logits, self.new_kv, self.taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent,
+                                                     self.num_cached, self.arange_rows)  # fmt: skip
+        self.choices = logits.argmax(dim=-1) if self.oracle is None else self._oracle_tokens(depths + 1)
+
+    def _accept(self) -> None:
+        """The longest path of the target's own choices; its end's choice is the next bonus. Commits the path's rows
+        (and, harmlessly, rows past it); they become the drafter's next context."""
+        depth = self.spec.draft_depth
+        tokens, parents, depths, mask, _ = self.tree
+        path, length, next_bonus = accept_greedy_device(tokens, parents, depths, mask, self.choices, depth)
+        self.cache.latent.index_copy_(1, self.num_cached + self.arange_path, self.new_kv.index_select(1, path))
+        self.context.copy_(self.taps.index_select(0, path))
         self.context_count.copy_(length)
         self.num_cached += length
         emitted = torch.roll(tokens.index_select(0, path), -1).scatter_(0, length - 1, next_bonus)
@@ -101,49 +132,90 @@ class DeviceLoop:
         self.emitted[depth + 1 :].copy_(length)
         self.bonus.copy_(next_bonus)
 
+    def _decode(self) -> None:
+        """Autoregressive: the bonus token's forward, its KV committed, the greedy next token."""
+        logits, new_kv, _ = self.target(self.bonus, self.num_cached, self.decode_mask, self.cache.latent,
+                                        self.num_cached, self.arange_rows)  # fmt: skip
+        token = logits.argmax(dim=-1) if self.oracle is None else self._oracle_tokens(self.arange_rows + 1)
+        self.cache.latent.index_copy_(1, self.num_cached, new_kv)
+        self.num_cached += 1
+        self.emitted[:1].copy_(token)
+        self.emitted[-1:].copy_(self.decode_mask.reshape(1))
+        self.bonus.copy_(token)
+
     def _oracle_tokens(self, ahead: torch.Tensor) -> torch.Tensor:
         index = (self.num_cached - self.prompt_length + ahead).clamp(0, self.oracle.shape[0] - 1)
         return self.oracle[index]
 
-    def step(self) -> list[int]:
-        """One speculative step; returns the tokens it emits (accepted drafts, then the new bonus)."""
+    # --- launching and collecting steps ---
+
+    def launch(self) -> None:
+        """Queues one step (a graph replay on the GPU; eager elsewhere) and the copy of its tokens to the host."""
+        if len(self.in_flight) == SLOTS:
+            raise RuntimeError(f"{SLOTS} device steps in flight: collect one before launching another")
+        slot = self.launched % SLOTS
+        self.launched += 1
         if not self.use_graph:
-            self._step()
+            for phase in self.phases:
+                phase()
+            self.host[slot].copy_(self.emitted)
         else:
-            if self.graph is None:
+            if self.graphs is None:
                 self._capture()
-            if self.events is None:
-                self.graph.replay()
-            else:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self.graph.replay()
-                end.record()
-                self.events.append((start, end))
-        values = self.emitted.tolist()  # the one device -> host transfer of a step
+            marks = [] if self.events is not None else None
+            for graph in self.graphs:
+                if marks is not None:
+                    marks.append(_event())
+                graph.replay()
+            if marks is not None:
+                self.events.append((*marks, _event()))
+            self.host[slot].copy_(self.emitted, non_blocking=True)
+            self.done[slot].record()
+        self.in_flight.append(slot)
+
+    def collect(self) -> list[int]:
+        """Waits for the oldest step in flight; returns the tokens it emits (accepted drafts, then the new bonus)."""
+        slot = self.in_flight.popleft()
+        if self.done is not None:
+            self.done[slot].synchronize()
+        values = self.host[slot].tolist()  # the one device -> host transfer of a step
         count = values[-1]
         self.cache.num_cached += count  # the host's mirror, for the capacity check
         return values[:count]
 
+    def discard(self) -> None:
+        """Waits for the steps in flight and drops their tokens."""
+        while self.in_flight:
+            self.collect()
+
     def _capture(self) -> None:
         state = (self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context)
         saved = [t.clone() for t in state]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._step()  # warm-up: compiles and allocates outside the graph
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        warm_up(lambda: _run(self.phases), self.device)
         for tensor, before in zip(state, saved):
             tensor.copy_(before)  # the warm-up must not count as a step
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._step()
+        pool = torch.cuda.graph_pool_handle()
+        groups = [[phase] for phase in self.phases] if self.split_phases else [self.phases]
+        self.graphs = [capture_graph(lambda g=group: _run(g), self.device, warmups=0, pool=pool)[0] for group in groups]
+
+
+def _run(phases) -> None:
+    for phase in phases:
+        phase()
+
+
+def _event() -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_tokens: int, capacity: int,
-                       end_ids: set[int] = frozenset(), on_tokens=None) -> GenerationResult:  # fmt: skip
-    """Greedy speculative generation: prefill and the first step on the host loop (the prompt's context may exceed
-    a block), then device steps. Every rank's worker must have called `enable_device_loop`."""
+                       end_ids: set[int] = frozenset(), on_tokens=None,
+                       autoregressive: bool = False) -> GenerationResult:  # fmt: skip
+    """Greedy generation with device steps, one queued behind the one collected. Speculative: prefill and the first
+    step run on the host loop (the prompt's context may exceed a block). Every rank's worker must have called
+    `enable_device_loop` (with the same `autoregressive`)."""
     from runner.sampling import Sampler, SamplingParams
 
     timer, start = PhaseTimer(), time.perf_counter()
@@ -154,20 +226,32 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
         first = greedy.choose(engine.prefill(list(prompt)))
     result.target_forwards = 1
     _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, on_tokens=on_tokens)
-    if not finished:
+    if not finished and not autoregressive:
         step = speculative_step(engine, spec, greedy, result.tokens[-1], timer)
         result.target_forwards += 1
         result.accept_lengths.append(step.accept_length)
         _, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids, on_tokens=on_tokens)
     if not finished:
         engine.device_load(result.tokens[-1], len(prompt))
+    most = 1 if autoregressive else spec.draft_depth + 1  # tokens (and committed rows) a step adds at most
+    spare = 1 if autoregressive else 2 * spec.block_size  # rows a step writes past the committed ones
+    in_flight = 0
     while not finished:
-        if len(prompt) + len(result.tokens) + 2 * spec.block_size > capacity:
-            raise ValueError(f"the sequence reached the cache capacity ({capacity} rows)")
+        while in_flight < SLOTS:
+            ahead = len(prompt) + len(result.tokens) + in_flight * most + spare
+            if in_flight and (len(result.tokens) + in_flight * most >= max_new_tokens or ahead > capacity):
+                break  # the steps in flight may end the request, or one more might not fit: no run-ahead
+            if ahead > capacity:
+                raise ValueError(f"the sequence reached the cache capacity ({capacity} rows)")
+            engine.device_launch()
+            in_flight += 1
         with timer("device_step"):
-            step_tokens = engine.device_step()
+            step_tokens = engine.device_collect()
+        in_flight -= 1
         result.target_forwards += 1
         result.accept_lengths.append(len(step_tokens))
         _, finished = _emit(result.tokens, step_tokens, max_new_tokens, end_ids, on_tokens=on_tokens)
+    for _ in range(in_flight):  # a step launched past the end: its tokens are not the request's
+        engine.device_collect()
     result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start
     return result

@@ -1,5 +1,6 @@
-"""DDTree on the device: the tree build and the greedy walk as fixed-shape tensor ops (no host round trip), so a
-whole speculative step can be one CUDA graph. Same contract and same node set as `runner/tree.py`.
+"""DDTree on the device: the tree build and the greedy walk as fixed-shape tensor ops (no host round trip, and few
+kernels: a step graph launches each of them), so a whole speculative step can be one CUDA graph. Same contract and
+same node set as `runner/tree.py`.
 
 Build: a beam of `budget` prefixes per depth is exact here, because a prefix's score is a sum of independent
 per-depth terms: a depth-d prefix among the best `budget` overall has its parent among the best `budget` at depth
@@ -20,75 +21,64 @@ def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
     number of real nodes [1] (root included)."""
     depth_limit, width = top_logprobs.shape
     device = top_logprobs.device
-    neg = torch.full((1,), float("-inf"), device=device, dtype=top_logprobs.dtype)
-    # beam at depth 1: the K best tokens, padded to `budget` slots with -inf
-    scores = torch.cat((top_logprobs[0], neg.expand(budget - width)))
-    beam_scores, beam_tokens, beam_parent = (
-        [scores],
-        [torch.cat((top_ids[0], top_ids[0, :1].expand(budget - width)))],
-        [torch.zeros(budget, dtype=torch.long, device=device)],
-    )
-    for depth in range(1, depth_limit):
-        candidates = (scores[:, None] + top_logprobs[depth][None, :]).reshape(-1)  # [budget * K]
-        scores, index = candidates.topk(budget)
+    # beam at depth 1: the K best tokens, padded to `budget` slots with -inf; a slot's flat index is parent * K + k
+    scores = torch.nn.functional.pad(top_logprobs[0], (0, budget - width), value=float("-inf"))
+    beam_scores, beam_index = [scores], [torch.arange(budget, device=device).clamp_max(width - 1)]
+    for depth in range(1, depth_limit):  # two kernels a depth: the candidates and their top `budget`
+        scores, index = (scores[:, None] + top_logprobs[depth][None, :]).reshape(-1).topk(budget)
         beam_scores.append(scores)
-        beam_tokens.append(top_ids[depth][index % width])
-        beam_parent.append(index // width)  # slot in the previous beam
+        beam_index.append(index)
     all_scores = torch.stack(beam_scores)  # [L, budget]
-    chosen = all_scores.reshape(-1).topk(budget).indices
-    chosen_depth, chosen_slot = chosen // budget, chosen % budget
-    valid = all_scores.reshape(-1)[chosen] > float("-inf")
+    flat = torch.stack(beam_index)  # [L, budget]
+    beam_tokens = top_ids.gather(1, flat % width)
+    beam_parent = torch.where(torch.arange(depth_limit, device=device)[:, None] > 0, flat // width, 0)
+    chosen_scores, chosen = all_scores.reshape(-1).topk(budget)
+    valid = chosen_scores > float("-inf")
     # parents first: order by depth, then by score (the flat index is depth-major, score-sorted within a depth)
-    key = torch.where(valid, chosen, chosen + depth_limit * budget)
-    order = key.argsort()
-    chosen_depth, chosen_slot, valid = chosen_depth[order], chosen_slot[order], valid[order]
-    node_of = torch.full((depth_limit, budget), -1, dtype=torch.long, device=device)
-    node_of[chosen_depth, chosen_slot] = torch.where(valid, torch.arange(1, budget + 1, device=device), -1)
-    parent_slot = torch.stack(beam_parent)[chosen_depth, chosen_slot]
-    parent_node = torch.where(chosen_depth > 0, node_of[(chosen_depth - 1).clamp_min(0), parent_slot], 0)
-    tokens = torch.full((rows,), pad_token, dtype=torch.long, device=device)
-    parents = torch.full((rows,), -1, dtype=torch.long, device=device)
-    depths = torch.zeros(rows, dtype=torch.long, device=device)
-    tokens[0] = root.reshape(-1)[0]
-    tokens[1 : budget + 1] = torch.where(valid, torch.stack(beam_tokens)[chosen_depth, chosen_slot], pad_token)
-    parents[1 : budget + 1] = torch.where(valid, parent_node, -1)
-    depths[1 : budget + 1] = torch.where(valid, chosen_depth + 1, 0)
-    # no Python-scalar stores into device tensors: they would be host copies inside a CUDA-graph capture
-    root_row = torch.ones(1, dtype=torch.bool, device=device)
-    real = torch.cat((root_row, valid, torch.zeros(rows - budget - 1, dtype=torch.bool, device=device)))
+    order = torch.where(valid, chosen, chosen + depth_limit * budget).argsort()
+    chosen, valid = chosen[order], valid[order]
+    chosen_depth = chosen // budget
+    node_of = torch.full((depth_limit * budget,), -1, dtype=torch.long, device=device)
+    node_of.scatter_(0, chosen, torch.where(valid, torch.arange(1, budget + 1, device=device), -1))
+    parent_flat = (chosen_depth - 1).clamp_min(0) * budget + beam_parent.reshape(-1)[chosen]
+    parent_node = torch.where(chosen_depth > 0, node_of[parent_flat], 0)
+    pad = torch.nn.functional.pad
+    root_row = root.reshape(-1)[:1].to(torch.long)
+    padding = rows - budget - 1
+    tokens = torch.cat((root_row, pad(torch.where(valid, beam_tokens.reshape(-1)[chosen], pad_token), (0, padding),
+                                      value=pad_token)))  # fmt: skip
+    parents = pad(torch.where(valid, parent_node, -1), (1, padding), value=-1)
+    depths = pad(torch.where(valid, chosen_depth + 1, 0), (1, padding))
+    real = pad(pad(valid, (1, 0), value=True), (0, padding), value=False)
     return tokens, parents, depths, ancestor_mask(parents, real, depth_limit), real.sum().reshape(1)
 
 
 def ancestor_mask(parents: torch.Tensor, real: torch.Tensor, depth_limit: int) -> torch.Tensor:
-    """[rows, rows] ancestor-or-self visibility of the real rows; padding sees nothing and is not seen."""
-    rows = parents.shape[0]
-    index = torch.arange(rows, device=parents.device)
-    mask = torch.zeros(rows, rows, dtype=torch.bool, device=parents.device)
-    mask[index, index] = real
-    ancestor = parents.clone()
-    for _ in range(depth_limit):
-        live = (ancestor >= 0) & real
-        mask[index, ancestor.clamp_min(0)] |= live
-        ancestor = torch.where(live, parents[ancestor.clamp_min(0)], -1)
-    return mask
+    """[rows, rows] ancestor-or-self visibility of the real rows; padding sees nothing and is not seen.
+
+    Reachability by squaring: one hop (self or parent), then ceil(log2(depth_limit)) products of 0/1 matrices
+    (exact in float32), instead of one gather round per depth."""
+    has_parent = (real & (parents >= 0)).float()
+    reach = torch.diag(real.float()).scatter_add_(1, parents.clamp_min(0)[:, None], has_parent[:, None])
+    hops = 1
+    while hops < depth_limit:
+        reach = (reach @ reach).clamp_max_(1.0)
+        hops *= 2
+    return reach > 0
 
 
-def accept_greedy_device(tokens, parents, real, choices: torch.Tensor, depth_limit: int):
-    """Walks from the root while the target's choice at the current node is one of its children.
+def accept_greedy_device(tokens, parents, depths, mask, choices: torch.Tensor, depth_limit: int):
+    """The longest root path whose every node is the target's choice at its parent (no loop over depths).
 
-    choices: [rows] the target's token at every row. Returns (path [depth_limit + 1] node indices, root first,
-    entries past the length are 0; length [1]; next bonus token [1])."""
-    current = torch.zeros((), dtype=torch.long, device=tokens.device)
-    alive = torch.ones((), dtype=torch.bool, device=tokens.device)
-    path = [current]
-    length = torch.ones((), dtype=torch.long, device=tokens.device)
-    for _ in range(depth_limit):
-        wanted = choices.index_select(0, current.reshape(1))  # a tensor index would sync (int conversion)
-        match = real & (parents == current) & (tokens == wanted)
-        found = match.any() & alive
-        following = match.to(torch.int32).argmax()
-        current = torch.where(found, following, current)
-        path.append(torch.where(found, following, 0))
-        length = length + found.to(torch.long)
-        alive = found
-    return torch.stack(path), length.reshape(1), choices.index_select(0, current.reshape(1))
+    A node is accepted when it and all its ancestors are "good" (the root, or the token the target chose at the
+    parent). Siblings carry distinct tokens, so the accepted nodes form one chain from the root.
+    choices: [rows] the target's token at every row; mask: the tree's ancestor-or-self mask. Returns (path
+    [depth_limit + 1] node indices, root first, entries past the length are 0; length [1]; next bonus token [1])."""
+    rows = tokens.shape[0]
+    is_root = torch.arange(rows, device=tokens.device) == 0
+    good = is_root | ((parents >= 0) & (tokens == choices.index_select(0, parents.clamp_min(0))))
+    accepted = mask.diagonal() & ~(mask & ~good[None, :]).any(dim=1)
+    levels = torch.arange(depth_limit + 1, device=tokens.device)[:, None]
+    path = (accepted[None, :] & (depths[None, :] == levels)).to(torch.int32).argmax(dim=1)
+    length = accepted.sum().reshape(1)
+    return path, length, choices.index_select(0, path.index_select(0, length - 1))

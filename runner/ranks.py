@@ -37,8 +37,11 @@ class Ranks:
     def device_load(self, bonus: int, prompt_length: int) -> None:
         self.call("device_load", bonus, prompt_length)
 
-    def device_step(self) -> list[int]:
-        return self.call("device_step")
+    def device_launch(self) -> None:
+        self.call("device_launch")
+
+    def device_collect(self) -> list[int]:
+        return self.call("device_collect")
 
     def close(self) -> None:
         pass

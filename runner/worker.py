@@ -50,6 +50,8 @@ class RankWorker:
         )
 
     def reset(self) -> None:
+        if getattr(self, "loop", None) is not None:
+            self.loop.discard()  # steps still in flight (a request that failed mid-way) must not write later
         self.cache.reset()
         self._pending = {}
 
@@ -99,17 +101,20 @@ class RankWorker:
         self._pending = out
         return out["logits"]
 
-    def enable_device_loop(self, oracle=None) -> None:
+    def enable_device_loop(self, oracle=None, autoregressive: bool = False, split_phases: bool = False) -> None:
         """Runs later greedy steps as one tensor program (a CUDA graph on GPUs): `runner/device_loop.py`."""
         from runner.device_loop import DeviceLoop
 
-        self.loop = DeviceLoop(self, self.spec, use_graph=self.device.type == "cuda", oracle=oracle)
+        self.loop = DeviceLoop(self, self.spec, self.device.type == "cuda", oracle, autoregressive, split_phases)
 
     def device_load(self, bonus: int, prompt_length: int) -> None:
         self.loop.load(bonus, prompt_length)
 
-    def device_step(self) -> list[int]:
-        return self.loop.step()
+    def device_launch(self) -> None:
+        self.loop.launch()
+
+    def device_collect(self) -> list[int]:
+        return self.loop.collect()
 
     def commit(self, rows: list[int]) -> None:
         """Commits the accepted tree rows (root first) of the last verify."""

@@ -1,6 +1,7 @@
 """The device-resident greedy step (runner/device_loop.py) is lossless too: equal to autoregressive decoding.
 
-Run eagerly on the CPU here (the same tensor program a CUDA graph captures on a GPU)."""
+Run eagerly on the CPU here (the same tensor program a CUDA graph captures on a GPU), with the same run-ahead: one
+step launched behind the one collected, discarded when the request ends first."""
 
 import pytest
 
@@ -36,4 +37,35 @@ def test_device_loop_with_an_oracle_accepts_whole_blocks(demo_ckpt):
     result = generate_on_device(engine, spec, PROMPTS[0], 80, capacity=512)
     assert result.tokens == expected
     assert result.accept_lengths[1:-1] == [8] * (len(result.accept_lengths) - 2)
+    engine.close()
+
+
+def test_autoregressive_device_loop_equals_host_decoding(demo_ckpt):
+    spec = SpecConfig(8, 32)
+    engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
+    engine.workers[0].enable_device_loop(autoregressive=True)
+    for prompt in PROMPTS:
+        expected = generate_autoregressive(engine, prompt, 50, Sampler(SamplingParams())).tokens
+        result = generate_on_device(engine, spec, prompt, 50, capacity=512, autoregressive=True)
+        assert result.tokens == expected and result.accept_lengths == [1] * 49
+    engine.close()
+
+
+def test_steps_launched_past_the_end_are_discarded(demo_ckpt):
+    """An end token or max_new_tokens ends a request while a step is queued behind it: the output stops there and
+    the next request on the same engine is unaffected."""
+    spec = SpecConfig(8, 32)
+    engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
+    engine.workers[0].enable_device_loop()
+    expected = generate_autoregressive(engine, PROMPTS[1], 80, Sampler(SamplingParams())).tokens
+    end = expected[40]
+    stop = expected.index(end)
+    streamed = []
+    result = generate_on_device(engine, spec, PROMPTS[1], 80, 512, end_ids={end}, on_tokens=streamed.extend)
+    assert result.tokens == expected[: stop + 1] == streamed
+    for max_new in (1, 2, 9, 37):
+        assert generate_on_device(engine, spec, PROMPTS[1], max_new, 512).tokens == expected[:max_new]
+    assert not engine.workers[0].loop.in_flight
+    with pytest.raises(ValueError, match=r"the sequence reached the cache capacity \(40 rows\)"):
+        generate_on_device(engine, spec, PROMPTS[1], 80, capacity=40)
     engine.close()

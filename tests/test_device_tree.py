@@ -62,7 +62,9 @@ def _node_path(tokens, parents, node):
 def test_device_walk_equals_host_walk(seed):
     rng = np.random.default_rng(100 + seed)
     logprobs, ids = _top(rng, 5, 3)
-    tokens, parents, _, _, count = build_tree_device(torch.tensor(logprobs), torch.tensor(ids), 20, torch.tensor(1), 24)
+    tokens, parents, depths, mask, count = build_tree_device(
+        torch.tensor(logprobs), torch.tensor(ids), 20, torch.tensor(1), 24
+    )
     host = build_tree(logprobs, ids, 20, root_token=1, rows=24)
     # target choices that follow the tree for a random number of steps, then leave it
     choices = torch.tensor(rng.integers(0, 60, size=24))
@@ -74,8 +76,7 @@ def test_device_walk_equals_host_walk(seed):
         child = kids[int(rng.integers(0, len(kids)))]
         choices[node] = tokens[child]
         node = child
-    real = torch.arange(24) < count
-    path, length, bonus = accept_greedy_device(tokens, parents, real, choices, 5)
+    path, length, bonus = accept_greedy_device(tokens, parents, depths, mask, choices, 5)
     accepted = [int(tokens[i]) for i in path[1 : int(length)]]
     host_choices = [int(choices[_index(tokens, parents, host, i)]) for i in range(host.num_nodes)]
     host_path, host_bonus = follow_tree(host, host_choices)

@@ -110,17 +110,17 @@ def test_tokenizer_larger_than_the_vocab_is_refused(demo_engine):
 
 
 def test_device_loop_under_mpirun_equals_the_reference(demo_engine, reference, tmp_path):
-    """--device_loop: tree build, walk and commit as tensor ops on every rank (torch backend, MPI collectives)."""
-    out = tmp_path / "device.json"
-    args = ["-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "torch", "--device_loop",
-            "--max_output_len", "48", "--output_json", str(out)]  # fmt: skip
-    for prompt in PROMPTS:
-        args += ["--input_text", prompt]
-    done = mpirun(2, *args)
-    assert done.returncode == 0, done.stderr
-    assert [r["output_ids"] for r in json.loads(out.read_text())["results"]] == reference
+    """--device_loop: the speculative step (tree build, walk and commit as tensor ops) and, with --autoregressive, the
+    decode step on every rank (torch backend, MPI collectives), each with the next step queued behind it."""
+    for extra in ([], ["--autoregressive"]):
+        out = tmp_path / "device.json"
+        args = ["-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "torch", "--device_loop",
+                "--max_output_len", "48", "--output_json", str(out), *extra]  # fmt: skip
+        for prompt in PROMPTS:
+            args += ["--input_text", prompt]
+        done = mpirun(2, *args)
+        assert done.returncode == 0, done.stderr
+        assert [r["output_ids"] for r in json.loads(out.read_text())["results"]] == reference, extra
     refused = mpirun(2, "-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "ort", "--device_loop",
                      "--input_text", "x")  # fmt: skip
-    assert (
-        refused.returncode == 2 and "--device_loop runs greedy speculative steps on the torch backend" in refused.stderr
-    )
+    assert refused.returncode == 2 and "--device_loop runs greedy steps on the torch backend" in refused.stderr
