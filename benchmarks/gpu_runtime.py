@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_runtime.py OUT_DIR            (on a GPU)
     PYTHONPATH=. python3 benchmarks/gpu_runtime.py OUT_DIR --smoke    (tiny shapes on the CPU: checks the script)
+    options: --e2e-only (skip table 1), --models=moe,dense,kimi-rank (table 2's models)
 
 1. Kimi-scale cost of one dense and one MoE layer at TP-8 per-rank dims (hidden 7168, 8 of 64 heads, MLA ranks
    1536/512/64, 384 experts of width 2048/8, top-8 + shared expert), random bf16 weights, S = 4096 and 32768
@@ -9,7 +10,7 @@
    bytes that must move, the floor, and the distinct experts the routing touched. One GPU: no all-reduce.
 2. End-to-end tokens/s on scaled-up Kimi-architecture models (random weights, dims in the output): autoregressive
    vs DFlash chain vs DDTree budgets 8/16/32, with the random drafter and with an oracle drafter; time split per
-   step and the time between graph replays (host gaps). A MoE model and an all-dense variant of it.
+   step and the GPU idle time between graph replays. A MoE model, an all-dense variant, and one TP-8 rank of Kimi.
 Writes OUT_DIR/gpu_runtime.json; prints markdown tables.
 """
 
@@ -19,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -66,8 +68,50 @@ def kimi_tp8_rank() -> TargetConfig:
     )
 
 
-def scaled_models(dense: bool, smoke: bool) -> tuple[TargetConfig, DrafterConfig]:
-    """Kimi-architecture models scaled to one GPU (or to a CPU for --smoke)."""
+def kimi_tp8_drafter(target: TargetConfig) -> DrafterConfig:
+    """Kimi-K2.5-DFlash (6 layers, hidden 7168, 64 / 8 heads of 128, MLP 18432, block 8) as one of 8 ranks sees it."""
+    return DrafterConfig(
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_hidden_layers=6,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=target.vocab_size,
+        block_size=8,
+        mask_token_id=target.vocab_size - 2,  # [UNK] 163838
+        target_layer_ids=(1, 12, 24, 35, 47, 58),
+        rope=KIMI_ROPE,
+        mapping=target.mapping,
+    )
+
+
+MODELS = ("moe", "dense", "kimi-rank")
+
+
+def scaled_models(model: str, smoke: bool) -> tuple[TargetConfig, DrafterConfig]:
+    """Kimi-architecture models for one GPU (or, --smoke, for a CPU).
+
+    moe / dense: scaled down to fit one GPU whole. kimi-rank: what one rank of Kimi K2 at TP-8 computes for a token
+    (61 layers at per-rank dims, vocab-parallel head of 163840 / 8 rows, the K2.5 DFlash drafter's rank share), with
+    every MLP dense at the per-rank width 18432 / 8 = 2304: at one token that reads the bytes of the shared expert plus
+    8 routed experts of width 2048 / 8 (section 2 measures what the MoE adds at 33 tokens); one GPU, so the
+    all-reduces are left out (`SingleRank`)."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    if model == "kimi-rank":
+        target = kimi_tp8_rank()
+        if smoke:
+            target = replace(target, hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=1024,
+                             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                             num_attention_heads=16, mapping=Mapping(2, 0, 2))  # fmt: skip
+        target = replace(target, first_k_dense_replace=target.num_hidden_layers)
+        drafter = kimi_tp8_drafter(target)
+        if smoke:
+            drafter = replace(drafter, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, target_layer_ids=(1, 2))  # fmt: skip
+        return target, drafter
+    dense = model == "dense"
     if smoke:
         hidden, layers, heads, experts, width, vocab, q_lora, kv_lora, rope = 64, 4, 4, 8, 32, 512, 32, 32, 16
     else:
@@ -162,7 +206,7 @@ def layer_costs(ceilings: dict, device, dtype, smoke: bool) -> list[dict]:
     from plugins.tree_attention.kernel import tree_attention_cuda
     from plugins.tree_attention.reference import tree_attention
 
-    config = scaled_models(False, True)[0] if smoke else kimi_tp8_rank()
+    config = scaled_models("moe", True)[0] if smoke else kimi_tp8_rank()
     ops = ModelOps(tree_attention if smoke else tree_attention_cuda, SingleRank(), MoE if smoke else GroupedMoE)
     rotary = Rotary(config.rope, config.qk_rope_head_dim)
     rotary.rebuild(device)
@@ -242,141 +286,166 @@ def make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, s
     return LocalRanks([worker]), session
 
 
-def end_to_end(device, dtype, smoke: bool, new_tokens: int, repeats: int = 3) -> list[dict]:
-    """Median of `repeats` generations per row (tokens/s and host gaps); the time split is the last run's."""
-    from benchmarks.oracle_drafter import OracleDraftRanks
+HOST_LOOP_MODELS = ("moe", "dense")  # models that also get the host-loop rows (the comparison with the device loop)
+SPEC_MODES = [("dflash chain", SpecConfig(8, 7, 1))] + [(f"ddtree {b}", SpecConfig(8, b)) for b in (8, 16, 32)]
+
+
+def tokens_per_s(result) -> float:
+    return (len(result.tokens) - 1) / (result.elapsed - result.seconds.get("prefill", 0.0))
+
+
+def first_difference(tokens, reference) -> int:
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
+def end_to_end(device, dtype, smoke: bool, new_tokens: int, models, repeats: int = 3) -> list[dict]:
+    """Median of `repeats` generations per row (tokens/s and GPU idle); per-step splits from one more run.
+
+    Speed-ups are against the faster autoregressive loop (the device loop's, one graph a token, queued ahead)."""
     from plugins.tree_attention.kernel import tree_attention_cuda
     from plugins.tree_attention.reference import tree_attention
 
     rows = []
-    for dense in (False, True):
-        target_cfg, drafter_cfg = scaled_models(dense, smoke)
+    for model in models:
+        target_cfg, drafter_cfg = scaled_models(model, smoke)
         ops = ModelOps(tree_attention if smoke else tree_attention_cuda, SingleRank(), MoE if smoke else GroupedMoE)
         target, drafter = random_rank_models(target_cfg, drafter_cfg, ops, device, dtype, seed=3)
-        model = "dense" if dense else "moe"
         dims = {
             "hidden": target_cfg.hidden_size,
             "layers": target_cfg.num_hidden_layers,
-            "heads": target_cfg.num_attention_heads,
+            "heads_per_rank": target_cfg.heads_per_rank,
             "experts": target_cfg.n_routed_experts,
             "expert_width": target_cfg.moe_intermediate_size,
             "top_k": target_cfg.num_experts_per_tok,
             "dense_layers": target_cfg.first_k_dense_replace,
             "vocab": target_cfg.vocab_size,
+            "tp_share": target_cfg.mapping.tp_size,
             "drafter_layers": drafter_cfg.num_hidden_layers,
             "params": sum(p.numel() for p in target.parameters()),
+            "drafter_params": sum(p.numel() for n, p in drafter.named_parameters() if "lm_head" not in n
+                                  and "embed" not in n),  # fmt: skip
         }
-        prompt = torch.randint(0, target_cfg.vocab_size - 2, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+        shard = target_cfg.vocab_size // target_cfg.mapping.tp_size  # ids this rank's embedding and head hold
+        prompt = torch.randint(0, shard - 2, (64,), generator=torch.Generator().manual_seed(0)).tolist()
         greedy = Sampler(SamplingParams())
         engine, session = make_engine(target, drafter, target_cfg, drafter_cfg, SpecConfig(8, 32), device, dtype, smoke)
         generate_autoregressive(engine, prompt, 8, greedy)  # warm-up: capture the decode graph
         rates = []
         for _ in range(repeats):
             baseline = generate_autoregressive(engine, prompt, new_tokens, greedy)
-            rates.append((len(baseline.tokens) - 1) / (baseline.elapsed - baseline.seconds.get("prefill", 0.0)))
-        ar_rate = statistics.median(rates)
-        rows.append(
-            {
-                "model": model,
-                "mode": "autoregressive",
-                "drafter": "-",
-                "tokens_per_s": ar_rate,
-                "speedup": 1.0,
-                "dims": dims,
-            }
-        )
-        print(f"{model}: autoregressive {ar_rate:.1f} tokens/s ({dims})", flush=True)
-        modes = [("dflash chain", SpecConfig(8, 7, 1))] + [(f"ddtree {b}", SpecConfig(8, b)) for b in (8, 16, 32)]
+            rates.append(tokens_per_s(baseline))
+        host_ar = statistics.median(rates)
+        ar_row = loop_row(model, "autoregressive (device loop)", "-", None, target, drafter, target_cfg, drafter_cfg,
+                          prompt, baseline.tokens, device, dtype, smoke, new_tokens, repeats)  # fmt: skip
+        ar_rate = max(host_ar, ar_row["tokens_per_s"])
+        rows.append({"model": model, "mode": "autoregressive", "drafter": "-", "tokens_per_s": host_ar, "dims": dims})
+        rows.append(ar_row)
+        print(f"{model}: autoregressive {host_ar:.1f} tokens/s host loop, {ar_row['tokens_per_s']:.1f} device loop"
+              f" ({dims})", flush=True)  # fmt: skip
+        if model in HOST_LOOP_MODELS:
+            rows += host_loop_rows(model, target, drafter, target_cfg, drafter_cfg, prompt, baseline.tokens, device,
+                                   dtype, smoke, new_tokens, repeats)  # fmt: skip
         for drafter_kind in ("random", "oracle"):
-            for mode, spec in modes:
-                engine, session = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, smoke)
-                runner = OracleDraftRanks(engine, baseline.tokens) if drafter_kind == "oracle" else engine
-                generate(runner, prompt, 16, spec, greedy)  # warm-up: capture the graphs
-                rates, step_gaps = [], []
-                for _ in range(repeats):
-                    if not smoke:
-                        session.events.clear()
-                    result = generate(runner, prompt, new_tokens, spec, greedy)
-                    steps = len(result.accept_lengths)
-                    rates.append((len(result.tokens) - 1) / (result.elapsed - result.seconds.get("prefill", 0.0)))
-                    gaps = session.host_gaps() if not smoke else []
-                    if gaps and steps:
-                        step_gaps.append(sum(gaps) / steps * 1e6)
-                rate = statistics.median(rates)
-                per_step_gap = statistics.median(step_gaps) if step_gaps else None
-                match = next(
-                    (i for i, (a, b) in enumerate(zip(result.tokens, baseline.tokens)) if a != b),
-                    min(len(result.tokens), len(baseline.tokens)),
-                )
-                row = {
-                    "model": model,
-                    "mode": mode,
-                    "drafter": drafter_kind,
-                    "tokens_per_s": rate,
-                    "speedup": rate / ar_rate,
-                    "mean_accept_length": result.mean_accept_length,
-                    "steps": steps,
-                    "step_ms": {k: v / steps * 1e3 for k, v in result.seconds.items() if k != "prefill"},
-                    "host_gap_us_per_step": per_step_gap,
-                    "tokens_equal_to_autoregressive": match,
-                    "tokens": len(result.tokens),
-                }
-                rows.append(row)
-                print(
-                    f"{model}: {mode:12s} {drafter_kind:6s} {rate:8.1f} tokens/s (x{rate / ar_rate:.2f}), accept "
-                    f"{result.mean_accept_length:.2f}, per step {row['step_ms']}, host gaps {per_step_gap} us, "
-                    f"equal to AR for {match}/{len(result.tokens)} tokens",
-                    flush=True,
-                )
-        rows += device_loop_rows(model, target, drafter, target_cfg, drafter_cfg, prompt, baseline.tokens, ar_rate,
-                                 device, dtype, smoke, new_tokens, repeats)  # fmt: skip
-        del target, drafter
+            for mode, spec in SPEC_MODES:
+                rows.append(loop_row(model, f"{mode} (device loop)", drafter_kind, spec, target, drafter, target_cfg,
+                                     drafter_cfg, prompt, baseline.tokens, device, dtype, smoke, new_tokens,
+                                     repeats))  # fmt: skip
+        for row in rows:
+            if row["model"] == model:
+                row["speedup"] = row["tokens_per_s"] / ar_rate
+                row["speedup_vs_host_autoregressive"] = row["tokens_per_s"] / host_ar
+        del target, drafter, engine, session
         if not smoke:
             torch.cuda.empty_cache()
     return rows
 
 
-def device_loop_rows(model, target, drafter, target_cfg, drafter_cfg, prompt, continuation, ar_rate, device, dtype,
-                     smoke, new_tokens, repeats) -> list[dict]:  # fmt: skip
-    """The same modes with the whole step on the device (runner/device_loop.py), one CUDA graph a step."""
+def host_loop_rows(model, target, drafter, target_cfg, drafter_cfg, prompt, continuation, device, dtype, smoke,
+                   new_tokens, repeats) -> list[dict]:  # fmt: skip
+    """`speculate.speculative_step`: a draft graph, a verify graph and Python (tree, walk) in between."""
+    from benchmarks.oracle_drafter import OracleDraftRanks
+
+    rows, greedy = [], Sampler(SamplingParams())
+    for drafter_kind in ("random", "oracle"):
+        for mode, spec in SPEC_MODES:
+            engine, session = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, smoke)
+            runner = OracleDraftRanks(engine, continuation) if drafter_kind == "oracle" else engine
+            generate(runner, prompt, 16, spec, greedy)  # warm-up: capture the graphs
+            rates, step_gaps = [], []
+            for _ in range(repeats):
+                if not smoke:
+                    session.events.clear()
+                result = generate(runner, prompt, new_tokens, spec, greedy)
+                steps = len(result.accept_lengths)
+                rates.append(tokens_per_s(result))
+                gaps = session.host_gaps() if not smoke else []
+                if gaps and steps:
+                    step_gaps.append(sum(gaps) / steps * 1e6)
+            row = {
+                "model": model,
+                "mode": mode,
+                "drafter": drafter_kind,
+                "tokens_per_s": statistics.median(rates),
+                "mean_accept_length": result.mean_accept_length,
+                "steps": steps,
+                "step_ms": {k: v / steps * 1e3 for k, v in result.seconds.items() if k != "prefill"},
+                "host_gap_us_per_step": statistics.median(step_gaps) if step_gaps else None,
+                "tokens_equal_to_autoregressive": first_difference(result.tokens, continuation),
+                "tokens": len(result.tokens),
+            }
+            rows.append(row)
+            print(f"{model}: {mode:12s} host loop {drafter_kind:6s} {row['tokens_per_s']:8.1f} tokens/s, accept "
+                  f"{result.mean_accept_length:.2f}, per step {row['step_ms']}, GPU idle {row['host_gap_us_per_step']}"
+                  f" us/step, equal to AR for {row['tokens_equal_to_autoregressive']}/{len(result.tokens)}",
+                  flush=True)  # fmt: skip
+    return rows
+
+
+PHASES = ("draft", "tree", "verify", "accept")
+
+
+def loop_row(model, mode, drafter_kind, spec, target, drafter, target_cfg, drafter_cfg, prompt, continuation, device,
+             dtype, smoke, new_tokens, repeats) -> dict:  # fmt: skip
+    """`runner/device_loop.py`: one CUDA graph a step (spec None: an autoregressive decode step), the next queued
+    behind it. tokens/s and GPU idle between steps from `repeats` runs; the split into phases from one more run with
+    one graph per phase (events between them)."""
     from runner.device_loop import generate_on_device
 
-    rows = []
-    for drafter_kind in ("random", "oracle"):
-        for mode, spec in [("dflash chain", SpecConfig(8, 7, 1))] + [
-            (f"ddtree {b}", SpecConfig(8, b)) for b in (8, 32)
-        ]:
-            engine, _ = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, smoke)
-            oracle = torch.tensor(continuation, device=device) if drafter_kind == "oracle" else None
-            engine.workers[0].enable_device_loop(oracle)
-            loop = engine.workers[0].loop
-            generate_on_device(engine, spec, prompt, 32, 1024)  # warm-up: capture the step graph
-            rates, gaps = [], []
-            for _ in range(repeats):
-                loop.events = [] if not smoke else None
-                result = generate_on_device(engine, spec, prompt, new_tokens, 1024)
-                rates.append((len(result.tokens) - 1) / (result.elapsed - result.seconds.get("prefill", 0.0)))
-                if loop.events:
-                    torch.cuda.synchronize()
-                    idle = [loop.events[i][1].elapsed_time(loop.events[i + 1][0]) for i in range(len(loop.events) - 1)]
-                    gaps.append(statistics.median(idle) * 1e3)
-                    step_ms = statistics.median(s.elapsed_time(e) for s, e in loop.events)
-            match = next((i for i, (a, b) in enumerate(zip(result.tokens, continuation)) if a != b),
-                         min(len(result.tokens), len(continuation)))  # fmt: skip
-            rate = statistics.median(rates)
-            row = {"model": model, "mode": f"{mode} (device loop)", "drafter": drafter_kind, "tokens_per_s": rate,
-                   "speedup": rate / ar_rate, "mean_accept_length": result.mean_accept_length,
-                   "host_gap_us_per_step": statistics.median(gaps) if gaps else None,
-                   "step_graph_ms": step_ms if gaps else None, "tokens_equal_to_autoregressive": match,
-                   "tokens": len(result.tokens)}  # fmt: skip
-            rows.append(row)
-            print(
-                f"{model}: {mode:12s} device loop {drafter_kind:6s} {rate:8.1f} tokens/s (x{rate / ar_rate:.2f}), "
-                f"accept {result.mean_accept_length:.2f}, GPU idle between steps {row['host_gap_us_per_step']} us, "
-                f"step graph {row['step_graph_ms']} ms, equal to AR for {match}/{len(result.tokens)}",
-                flush=True,
-            )
-    return rows
+    autoregressive = spec is None
+    spec = spec or SpecConfig(8, 32)
+    engine, _ = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, smoke)
+    worker = engine.workers[0]
+    oracle = torch.tensor(continuation, device=device) if drafter_kind == "oracle" else None
+    row = {"model": model, "mode": mode, "drafter": drafter_kind}
+    for split in (False,) if autoregressive else (False, True):
+        worker.enable_device_loop(oracle, autoregressive, split_phases=split)
+        generate_on_device(engine, spec, prompt, 32, 1024, autoregressive=autoregressive)  # warm-up: capture
+        rates, idle, step_ms = [], [], []
+        for _ in range(1 if split else repeats):
+            worker.loop.events = [] if not smoke else None
+            result = generate_on_device(engine, spec, prompt, new_tokens, 1024, autoregressive=autoregressive)
+            rates.append(tokens_per_s(result))
+            if worker.loop.events:
+                torch.cuda.synchronize()
+                marks = worker.loop.events
+                idle.append(statistics.median(a[-1].elapsed_time(b[0]) for a, b in zip(marks, marks[1:])) * 1e3)
+                step_ms.append(statistics.median(m[0].elapsed_time(m[-1]) for m in marks))
+                if split:
+                    row["phase_ms"] = {name: statistics.median(m[i].elapsed_time(m[i + 1]) for m in marks)
+                                       for i, name in enumerate(PHASES)}  # fmt: skip
+        if split:
+            row["split_tokens_per_s"], row["split_step_ms"] = rates[0], step_ms[0] if step_ms else None
+            continue
+        row.update(tokens_per_s=statistics.median(rates), mean_accept_length=result.mean_accept_length,
+                   gpu_idle_us_per_step=statistics.median(idle) if idle else None,
+                   step_graph_ms=statistics.median(step_ms) if step_ms else None,
+                   tokens_equal_to_autoregressive=first_difference(result.tokens, continuation),
+                   tokens=len(result.tokens))  # fmt: skip
+    print(f"{model}: {mode:30s} {drafter_kind:6s} {row['tokens_per_s']:8.1f} tokens/s, accept "
+          f"{row['mean_accept_length']:.2f}, GPU idle {row['gpu_idle_us_per_step']} us/step, step graph "
+          f"{row['step_graph_ms']} ms, phases {row.get('phase_ms')}, equal to AR for "
+          f"{row['tokens_equal_to_autoregressive']}/{row['tokens']}", flush=True)  # fmt: skip
+    return row
 
 
 def measure_ceilings(smoke: bool) -> dict:
@@ -404,7 +473,8 @@ def main() -> int:
     print(f"ceilings: copy {ceilings['copy_Bps'] / 1e9:.0f} GB/s, bf16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
     with torch.no_grad():
         costs = [] if "--e2e-only" in sys.argv else layer_costs(ceilings, device, dtype, smoke)
-        e2e = end_to_end(device, dtype, smoke, new_tokens=24 if smoke else 256)
+        models = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--models=")), MODELS)
+        e2e = end_to_end(device, dtype, smoke, 24 if smoke else 256, models)
     info = {
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
@@ -425,13 +495,14 @@ def main() -> int:
             f"{r['mlp_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | "
             f"{r['distinct_experts'] if r['distinct_experts'] is not None else '-'} |"
         )
-    print("\n| model | mode | drafter | tokens/s | speedup | accept length | host gap us/step |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| model | mode | drafter | tokens/s | speedup | accept length | GPU idle us/step | step ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in e2e:
-        gap = r.get("host_gap_us_per_step")
+        gap = r.get("host_gap_us_per_step", r.get("gpu_idle_us_per_step"))
+        split = r.get("phase_ms") or r.get("step_ms") or r.get("step_graph_ms")
         print(
             f"| {r['model']} | {r['mode']} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
-            f"{r.get('mean_accept_length', 1.0):.2f} | {gap if gap is None else round(gap, 1)} |"
+            f"{r.get('mean_accept_length', 1.0):.2f} | {gap if gap is None else round(gap, 1)} | {split} |"
         )
     if costs:
         print(f"median layer/floor {statistics.median(r['ratio'] for r in costs):.2f}")
