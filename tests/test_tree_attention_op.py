@@ -4,16 +4,13 @@ Tolerances by dtype: float32 1e-5 relative (the GPU kernel's bf16 tolerance, 1e-
 benchmarks/tree_attention_gpu.py). The Triton kernel runs here under the Triton interpreter (TRITON_INTERPRET=1).
 """
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 import torch
 
 from plugins.tree_attention.reference import tree_attention
+from tests.interpreter import run_interpreted
 
 TOLERANCE = {torch.float32: 1e-5}
 # (tokens, heads, capacity, length, latent, rope): empty cache, spare capacity, one token, odd sizes
@@ -64,15 +61,8 @@ def test_onnx_runtime_op_matches_reference(shape):
 
 def test_triton_kernel_matches_reference_under_the_interpreter():
     pytest.importorskip("triton")
-    script = textwrap.dedent(f"""
-        import numpy as np, torch
-        import triton.runtime.interpreter as interpreter
-        # Triton 3.6's interpreter turns 1-element arrays into ints with int(array), which NumPy >= 2.4 refuses.
-        _patch = interpreter._patch_lang_tensor
-        def _patched(tensor, scope):
-            _patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-        interpreter._patch_lang_tensor = _patched
+    script = f"""
+        import torch
         from plugins.tree_attention.kernel import tree_attention_cuda
         from plugins.tree_attention.reference import tree_attention
         from tests.test_tree_attention_op import random_case, rel
@@ -86,9 +76,7 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
             assert not out.isnan().any(), shape
             worst = max(worst, rel(out, expected))
         print("worst", worst)
-    """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    """
+    done = run_interpreted(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]

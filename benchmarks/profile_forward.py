@@ -1,0 +1,101 @@
+"""Where a forward's GPU time goes: kernels (count, total time, by name) of one target forward at T = 1, 8, 33 and
+one drafter forward, against the CUDA-graph replay time of the same forward (the difference is launch gaps).
+
+    PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model=kimi-rank|moe|dense] [--smoke]
+
+Writes OUT_DIR/profile_forward.json and prints the top kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu_runtime import graph_time_us, scaled_models, tree_mask
+from models.kimi import ModelOps
+from models.moe import GroupedMoE, MoE
+from models.parallel import SingleRank
+from models.random_weights import random_rank_models
+
+
+def kernel_table(fn, device) -> dict:
+    """Kernels one call of fn launches: {name: [count, total µs]} (profiler, eager)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    table = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if device.type == "cuda" and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if device.type != "cuda" and event.cpu_parent is not None:
+            continue
+        time_us = event.device_time if device.type == "cuda" else event.cpu_time
+        entry = table[event.name[:90]]
+        entry[0] += 1
+        entry[1] += time_us
+    return dict(table)
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    smoke = "--smoke" in sys.argv
+    model = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--model=")), "kimi-rank")
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    from plugins.tree_attention.kernel import tree_attention_cuda
+    from plugins.tree_attention.reference import tree_attention
+
+    target_cfg, drafter_cfg = scaled_models(model, smoke)
+    ops = ModelOps(tree_attention if smoke else tree_attention_cuda, SingleRank(), MoE if smoke else GroupedMoE)
+    target, drafter = random_rank_models(target_cfg, drafter_cfg, ops, device, dtype, seed=3)
+    length, capacity = 256, 1024
+    cache = (torch.randn(target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim, device=device) * 0.5).to(dtype)
+    cache_length = torch.tensor([length], device=device)
+    shard = target_cfg.vocab_size // target_cfg.mapping.tp_size
+    results = {"model": model, "layers": target_cfg.num_hidden_layers, "date": time.strftime("%Y-%m-%d"),
+               "torch": torch.__version__, "forwards": {}}  # fmt: skip
+    calls = {}
+    for tokens in (1, 8, 33):
+        ids = torch.randint(0, shard - 2, (tokens,), device=device)
+        mask = tree_mask(tokens, device)
+        positions = length + mask.sum(-1) - 1
+        rows = torch.arange(tokens, device=device)
+        calls[f"target T={tokens}"] = lambda a=(ids, positions, mask, cache, cache_length, rows): target(*a)
+    block = drafter_cfg.block_size
+    draft_cache = torch.zeros(drafter_cfg.num_hidden_layers, 2, capacity, drafter_cfg.kv_heads_per_rank,
+                              drafter_cfg.head_dim, device=device, dtype=dtype)  # fmt: skip
+    taps = torch.randn(block, drafter.fc.weight.shape[1], device=device).to(dtype)
+    arange = torch.arange(block, device=device)
+    block_ids = torch.randint(0, shard - 2, (block,), device=device)
+    args = (taps, length - block + arange, torch.tensor([block], device=device), block_ids, length + arange,
+            draft_cache, torch.tensor([length - block], device=device))  # fmt: skip
+    calls["drafter (block 8)"] = lambda: drafter(*args)
+    with torch.no_grad():
+        for name, fn in calls.items():
+            table = kernel_table(fn, device)
+            replay = graph_time_us(fn, device, smoke)
+            count = sum(c for c, _ in table.values())
+            busy = sum(t for _, t in table.values())
+            results["forwards"][name] = {"graph_us": replay, "kernels": count, "kernel_us": busy,
+                                         "top": sorted(table.items(), key=lambda kv: -kv[1][1])[:30]}  # fmt: skip
+            print(f"\n{name}: graph replay {replay:.1f} us, {count} kernels, {busy:.1f} us inside kernels "
+                  f"({(replay - busy) / max(count, 1):.2f} us a kernel outside)", flush=True)  # fmt: skip
+            for kernel, (n, t) in results["forwards"][name]["top"][:22]:
+                print(f"  {t:9.1f} us {n:5d}x  {kernel}")
+    (out / "profile_forward.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Fused GPU kernels (Triton) for the torch backend's small per-token operations.
+
+At batch 1 a forward is thousands of tiny kernels: the profile of one Kimi TP-8 rank (`benchmarks/profile_forward.py`)
+spends more time in RMSNorm (6 kernels each: cast, square, mean, add, rsqrt, scale) and the rotary embedding (slice,
+negate, concatenate, two products, a sum) than in the attention kernel, and the mean's reduction gets slower with
+the verify's 33 rows. Here each is one kernel, one program per row, so a row's result does not depend on how many
+rows the forward has (the verify and a decode step round alike). They reproduce the torch expressions' roundings
+(`layers.RMSNorm`, `rope.apply_rotary`) in the input dtype. CUDA tensors only; the CPU (and ONNX export) paths keep
+the plain torch expressions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    normed = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # x.to(input dtype), as transformers does
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), over the last dim; x's rows may be strided."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n) if x.dim() != 2 else x
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block = triton.next_power_of_2(n)
+    _rms_norm[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps, BLOCK=block,
+                                num_warps=max(1, min(8, block // 512)))  # fmt: skip
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_r, rows, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    t = tl.program_id(0)
+    r = tl.arange(0, BLOCK_R)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    ok = r < rows
+    src = x_ptr + t * stride_t + r * stride_r + d
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    table = t * 2 * HALF + d
+    c1, c2 = tl.load(cos_ptr + table).to(tl.float32), tl.load(cos_ptr + table + HALF).to(tl.float32)
+    s1, s2 = tl.load(sin_ptr + table).to(tl.float32), tl.load(sin_ptr + table + HALF).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    # x * cos + cat(-x2, x1) * sin, each product rounded to the dtype before the sum (as torch computes it)
+    o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+    o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+    dst = out_ptr + (t * rows + r) * 2 * HALF + d
+    tl.store(dst, o1, mask=ok)
+    tl.store(dst + HALF, o2, mask=ok)
+
+
+def rotary_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    half = x.shape[-1] // 2
+    return (
+        x.dim() in (2, 3)
+        and x.stride(-1) == 1
+        and half >= 1
+        and half & (half - 1) == 0
+        and cos.shape == (x.shape[0], x.shape[-1])
+        and cos.dtype == x.dtype
+    )
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotation of x [T, dim] or [T, R, dim] (strided rows allowed) by cos, sin [T, dim]."""
+    rows = x.shape[1] if x.dim() == 3 else 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rotary[(x.shape[0],)](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
+                           rows, HALF=x.shape[-1] // 2, BLOCK_R=triton.next_power_of_2(rows), num_warps=1)  # fmt: skip
+    return out
