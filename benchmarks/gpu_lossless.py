@@ -4,8 +4,9 @@
 
 The scaled-up MoE model of gpu_runtime.py in float32 (gathered MoE; the TreeAttention kernel in exact fp32), with
 CUDA graphs per profile: autoregressive vs DFlash chain vs DDTree budgets 8 and 32 (random drafter), 128 tokens
-from 3 prompts, on the host loop and on the device loop (one graph a step, queued ahead). In bf16 the two orders of computation round differently and MoE routing turns that into different
-experts, so greedy paths part after a few tokens; float32 shows the pipeline itself is exact.
+from 3 prompts, on the host loop and on the device loop (one graph a step, queued ahead). In bf16 the two orders of
+computation round differently and MoE routing turns that into different experts, so greedy paths part after a few
+tokens; float32 shows the pipeline itself is exact.
 """
 
 from __future__ import annotations

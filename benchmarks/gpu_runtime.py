@@ -108,8 +108,9 @@ def scaled_models(model: str, smoke: bool) -> tuple[TargetConfig, DrafterConfig]
         target = replace(target, first_k_dense_replace=target.num_hidden_layers)
         drafter = kimi_tp8_drafter(target)
         if smoke:
-            drafter = replace(drafter, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=16, target_layer_ids=(1, 2))  # fmt: skip
+            drafter = replace(drafter, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              target_layer_ids=(1, 2))  # fmt: skip
         return target, drafter
     dense = model == "dense"
     if smoke:
@@ -322,8 +323,9 @@ def end_to_end(device, dtype, smoke: bool, new_tokens: int, models, repeats: int
             "tp_share": target_cfg.mapping.tp_size,
             "drafter_layers": drafter_cfg.num_hidden_layers,
             "params": sum(p.numel() for p in target.parameters()),
-            "drafter_params": sum(p.numel() for n, p in drafter.named_parameters() if "lm_head" not in n
-                                  and "embed" not in n),  # fmt: skip
+            "drafter_params": sum(
+                p.numel() for n, p in drafter.named_parameters() if "lm_head" not in n and "embed" not in n
+            ),  # fmt: skip
         }
         shard = target_cfg.vocab_size // target_cfg.mapping.tp_size  # ids this rank's embedding and head hold
         prompt = torch.randint(0, shard - 2, (64,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -4,7 +4,6 @@ Tolerances by dtype: float32 1e-5 relative (the GPU kernel's bf16 tolerance, 1e-
 benchmarks/tree_attention_gpu.py). The Triton kernel runs here under the Triton interpreter (TRITON_INTERPRET=1).
 """
 
-
 import numpy as np
 import pytest
 import torch
