@@ -1,5 +1,6 @@
-"""Where a forward's GPU time goes: kernels (count, total time, by name) of one target forward at T = 1, 8, 33 and
-one drafter forward, against the CUDA-graph replay time of the same forward (the difference is launch gaps).
+"""Where a forward's GPU time goes: kernels (count, total time, by name) of one target forward at T = 1, 8, 33, one
+drafter forward and the device loop's tree build and walk, against the CUDA-graph replay time of the same call (the
+difference is launch gaps).
 
     PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model=kimi-rank|moe|dense] [--smoke]
 
@@ -81,6 +82,17 @@ def main() -> int:
     args = (taps, length - block + arange, torch.tensor([block], device=device), block_ids, length + arange,
             draft_cache, torch.tensor([length - block], device=device))  # fmt: skip
     calls["drafter (block 8)"] = lambda: drafter(*args)
+    # the device loop's tree phase (DDTree budget 32) and the walk, outside the forwards
+    from runner.device_tree import accept_greedy_device, build_tree_device
+
+    draft_logits = torch.randn(block - 1, shard, device=device) * 4
+    calls["draft top-k (log_softmax + topk 32)"] = lambda: torch.log_softmax(draft_logits, -1).topk(32, dim=-1)
+    top = torch.log_softmax(draft_logits, -1).topk(32, dim=-1)
+    root = torch.zeros(1, dtype=torch.long, device=device)
+    calls["tree build (budget 32)"] = lambda: build_tree_device(top.values, top.indices, 32, root, 33)
+    tree = build_tree_device(top.values, top.indices, 32, root, 33)
+    choices = torch.randint(0, shard, (33,), device=device)
+    calls["greedy walk"] = lambda: accept_greedy_device(tree[0], tree[1], tree[2], tree[3], choices, block - 1)
     with torch.no_grad():
         for name, fn in calls.items():
             table = kernel_table(fn, device)
