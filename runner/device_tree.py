@@ -18,7 +18,11 @@ def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
     """top_logprobs, top_ids: [L, K] (K <= budget, sorted descending); root: [] or [1] token.
 
     Returns tokens [rows], parents [rows] (-1: root/padding), depths [rows], mask [rows, rows] bool, and the
-    number of real nodes [1] (root included)."""
+    number of real nodes [1] (root included). On CUDA tensors: one Triton kernel (`device_tree_kernel.py`)."""
+    if top_logprobs.is_cuda:
+        from runner.device_tree_kernel import build_tree_kernel
+
+        return build_tree_kernel(top_logprobs, top_ids, budget, root, rows, pad_token)
     depth_limit, width = top_logprobs.shape
     device = top_logprobs.device
     # beam at depth 1: the K best tokens, padded to `budget` slots with -inf; a slot's flat index is parent * K + k

@@ -6,6 +6,7 @@ import torch
 
 from runner.device_tree import accept_greedy_device, build_tree_device
 from runner.tree import build_tree, follow_tree
+from tests.interpreter import run_interpreted
 
 
 def _top(rng, depth, k):
@@ -90,3 +91,31 @@ def _index(tokens, parents, host, host_node):
         if _node_path(tokens, parents, row) == want and (row == 0 or parents[row] >= 0):
             return row
     raise AssertionError(want)
+
+
+def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
+    """runner/device_tree_kernel.py (the one-program Triton build used on GPUs) gives the tensor-op build's outputs."""
+    pytest.importorskip("triton")
+    done = run_interpreted("""
+        import numpy as np, torch
+        from runner.device_tree import build_tree_device
+        from runner.device_tree_kernel import build_tree_kernel
+        cases = [(int(d), int(b), int(k)) for d, b, k in np.random.default_rng(7).integers(1, [9, 34, 9], size=(20, 3))]
+        cases += [(7, 32, 32), (15, 16, 4), (1, 1, 1), (7, 7, 1)]
+        for seed, (depth, budget, k) in enumerate(cases):
+            rng = np.random.default_rng(seed)
+            k = min(k, budget)
+            logits = rng.normal(size=(depth, 80)) * 2
+            logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+            order = np.argsort(-logprobs, -1)[:, :k]
+            top = torch.tensor(np.take_along_axis(logprobs, order, -1), dtype=torch.float32)
+            ids = torch.tensor(order)
+            rows = budget + 1 + seed % 3
+            expected = build_tree_device(top, ids, budget, torch.tensor(3), rows, pad_token=9)
+            got = build_tree_kernel(top, ids, budget, torch.tensor(3), rows, pad_token=9)
+            for name, a, b in zip(("tokens", "parents", "depths", "mask", "count"), expected, got):
+                assert a.dtype == b.dtype and torch.equal(a, b), (depth, budget, k, name, a, b)
+        print("ok", len(cases))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "24"

@@ -1,0 +1,138 @@
+"""The DDTree build of `runner/device_tree.py` as one Triton kernel (one program), for CUDA tensors.
+
+The tensor-op build launches ~90 small kernels (a top-k per depth, the global top-`budget`, the ordering, index
+arithmetic and the ancestor mask); inside a step graph each costs a few microseconds. Here one program does all of
+it: per depth the `budget x K` candidate scores are packed with their index into order-preserving int64 keys and
+sorted (the first `budget` are the beam), the beams' best `budget` are chosen the same way, ordered parents first,
+and the ancestor mask is built by walking the parent links. Same outputs as the tensor-op build (the tests compare
+them under the Triton interpreter); ties between equal scores may be broken differently.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _order_key(score):
+    """fp32 -> int64 whose signed order is the float order (then room for 32 low bits)."""
+    bits = score.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return key.to(tl.int64) << 32
+
+
+@triton.jit
+def _key_score(packed):
+    key = (packed >> 32).to(tl.int32)
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _build_tree(
+    top_lp, top_ids, root, tokens_out, parents_out, depths_out, mask_out, count_out,
+    scratch, beam_score, beam_parent, beam_k, node_of,
+    L: tl.constexpr, K: tl.constexpr, B: tl.constexpr, R: tl.constexpr, pad_token,
+    KP: tl.constexpr, BP: tl.constexpr, LP: tl.constexpr, RP: tl.constexpr,
+):  # fmt: skip
+    NEG = float("-inf")
+    slot = tl.arange(0, BP)
+    # depth 0: the K best tokens, padded to `budget` slots with -inf
+    scores = tl.load(top_lp + slot, mask=slot < K, other=NEG)
+    scores = tl.where(slot < B, scores, NEG)
+    tl.store(beam_score + slot, scores)
+    tl.store(beam_parent + slot, tl.zeros([BP], dtype=tl.int32))
+    tl.store(beam_k + slot, tl.minimum(slot, K - 1))
+    parent = tl.arange(0, BP)[:, None]
+    child = tl.arange(0, KP)[None, :]
+    flat = tl.reshape(parent * KP + child, [BP * KP])
+    for depth in range(1, L):
+        extra = tl.load(top_lp + depth * K + child, mask=child < K, other=NEG)
+        cand = tl.reshape(scores[:, None] + extra, [BP * KP])
+        cand = tl.where((flat // KP < B) & (flat % KP < K), cand, NEG)
+        packed = tl.sort(_order_key(cand) | (BP * KP - 1 - flat).to(tl.int64), descending=True)
+        tl.store(scratch + tl.arange(0, BP * KP), packed)
+        tl.debug_barrier()
+        best = tl.load(scratch + slot)  # the first `budget` of the sorted candidates
+        tl.debug_barrier()
+        index = BP * KP - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        scores = tl.where(slot < B, _key_score(best), NEG)
+        tl.store(beam_score + depth * BP + slot, scores)
+        tl.store(beam_parent + depth * BP + slot, index // KP)
+        tl.store(beam_k + depth * BP + slot, index % KP)
+    tl.debug_barrier()
+    # the `budget` best of all beams
+    pos = tl.arange(0, LP * BP)
+    level, within = pos // BP, pos % BP
+    every = tl.load(beam_score + pos, mask=level < L, other=NEG)
+    every = tl.where(within < B, every, NEG)
+    ranked = tl.sort(_order_key(every) | (LP * BP - 1 - pos).to(tl.int64), descending=True)
+    tl.store(scratch + pos, ranked)
+    tl.debug_barrier()
+    best = tl.load(scratch + slot)
+    tl.debug_barrier()
+    chosen = LP * BP - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+    valid = (slot < B) & (_key_score(best) > NEG)
+    # parents first: by depth, then by score (beam slots are score-sorted within a depth); invalid ones last
+    order_key = tl.where(valid, chosen, chosen + LP * BP).to(tl.int64)
+    ordered = tl.sort(tl.where(slot < B, order_key, 2 * LP * BP), descending=False)
+    is_valid = ordered < LP * BP
+    chosen = tl.where(is_valid, ordered, ordered - LP * BP).to(tl.int32)
+    depth_of = chosen // BP
+    node = slot + 1
+    tl.store(node_of + tl.arange(0, LP * BP), tl.full([LP * BP], -1, tl.int32))
+    tl.debug_barrier()
+    tl.store(node_of + chosen, node, mask=is_valid & (slot < B))
+    tl.debug_barrier()
+    up = tl.load(beam_parent + chosen, mask=slot < B, other=0)
+    parent_node = tl.load(node_of + (tl.maximum(depth_of - 1, 0) * BP + up), mask=slot < B, other=0)
+    parent_node = tl.where(depth_of > 0, parent_node, 0)
+    token = tl.load(top_ids + depth_of * K + tl.load(beam_k + chosen, mask=slot < B, other=0), mask=slot < B,
+                    other=0)  # fmt: skip
+    live = is_valid & (slot < B)
+    row = slot + 1
+    tl.store(tokens_out + row, tl.where(live, token, pad_token), mask=slot < B)
+    tl.store(parents_out + row, tl.where(live, parent_node, -1).to(tl.int64), mask=slot < B)
+    tl.store(depths_out + row, tl.where(live, depth_of + 1, 0).to(tl.int64), mask=slot < B)
+    count = 1 + tl.sum(live.to(tl.int32), axis=0)
+    tail = tl.arange(0, RP)
+    rest = (tail > B) & (tail < R)
+    tl.store(tokens_out + tail, tl.full([RP], 0, tl.int64) + pad_token, mask=rest)
+    tl.store(parents_out + tail, tl.full([RP], -1, tl.int64), mask=rest | (tail == 0))
+    tl.store(depths_out + tail, tl.zeros([RP], dtype=tl.int64), mask=rest | (tail == 0))
+    tl.store(tokens_out + tail, tl.load(root + tail * 0, mask=tail == 0, other=0), mask=tail == 0)
+    tl.store(count_out + tail, count.to(tl.int64) + tail * 0, mask=tail == 0)
+    tl.debug_barrier()
+    # ancestor-or-self mask of the real rows (rows < count)
+    i = tl.arange(0, RP)[:, None]
+    j = tl.arange(0, RP)[None, :]
+    real = i < count
+    mask = (i == j) & real
+    up = tl.load(parents_out + tl.arange(0, RP), mask=tl.arange(0, RP) < R, other=-1)[:, None]
+    for _ in range(L):
+        alive = (up >= 0) & real
+        mask = mask | (alive & (j == up))
+        up = tl.where(alive, tl.load(parents_out + tl.maximum(up, 0), mask=alive, other=-1), -1)
+    tl.store(mask_out + i * R + j, mask.to(tl.int8), mask=(i < R) & (j < R))
+
+
+def build_tree_kernel(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, root: torch.Tensor,
+                      rows: int, pad_token: int = 0):  # fmt: skip
+    """Same contract as `device_tree.build_tree_device` (top_logprobs fp32 [L, K], K <= budget)."""
+    depth_limit, width = top_logprobs.shape
+    device = top_logprobs.device
+    kp, bp = triton.next_power_of_2(width), triton.next_power_of_2(budget)
+    lp, rp = triton.next_power_of_2(depth_limit), triton.next_power_of_2(rows)
+    long = {"dtype": torch.long, "device": device}
+    tokens, parents, depths = torch.empty(rows, **long), torch.empty(rows, **long), torch.empty(rows, **long)
+    mask, count = torch.empty(rows, rows, dtype=torch.bool, device=device), torch.empty(1, **long)
+    scratch = torch.empty(max(bp * kp, lp * bp), dtype=torch.int64, device=device)
+    beam_score = torch.empty(lp * bp, dtype=torch.float32, device=device)
+    beam_parent, beam_k = (torch.empty(lp * bp, dtype=torch.int32, device=device) for _ in range(2))
+    node_of = torch.empty(lp * bp, dtype=torch.int32, device=device)
+    _build_tree[(1,)](top_logprobs.float().contiguous(), top_ids.contiguous(), root.reshape(-1)[:1].to(torch.long),
+                      tokens, parents, depths, mask.view(torch.int8), count, scratch, beam_score, beam_parent, beam_k,
+                      node_of, L=depth_limit, K=width, B=budget, R=rows, pad_token=pad_token, KP=kp, BP=bp, LP=lp,
+                      RP=rp, num_warps=4 if bp * kp <= 1024 else 8)  # fmt: skip
+    return tokens, parents, depths, mask, count
