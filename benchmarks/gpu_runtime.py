@@ -446,6 +446,7 @@ def loop_row(model, mode, drafter_kind, spec, target, drafter, target_cfg, draft
                    step_graph_ms=statistics.median(step_ms) if step_ms else None,
                    tokens_equal_to_autoregressive=first_difference(result.tokens, continuation),
                    tokens=len(result.tokens))  # fmt: skip
+    engine.close()
     print(f"{model}: {mode:30s} {drafter_kind:6s} {row['tokens_per_s']:8.1f} tokens/s, accept "
           f"{row['mean_accept_length']:.2f}, GPU idle {row['gpu_idle_us_per_step']} us/step, step graph "
           f"{row['step_graph_ms']} ms, phases {row.get('phase_ms')}, equal to AR for "

@@ -183,6 +183,14 @@ class DeviceLoop:
         self.cache.num_cached += count  # the host's mirror, for the capacity check
         return values[:count]
 
+    def close(self) -> None:
+        """Finishes the steps in flight and frees the graphs, events and pinned slots now, not at interpreter exit
+        (where releasing them can block)."""
+        self.discard()
+        if self.done is not None:
+            torch.cuda.synchronize(self.device)
+        self.graphs, self.done, self.host, self.events = None, None, [], None
+
     def discard(self) -> None:
         """Waits for the steps in flight and drops their tokens."""
         while self.in_flight:

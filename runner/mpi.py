@@ -42,12 +42,14 @@ class MpiRanks(Ranks):
 
     def close(self) -> None:
         self.comm.bcast((STOP, ()), root=0)
+        self.worker.close()
 
 
 def worker_loop(worker, comm) -> None:
     while True:
         method, args = comm.bcast(None, root=0)
         if method == STOP:
+            worker.close()
             return
         getattr(worker, method)(*args)
 

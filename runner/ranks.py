@@ -70,5 +70,7 @@ class LocalRanks(Ranks):
             raise
 
     def close(self) -> None:
+        for worker in self.workers:
+            worker.close()
         if self._pool is not None:
             self._pool.shutdown()

@@ -107,6 +107,11 @@ class RankWorker:
 
         self.loop = DeviceLoop(self, self.spec, self.device.type == "cuda", oracle, autoregressive, split_phases)
 
+    def close(self) -> None:
+        if getattr(self, "loop", None) is not None:
+            self.loop.close()
+            self.loop = None
+
     def device_load(self, bonus: int, prompt_length: int) -> None:
         self.loop.load(bonus, prompt_length)
 
