@@ -184,8 +184,8 @@ class DeviceLoop:
         return values[:count]
 
     def close(self) -> None:
-        """Finishes the steps in flight and frees the graphs, events and pinned slots now, not at interpreter exit
-        (where releasing them can block)."""
+        """Finishes the steps in flight and frees the graphs, events and pinned slots when the engine closes, not
+        whenever interpreter shutdown gets to them."""
         self.discard()
         if self.done is not None:
             torch.cuda.synchronize(self.device)
