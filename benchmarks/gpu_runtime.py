@@ -153,6 +153,14 @@ def scaled_models(model: str, smoke: bool) -> tuple[TargetConfig, DrafterConfig]
     return target, drafter
 
 
+def benchmark_ops(smoke: bool) -> ModelOps:
+    """One GPU's ops (the Triton TreeAttention kernel, grouped-GEMM MoE, no collectives); --smoke: CPU references."""
+    from plugins.tree_attention.kernel import tree_attention_cuda
+    from plugins.tree_attention.reference import tree_attention
+
+    return ModelOps(tree_attention if smoke else tree_attention_cuda, SingleRank(), MoE if smoke else GroupedMoE)
+
+
 def tree_mask(tokens: int, device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(tokens)
     mask = torch.eye(tokens, dtype=torch.bool)
@@ -204,11 +212,8 @@ def nbytes(module) -> int:
 
 
 def layer_costs(ceilings: dict, device, dtype, smoke: bool) -> list[dict]:
-    from plugins.tree_attention.kernel import tree_attention_cuda
-    from plugins.tree_attention.reference import tree_attention
-
     config = scaled_models("moe", True)[0] if smoke else kimi_tp8_rank()
-    ops = ModelOps(tree_attention if smoke else tree_attention_cuda, SingleRank(), MoE if smoke else GroupedMoE)
+    ops = benchmark_ops(smoke)
     rotary = Rotary(config.rope, config.qk_rope_head_dim)
     rotary.rebuild(device)
     rows = []
@@ -303,13 +308,10 @@ def end_to_end(device, dtype, smoke: bool, new_tokens: int, models, repeats: int
     """Median of `repeats` generations per row (tokens/s and GPU idle); per-step splits from one more run.
 
     Speed-ups are against the faster autoregressive loop (the device loop's, one graph a token, queued ahead)."""
-    from plugins.tree_attention.kernel import tree_attention_cuda
-    from plugins.tree_attention.reference import tree_attention
-
     rows = []
     for model in models:
         target_cfg, drafter_cfg = scaled_models(model, smoke)
-        ops = ModelOps(tree_attention if smoke else tree_attention_cuda, SingleRank(), MoE if smoke else GroupedMoE)
+        ops = benchmark_ops(smoke)
         target, drafter = random_rank_models(target_cfg, drafter_cfg, ops, device, dtype, seed=3)
         dims = {
             "hidden": target_cfg.hidden_size,

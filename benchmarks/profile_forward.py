@@ -17,10 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_runtime import graph_time_us, scaled_models, tree_mask
-from models.kimi import ModelOps
-from models.moe import GroupedMoE, MoE
-from models.parallel import SingleRank
+from benchmarks.gpu_runtime import benchmark_ops, graph_time_us, scaled_models, tree_mask
 from models.random_weights import random_rank_models
 
 
@@ -54,12 +51,8 @@ def main() -> int:
     model = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--model=")), "kimi-rank")
     device = torch.device("cpu" if smoke else "cuda")
     dtype = torch.float32 if smoke else torch.bfloat16
-    from plugins.tree_attention.kernel import tree_attention_cuda
-    from plugins.tree_attention.reference import tree_attention
-
     target_cfg, drafter_cfg = scaled_models(model, smoke)
-    ops = ModelOps(tree_attention if smoke else tree_attention_cuda, SingleRank(), MoE if smoke else GroupedMoE)
-    target, drafter = random_rank_models(target_cfg, drafter_cfg, ops, device, dtype, seed=3)
+    target, drafter = random_rank_models(target_cfg, drafter_cfg, benchmark_ops(smoke), device, dtype, seed=3)
     length, capacity = 256, 1024
     cache = (torch.randn(target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim, device=device) * 0.5).to(dtype)
     cache_length = torch.tensor([length], device=device)

@@ -31,7 +31,7 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.con
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), over the last dim; x's rows may be strided."""
     n = x.shape[-1]
-    rows = x.reshape(-1, n) if x.dim() != 2 else x
+    rows = x.reshape(-1, n)  # a view where the rows allow it (2-D inputs always)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)

@@ -37,11 +37,9 @@ class CudaGraphSession(TorchSession):
         if self.events is None:
             graph.replay()
         else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = timing_event()
             graph.replay()
-            end.record()
-            self.events.append((profile.name, start, end))
+            self.events.append((profile.name, start, timing_event()))
         return outputs
 
     def _capture(self, profile, feeds):
@@ -79,3 +77,10 @@ def capture_graph(fn, device: torch.device, warmups: int = 1, pool=None) -> tupl
     with torch.cuda.graph(graph, pool=pool):
         result = fn()
     return graph, result
+
+
+def timing_event() -> torch.cuda.Event:
+    """A timing event recorded now on the current stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

@@ -25,7 +25,7 @@ from collections import deque
 import torch
 
 from engines.spec import SpecConfig
-from runner.cuda_graphs import capture_graph, warm_up
+from runner.cuda_graphs import capture_graph, timing_event, warm_up
 from runner.device_tree import accept_greedy_device, build_tree_device
 from runner.speculate import GenerationResult, PhaseTimer, _emit, speculative_step
 
@@ -156,8 +156,7 @@ class DeviceLoop:
         slot = self.launched % SLOTS
         self.launched += 1
         if not self.use_graph:
-            for phase in self.phases:
-                phase()
+            _run(self.phases)
             self.host[slot].copy_(self.emitted)
         else:
             if self.graphs is None:
@@ -165,10 +164,10 @@ class DeviceLoop:
             marks = [] if self.events is not None else None
             for graph in self.graphs:
                 if marks is not None:
-                    marks.append(_event())
+                    marks.append(timing_event())
                 graph.replay()
             if marks is not None:
-                self.events.append((*marks, _event()))
+                self.events.append((*marks, timing_event()))
             self.host[slot].copy_(self.emitted, non_blocking=True)
             self.done[slot].record()
         self.in_flight.append(slot)
@@ -210,12 +209,6 @@ class DeviceLoop:
 def _run(phases) -> None:
     for phase in phases:
         phase()
-
-
-def _event() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_tokens: int, capacity: int,
