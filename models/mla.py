@@ -65,6 +65,8 @@ class MultiLatentAttention(nn.Module):
 
 class AbsorbedMLA(MultiLatentAttention):
     def forward(self, x, cos, sin, tree_mask, cache, cache_length):
+        if x.is_cuda and self.rope & (self.rope - 1) == 0 and cos.dtype == x.dtype:
+            return self.forward_in_place(x, cos, sin, tree_mask, cache, cache_length)
         q_nope, q_pe, new_kv = self.project(x, cos, sin)
         w_kc, w_vc = self.kv_b_weights()
         q_latent = torch.einsum("thn,hnc->thc", q_nope, w_kc)  # [T, H, kv_lora]
@@ -72,6 +74,28 @@ class AbsorbedMLA(MultiLatentAttention):
         latent = self.tree_attention(query, cache, cache_length, new_kv, tree_mask, self.scale, self.kv_lora)
         out = torch.einsum("thc,hvc->thv", latent, w_vc)  # [T, H, v_head_dim]
         return self.o_proj(out.reshape(x.shape[0], -1)), new_kv
+
+    def forward_in_place(self, x, cos, sin, tree_mask, cache, cache_length):
+        """`forward` for the GPU (Triton kernels): every result is written where the next op reads it: the
+        normalized and rotated latent rows into one [T, latent_dim] buffer, q_nope @ W_kc and the rotated q_pe into
+        the two column ranges of the query, the W_vc product straight into the [T, H, v] layout o_proj reads. At
+        T > 1 that saves the three copies (two concatenations, one transpose) the plain expressions launch."""
+        from models.triton_ops import rms_norm, rotary
+
+        tokens, lora = x.shape[0], self.kv_lora
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(tokens, self.heads, self.nope + self.rope)
+        kv = self.kv_a_proj_with_mqa(x)
+        new_kv = torch.empty(tokens, lora + self.rope, dtype=x.dtype, device=x.device)
+        rms_norm(kv[:, :lora], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, out=new_kv[:, :lora])
+        rotary(kv[:, lora:], cos, sin, out=new_kv[:, lora:])
+        w_kc, w_vc = self.kv_b_weights()
+        query = torch.empty(tokens, self.heads, lora + self.rope, dtype=x.dtype, device=x.device)
+        torch.bmm(q[..., : self.nope].transpose(0, 1), w_kc, out=query[..., :lora].transpose(0, 1))
+        rotary(q[..., self.nope :], cos, sin, out=query[..., lora:])
+        latent = self.tree_attention(query, cache, cache_length, new_kv, tree_mask, self.scale, lora)
+        out = torch.empty(tokens, self.heads, self.v_dim, dtype=x.dtype, device=x.device)
+        torch.bmm(latent.transpose(0, 1), w_vc.transpose(1, 2), out=out.transpose(0, 1))
+        return self.o_proj(out.view(tokens, -1)), new_kv
 
 
 class ExpandedMLA(MultiLatentAttention):

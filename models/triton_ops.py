@@ -28,21 +28,28 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.con
     tl.store(out_ptr + row * out_stride + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), over the last dim; x's rows may be strided."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), over the last dim; x's rows may be strided. `out`: a
+    [rows, n] destination whose rows may be strided too (e.g. columns of a wider buffer), written and returned."""
     n = x.shape[-1]
     rows = x.reshape(-1, n)  # a view where the rows allow it (2-D inputs always)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is not None and (out.shape != rows.shape or out.stride(-1) != 1 or out.dtype != dtype):
+        raise ValueError(f"rms_norm out must be {dtype} {tuple(rows.shape)} with unit column stride, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")  # fmt: skip
+    result = torch.empty(rows.shape, dtype=dtype, device=x.device) if out is None else out
     block = triton.next_power_of_2(n)
-    _rms_norm[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, eps, BLOCK=block,
+    _rms_norm[(rows.shape[0],)](rows, weight, result, rows.stride(0), result.stride(0), n, eps, BLOCK=block,
                                 num_warps=max(1, min(8, block // 512)))  # fmt: skip
-    return out.view(x.shape)
+    return result if out is not None else result.view(x.shape)
 
 
 @triton.jit
-def _rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_r, rows, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+def _rotary(
+    x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_r, out_t, out_r, rows, HALF: tl.constexpr, BLOCK_R: tl.constexpr
+):
     t = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)[:, None]
     d = tl.arange(0, HALF)[None, :]
@@ -57,7 +64,7 @@ def _rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_r, rows, HALF: tl
     # x * cos + cat(-x2, x1) * sin, each product rounded to the dtype before the sum (as torch computes it)
     o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
     o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-    dst = out_ptr + (t * rows + r) * 2 * HALF + d
+    dst = out_ptr + t * out_t + r * out_r + d
     tl.store(dst, o1, mask=ok)
     tl.store(dst + HALF, o2, mask=ok)
 
@@ -74,10 +81,17 @@ def rotary_supported(x: torch.Tensor, cos: torch.Tensor) -> bool:
     )
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotation of x [T, dim] or [T, R, dim] (strided rows allowed) by cos, sin [T, dim]."""
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Half-split rotation of x [T, dim] or [T, R, dim] (strided rows allowed) by cos, sin [T, dim]. `out`: a
+    destination of x's shape and dtype, rows may be strided (e.g. columns of a wider buffer), written and returned."""
     rows = x.shape[1] if x.dim() == 3 else 1
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _rotary[(x.shape[0],)](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
-                           rows, HALF=x.shape[-1] // 2, BLOCK_R=triton.next_power_of_2(rows), num_warps=1)  # fmt: skip
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"rotary out must be {x.dtype} {tuple(x.shape)} with unit column stride, "
+                         f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}")  # fmt: skip
+    three = x.dim() == 3
+    _rotary[(x.shape[0],)](x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1) if three else 0,
+                           out.stride(0), out.stride(1) if three else 0, rows, HALF=x.shape[-1] // 2,
+                           BLOCK_R=triton.next_power_of_2(rows), num_warps=1)  # fmt: skip
     return out

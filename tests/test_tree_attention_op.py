@@ -12,9 +12,10 @@ from plugins.tree_attention.reference import tree_attention
 from tests.interpreter import run_interpreted
 
 TOLERANCE = {torch.float32: 1e-5}
-# (tokens, heads, capacity, length, latent, rope): empty cache, spare capacity, one token, odd sizes
+# (tokens, heads, capacity, length, latent, rope): empty cache, spare capacity, one token, odd sizes, a short cache in
+# a large capacity (most splits unused), a full one
 SHAPES = [(3, 2, 10, 7, 32, 8), (5, 4, 70, 66, 32, 8), (33, 2, 0, 0, 64, 16), (1, 8, 40, 40, 32, 8),
-          (8, 2, 100, 100, 32, 16), (17, 3, 9, 0, 32, 8)]  # fmt: skip
+          (8, 2, 100, 100, 32, 16), (17, 3, 9, 0, 32, 8), (5, 4, 400, 37, 32, 8), (2, 2, 300, 300, 32, 8)]  # fmt: skip
 
 
 def random_case(tokens, heads, capacity, length, latent, rope, seed):
@@ -66,11 +67,14 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
         from plugins.tree_attention.reference import tree_attention
         from tests.test_tree_attention_op import random_case, rel
         worst = 0.0
-        for i, shape in enumerate({SHAPES!r}):
+        from plugins.tree_attention import kernel
+        cases = [(shape, min_blocks, sms) for shape in {SHAPES!r} for min_blocks in (1, 3) for sms in (4, 64)]
+        for i, (shape, min_blocks, sms) in enumerate(cases):  # a split takes >= min_blocks key blocks of 16
+            kernel._sm_count = lambda device: sms  # 64 "SMs": more than 8 splits, the combine loops over groups
             q, cache, length, new_kv, mask = random_case(*shape, seed=i)
             out = torch.full((shape[0], shape[1], shape[4]), float("nan"))
             tree_attention_cuda(q, cache, length, new_kv, mask, 0.3, shape[4], out=out, block_m=16, block_n=16,
-                                num_warps=1, num_stages=1)
+                                num_warps=1, num_stages=1, min_blocks=min_blocks)
             expected = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, 0.3, shape[4])
             assert not out.isnan().any(), shape
             worst = max(worst, rel(out, expected))

@@ -3,10 +3,11 @@ the tree's own new rows, split over the cache length so the GPU is full even at 
 
 All T*H query rows share one key/value stream (MQA): keys are the 576-wide latent rows [c_kv | k_pe], values their
 first 512 columns, so each key block is loaded once and used for both products. Program (row tile, split) runs an
-online softmax over its slice of the cache (the slices are cut from the *device* cache length, so the launch needs
-no host sync and is safe under CUDA-graph capture); the program of the last split also visits the T new rows under
-the tree mask. A second kernel merges the splits' partial (max, sum, output) triples. fp32 accumulation throughout;
-a row that sees no key outputs zeros.
+online softmax over its slice of the cache; one more split per tile visits the T new rows under the tree mask. The
+slices are cut from the *device* cache length (the launch needs no host sync and is safe under CUDA-graph capture;
+the grid is sized from the capacity): a short cache fills only the first splits, the others exit at once, and the
+second kernel merges only the (max, sum, output) triples of the splits that ran. fp32 accumulation throughout; a
+row that sees no key outputs zeros.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def _attend_block(
 
 
 @triton.jit
+def _split_chunk(length, num_splits, BLOCK_N: tl.constexpr, MIN_BLOCKS: tl.constexpr):
+    """Cache rows per split: the device length cut into num_splits slices of whole key blocks, at least MIN_BLOCKS
+    blocks each, so a short cache uses only its first few splits (the rest do nothing and are never read)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(length, BLOCK_N), num_splits), MIN_BLOCKS) * BLOCK_N
+
+
+@triton.jit
 def _tree_attention_split(
     q_ptr,
     cache_ptr,
@@ -84,64 +92,53 @@ def _tree_attention_split(
     BLOCK_DR: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # program (tile, split): splits 0 .. num_splits - 1 take slices of the committed cache, split num_splits the
+    # tree's own T rows under the tree mask, so no program does both and the tree never waits behind a cache slice
     tile, split = tl.program_id(0), tl.program_id(1)
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (token, head) query rows
-    row_ok = rows < T * H
-    token = rows // H
-    offs_dl, offs_dr = tl.arange(0, BLOCK_DL), tl.arange(0, BLOCK_DR)
-    q_row = q_ptr + rows[:, None] * (D_LAT + D_ROPE)
-    q_lat = tl.load(q_row + offs_dl[None, :], mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)
-    q_rope = tl.load(q_row + D_LAT + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)
-
     length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)  # a 0-d scalar
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    chunk = _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS)
+    is_tree = split == num_splits
     start = split * chunk
-    stop = tl.minimum(start + chunk, length)
-    acc = tl.zeros((BLOCK_M, BLOCK_DL), dtype=tl.float32)
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    for block in range(start, stop, BLOCK_N):  # committed cache rows: visible to every query
-        keys = block + offs_n
-        key_ok = keys < stop
-        acc, m_i, l_i = _attend_block(
-            acc,
-            m_i,
-            l_i,
-            q_lat,
-            q_rope,
-            cache_ptr,
-            cache_stride,
-            keys,
-            key_ok,
-            row_ok[:, None] & key_ok[None, :],
-            offs_dl,
-            offs_dr,
-            D_LAT,
-            D_ROPE,
-            qk_scale,
-            PRECISION,
+    if is_tree or start < length:
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (token, head) query rows
+        row_ok = rows < T * H
+        token = rows // H
+        offs_dl, offs_dr = tl.arange(0, BLOCK_DL), tl.arange(0, BLOCK_DR)
+        q_row = q_ptr + rows[:, None] * (D_LAT + D_ROPE)
+        q_lat = tl.load(q_row + offs_dl[None, :], mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)
+        q_rope = tl.load(
+            q_row + D_LAT + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0
         )
-    if split == num_splits - 1:  # the tree's own rows, under the tree mask
-        for block in range(0, T, BLOCK_N):
+        acc = tl.zeros((BLOCK_M, BLOCK_DL), dtype=tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        offs_n = tl.arange(0, BLOCK_N)
+        # one loop for both kinds of split (two would each stage their own key blocks in shared memory): committed
+        # cache rows [start, stop), visible to every query, or the tree's own rows [0, T) under the tree mask
+        lo = tl.where(is_tree, 0, start)
+        hi = tl.where(is_tree, T, tl.minimum(start + chunk, length))
+        k_ptr, k_stride = cache_ptr, cache_stride
+        if is_tree:
+            k_ptr, k_stride = new_ptr, new_stride
+        for block in range(lo, hi, BLOCK_N):
             keys = block + offs_n
-            key_ok = keys < T
-            allowed = tl.load(
-                mask_ptr + token[:, None] * T + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0
-            ).to(tl.int1)
+            key_ok = keys < hi
+            both_ok = row_ok[:, None] & key_ok[None, :]
+            allowed = tl.load(mask_ptr + token[:, None] * T + keys[None, :], mask=both_ok & is_tree, other=1)
             acc, m_i, l_i = _attend_block(
                 acc,
                 m_i,
                 l_i,
                 q_lat,
                 q_rope,
-                new_ptr,
-                new_stride,
+                k_ptr,
+                k_stride,
                 keys,
                 key_ok,
-                allowed,
+                both_ok & (allowed != 0),
                 offs_dl,
                 offs_dr,
                 D_LAT,
@@ -149,12 +146,14 @@ def _tree_attention_split(
                 qk_scale,
                 PRECISION,
             )
-    base = split * T * H + rows
-    tl.store(part_m + base, m_i, mask=row_ok)
-    tl.store(part_l + base, l_i, mask=row_ok)
-    tl.store(
-        part_out + base[:, None] * D_LAT + offs_dl[None, :], acc, mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT)
-    )
+        base = split * T * H + rows
+        tl.store(part_m + base, m_i, mask=row_ok)
+        tl.store(part_l + base, l_i, mask=row_ok)
+        tl.store(
+            part_out + base[:, None] * D_LAT + offs_dl[None, :],
+            acc,
+            mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT),
+        )
 
 
 @triton.jit
@@ -162,16 +161,23 @@ def _combine_splits(
     part_out,
     part_m,
     part_l,
+    length_ptr,
     out_ptr,
     rows_total,
     num_splits,
     D_LAT: tl.constexpr,
     BLOCK_DL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
 ):
+    # merges the splits the device length used (the same cut as the split kernel) and the tree split
     row = tl.program_id(0)
+    length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
+    used = tl.cdiv(length, _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS))
     splits = tl.arange(0, BLOCK_S)
-    ok = splits < num_splits
+    ok = (splits < used) | (splits == num_splits)
     m = tl.load(part_m + splits * rows_total + row, mask=ok, other=float("-inf"))
     l = tl.load(part_l + splits * rows_total + row, mask=ok, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -179,15 +185,26 @@ def _combine_splits(
     weight = tl.where(ok, tl.exp2(m - m_safe), 0.0)
     total = tl.sum(weight * l, axis=0)
     offs = tl.arange(0, BLOCK_DL)
-    parts = tl.load(
-        part_out + (splits[:, None] * rows_total + row) * D_LAT + offs[None, :],
-        mask=ok[:, None] & (offs[None, :] < D_LAT),
-        other=0.0,
-    )
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * D_LAT + offs, out.to(out_ptr.dtype.element_ty), mask=offs < D_LAT)
+    ok_d = offs < D_LAT
+    tree = num_splits * rows_total + row
+    acc = tl.load(part_out + tree * D_LAT + offs, mask=ok_d, other=0.0) * tl.exp2(tl.load(part_m + tree) - m_safe)
+    group = tl.arange(0, SPLIT_GROUP)
+    for first in range(0, used, SPLIT_GROUP):  # the used splits, SPLIT_GROUP loads in flight at a time
+        at = first + group
+        ok_s = at < used
+        w = tl.where(ok_s, tl.exp2(tl.load(part_m + at * rows_total + row, mask=ok_s, other=0.0) - m_safe), 0.0)
+        parts = tl.load(
+            part_out + (at[:, None] * rows_total + row) * D_LAT + offs[None, :],
+            mask=ok_s[:, None] & ok_d[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(parts * w[:, None], axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * D_LAT + offs, out.to(out_ptr.dtype.element_ty), mask=ok_d)
 
 
+SMALL_TILE_CAPACITY = 8192  # cache rows up to which 16-row query tiles are used at any T (measured crossover)
+DEFAULT_MIN_BLOCKS = 1  # key blocks a split takes at least (benchmarks/tree_attention_short_cache.py)
 SHARED_MEMORY_BUDGET = 232448 - 8192  # Hopper allows 227 KB a block; Triton adds a few KB of its own (measured)
 
 
@@ -196,11 +213,14 @@ def shared_bytes(config: dict, width: int, element_size: int) -> int:
     return (config["block_m"] + config["num_stages"] * config["block_n"]) * width * element_size
 
 
-def default_config(rows: int, width: int = 576, element_size: int = 2) -> dict:
-    """Tile shapes measured on the H200 (benchmarks/tree_attention_gpu.py): 64-row tiles (the wgmma M) with
-    64-key blocks for many query rows; 16-row tiles when at most 16 rows exist (T = 1 decode, T*H <= 16).
-    Wider or fp32 rows fall back to smaller tiles until the shared memory fits."""
-    preferred = [{"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}] if rows <= 16 else []
+def default_config(rows: int, width: int = 576, element_size: int = 2, capacity: int = 0) -> dict:
+    """Tile shapes measured on the H200 (benchmarks/tree_attention_gpu.py, tree_attention_short_cache.py): 16-row
+    query tiles when at most 16 rows exist (T = 1 decode) or the cache can never be long (capacity <=
+    SMALL_TILE_CAPACITY: more programs, and a key block re-read by more tiles costs little); otherwise 64-row tiles
+    (the wgmma M) with 64-key blocks, which read a long cache fewer times. Wider or fp32 rows fall back to smaller
+    tiles until the shared memory fits."""
+    small = rows <= 16 or capacity <= SMALL_TILE_CAPACITY
+    preferred = [{"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}] if small else []
     preferred += [{"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
                   {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
                   {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
@@ -212,9 +232,12 @@ def default_config(rows: int, width: int = 576, element_size: int = 2) -> dict:
     return preferred[-1]
 
 
-def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int, min_blocks: int = 4) -> int:
-    """Enough (row tile, split) programs to fill the GPU ~2 deep, each with at least `min_blocks` key blocks of
-    the cache *capacity* (the length is only known on the device)."""
+def num_splits_for(
+    rows: int, capacity: int, block_m: int, block_n: int, sm_count: int, min_blocks: int = DEFAULT_MIN_BLOCKS
+) -> int:
+    """Cache splits of the grid: enough (row tile, split) programs to fill the GPU ~2 deep at a full cache, each
+    with at least `min_blocks` key blocks of the *capacity* (the length is only known on the device, which uses as
+    many of them as it needs)."""
     tiles = triton.cdiv(rows, block_m)
     wanted = max(1, (2 * sm_count) // tiles)
     return max(1, min(wanted, triton.cdiv(max(capacity, 1), block_n * min_blocks), 256))
@@ -241,20 +264,21 @@ def tree_attention_cuda(
     device = q.device
     rows = tokens * heads
     padded = max(16, triton.next_power_of_2(latent_dim)) + max(16, triton.next_power_of_2(rope))
-    config = {**default_config(rows, padded, q.element_size()), **config}
+    config = {**default_config(rows, padded, q.element_size(), cache.shape[0]), **config}
     block_m, block_n = config["block_m"], config["block_n"]
-    splits = num_splits_for(rows, cache.shape[0], block_m, block_n, _sm_count(device), config.get("min_blocks", 4))
+    min_blocks = config.get("min_blocks", DEFAULT_MIN_BLOCKS)
+    splits = num_splits_for(rows, cache.shape[0], block_m, block_n, _sm_count(device), min_blocks)
     if cache.shape[0] == 0:  # nothing cached: any valid pointer will do, no cache row is read
         cache = new_kv
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         if out is None:
             out = torch.empty((tokens, heads, latent_dim), dtype=q.dtype, device=device)
-        part_out = torch.empty((splits, rows, latent_dim), dtype=torch.float32, device=device)
-        part_m = torch.empty((splits, rows), dtype=torch.float32, device=device)
-        part_l = torch.empty((splits, rows), dtype=torch.float32, device=device)
+        part_out = torch.empty((splits + 1, rows, latent_dim), dtype=torch.float32, device=device)  # + the tree's
+        part_m = torch.empty((splits + 1, rows), dtype=torch.float32, device=device)
+        part_l = torch.empty((splits + 1, rows), dtype=torch.float32, device=device)
         mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
         block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
-        _tree_attention_split[(triton.cdiv(rows, block_m), splits)](
+        _tree_attention_split[(triton.cdiv(rows, block_m), splits + 1)](
             q.contiguous(),
             cache,
             cache_length,
@@ -275,6 +299,7 @@ def tree_attention_cuda(
             BLOCK_DR=block_dr,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            MIN_BLOCKS=min_blocks,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models stay exact; bf16 ignores it
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
@@ -283,12 +308,16 @@ def tree_attention_cuda(
             part_out,
             part_m,
             part_l,
+            cache_length,
             out,
             rows,
             splits,
             D_LAT=latent_dim,
             BLOCK_DL=block_dl,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            BLOCK_N=block_n,
+            MIN_BLOCKS=min_blocks,
+            BLOCK_S=triton.next_power_of_2(splits + 1),
+            SPLIT_GROUP=8,
             num_warps=4,
         )
     return out
