@@ -14,6 +14,7 @@ The drafter borrows the target's vocab-parallel embedding and lm_head.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.config import DrafterConfig, TargetConfig
@@ -38,26 +39,39 @@ class DraftAttention(nn.Module):
         k = apply_rotary(self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim)), cos, sin)
         return k, self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
 
-    def forward(self, h, ctx, block_rope, context_rope, cache, cache_length, context_length):
-        blocks, groups = h.shape[0], self.heads // self.kv_heads
+    def forward(self, h, ctx, block_rope, rows_rope, cache, visible):
+        """h [B, hidden] block rows, ctx [C, hidden] context features, block_rope / rows_rope the (cos, sin) of the
+        block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], visible [S + C + B] bool
+        (which keys exist: valid cache rows, valid context rows, the block)."""
+        blocks, context = h.shape[0], ctx.shape[0]
         q = apply_rotary(self.q_norm(self.q_proj(h).view(blocks, self.heads, self.head_dim)), *block_rope)
-        k_ctx, v_ctx = self.keys_values(ctx, *context_rope)  # [C, kv_heads, head_dim]
-        k_blk, v_blk = self.keys_values(h, *block_rope)
-        keys = torch.cat((cache[0], k_ctx, k_blk), dim=0)  # [S + C + B, kv_heads, head_dim]
-        values = torch.cat((cache[1], v_ctx, v_blk), dim=0)
-        visible = torch.cat(
-            (
-                torch.arange(cache.shape[1], device=h.device) < cache_length.reshape(-1)[0],
-                torch.arange(ctx.shape[0], device=h.device) < context_length.reshape(-1)[0],
-                torch.ones(blocks, dtype=torch.bool, device=h.device),
+        k_new, v_new = self.keys_values(torch.cat((ctx, h)), *rows_rope)  # [C + B, kv_heads, head_dim]: one GEMM each
+        keys = torch.cat((cache[0], k_new), dim=0)  # [S + C + B, kv_heads, head_dim]
+        values = torch.cat((cache[1], v_new), dim=0)
+        out = self.o_proj(self.attend(q, keys, values, visible, fused=h.is_cuda))
+        return out, torch.stack((k_new[:context], v_new[:context]))
+
+    def attend(self, q, keys, values, visible, fused: bool):
+        """q [B, heads, head_dim] over keys / values [S', kv_heads, head_dim] where visible [S'] -> [B, heads *
+        head_dim]. fused (GPU): the mask depends on the key only, so the heads sharing a K/V head fold into the query
+        length and one scaled_dot_product_attention call does the layer; else the einsum / mask / softmax chain
+        (CPU, ONNX export)."""
+        blocks, groups = q.shape[0], self.heads // self.kv_heads
+        if fused:
+            folded = q.view(blocks, self.kv_heads, groups, self.head_dim).permute(1, 2, 0, 3)
+            out = F.scaled_dot_product_attention(
+                folded.reshape(1, self.kv_heads, groups * blocks, self.head_dim),
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=visible.view(1, 1, 1, -1),
+                scale=self.scale,
             )
-        )
+            return out.view(self.kv_heads, groups, blocks, self.head_dim).permute(2, 0, 1, 3).reshape(blocks, -1)
         q = q.view(blocks, self.kv_heads, groups, self.head_dim)
         scores = torch.einsum("bkgd,skd->kgbs", q, keys) * self.scale
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores.to(torch.float32), dim=-1).to(h.dtype)
-        out = torch.einsum("kgbs,skd->bkgd", probs, values).reshape(blocks, -1)
-        return self.o_proj(out), torch.stack((k_ctx, v_ctx))
+        probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
+        return torch.einsum("kgbs,skd->bkgd", probs, values).reshape(blocks, -1)
 
 
 class DraftLayer(nn.Module):
@@ -69,10 +83,8 @@ class DraftLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // config.mapping.tp_size)
         self.collectives = collectives
 
-    def forward(self, x, ctx, block_rope, context_rope, cache, cache_length, context_length):
-        attn, new_kv = self.self_attn(
-            self.input_layernorm(x), ctx, block_rope, context_rope, cache, cache_length, context_length
-        )
+    def forward(self, x, ctx, block_rope, rows_rope, cache, visible):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), ctx, block_rope, rows_rope, cache, visible)
         x = x + self.collectives.all_reduce(attn)
         x = x + self.collectives.all_reduce(self.mlp(self.post_attention_layernorm(x)))
         return x, new_kv
@@ -102,9 +114,18 @@ class DFlashDrafter(nn.Module):
     ):
         ctx = self.hidden_norm(self.fc(context_hidden))
         x = self.embed_tokens(block_ids)
-        block_rope, context_rope = self.rotary(block_positions, x.dtype), self.rotary(context_positions, x.dtype)
+        block_rope = self.rotary(block_positions, x.dtype)
+        rows_rope = self.rotary(torch.cat((context_positions, block_positions)), x.dtype)  # context, then block rows
+        device, blocks = x.device, x.shape[0]
+        visible = torch.cat(  # the keys every layer attends to: [cached context | new context | block]
+            (
+                torch.arange(draft_cache.shape[2], device=device) < draft_cache_length.reshape(-1)[0],
+                torch.arange(ctx.shape[0], device=device) < context_length.reshape(-1)[0],
+                torch.ones(blocks, dtype=torch.bool, device=device),
+            )
+        )
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, ctx, block_rope, context_rope, draft_cache[i], draft_cache_length, context_length)
+            x, kv = layer(x, ctx, block_rope, rows_rope, draft_cache[i], visible)
             new_kv.append(kv)
         return self.lm_head(self.norm(x)[1:]), torch.stack(new_kv)

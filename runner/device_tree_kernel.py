@@ -2,10 +2,11 @@
 
 The tensor-op build launches ~90 small kernels (a top-k per depth, the global top-`budget`, the ordering, index
 arithmetic and the ancestor mask); inside a step graph each costs a few microseconds. Here one program does all of
-it: per depth the `budget x K` candidate scores are packed with their index into order-preserving int64 keys and
-sorted (the first `budget` are the beam), the beams' best `budget` are chosen the same way, ordered parents first,
-and the ancestor mask is built by walking the parent links. Same outputs as the tensor-op build (the tests compare
-them under the Triton interpreter); ties between equal scores may be broken differently.
+it: per depth the candidate scores (of the `budget x K`, only the ~budget * ln(budget) that can make the beam) are
+packed with their index into order-preserving int64 keys and sorted (the first `budget` are the beam), the beams'
+best `budget` are chosen the same way, ordered parents first, and the ancestor mask is built by walking the parent
+links. Same outputs as the tensor-op build (the tests compare them under the Triton interpreter); ties between equal
+scores may be broken differently.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _build_tree(
     top_lp, top_ids, root, tokens_out, parents_out, depths_out, mask_out, count_out,
     scratch, beam_score, beam_parent, beam_k, node_of,
     L: tl.constexpr, K: tl.constexpr, B: tl.constexpr, R: tl.constexpr, pad_token,
-    KP: tl.constexpr, BP: tl.constexpr, LP: tl.constexpr, RP: tl.constexpr,
+    KP: tl.constexpr, BP: tl.constexpr, LP: tl.constexpr, RP: tl.constexpr, NPAIRS: tl.constexpr, NP: tl.constexpr,
 ):  # fmt: skip
     NEG = float("-inf")
     slot = tl.arange(0, BP)
@@ -44,15 +45,26 @@ def _build_tree(
     tl.store(beam_score + slot, scores)
     tl.store(beam_parent + slot, tl.zeros([BP], dtype=tl.int32))
     tl.store(beam_k + slot, tl.minimum(slot, K - 1))
-    parent = tl.arange(0, BP)[:, None]
-    child = tl.arange(0, KP)[None, :]
-    flat = tl.reshape(parent * KP + child, [BP * KP])
+    # the candidates that can reach a depth's top `budget`: parents and children are both sorted best first, so
+    # (parent p, child c) is beaten by every (p' <= p, c' <= c), which also win ties (lower flat index): only pairs
+    # with (p + 1) * (c + 1) <= budget can be among the best `budget` (~budget * ln(budget) of them, not
+    # budget * K). Pair f of that staircase: row p = how many row ends lie at or before f, c = f - row start.
+    rows_p = tl.arange(0, BP)
+    counts = tl.where(rows_p < B, tl.minimum(K, B // (rows_p + 1)), 0)
+    ends = tl.cumsum(counts, axis=0)  # pairs up to and including row p
+    f = tl.arange(0, NP)
+    before = ends[None, :] <= f[:, None]
+    parent = tl.sum(before.to(tl.int32), axis=1)
+    child = f - tl.max(tl.where(before, ends[None, :], 0), axis=1)
+    pair_ok = f < NPAIRS
+    flat = tl.where(pair_ok, parent * KP + child, BP * KP - 1)  # padding: a valid index, the lowest tie rank
     for depth in range(1, L):
-        extra = tl.load(top_lp + depth * K + child, mask=child < K, other=NEG)
-        cand = tl.reshape(scores[:, None] + extra, [BP * KP])
-        cand = tl.where((flat // KP < B) & (flat % KP < K), cand, NEG)
+        tl.debug_barrier()  # the previous depth's beam is in memory
+        prev = tl.load(beam_score + (depth - 1) * BP + parent, mask=pair_ok, other=NEG)
+        extra = tl.load(top_lp + depth * K + child, mask=pair_ok & (child < K), other=NEG)
+        cand = tl.where(pair_ok, prev + extra, NEG)
         packed = tl.sort(_order_key(cand) | (BP * KP - 1 - flat).to(tl.int64), descending=True)
-        tl.store(scratch + tl.arange(0, BP * KP), packed)
+        tl.store(scratch + f, packed)
         tl.debug_barrier()
         best = tl.load(scratch + slot)  # the first `budget` of the sorted candidates
         tl.debug_barrier()
@@ -127,12 +139,14 @@ def build_tree_kernel(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
     long = {"dtype": torch.long, "device": device}
     tokens, parents, depths = torch.empty(rows, **long), torch.empty(rows, **long), torch.empty(rows, **long)
     mask, count = torch.empty(rows, rows, dtype=torch.bool, device=device), torch.empty(1, **long)
-    scratch = torch.empty(max(bp * kp, lp * bp), dtype=torch.int64, device=device)
+    pairs = sum(min(width, budget // (p + 1)) for p in range(budget))  # the candidate staircase (see the kernel)
+    np_ = triton.next_power_of_2(pairs)
+    scratch = torch.empty(max(np_, lp * bp), dtype=torch.int64, device=device)
     beam_score = torch.empty(lp * bp, dtype=torch.float32, device=device)
     beam_parent, beam_k = (torch.empty(lp * bp, dtype=torch.int32, device=device) for _ in range(2))
     node_of = torch.empty(lp * bp, dtype=torch.int32, device=device)
     _build_tree[(1,)](top_logprobs.float().contiguous(), top_ids.contiguous(), root.reshape(-1)[:1].to(torch.long),
                       tokens, parents, depths, mask.view(torch.int8), count, scratch, beam_score, beam_parent, beam_k,
                       node_of, L=depth_limit, K=width, B=budget, R=rows, pad_token=pad_token, KP=kp, BP=bp, LP=lp,
-                      RP=rp, num_warps=4 if bp * kp <= 1024 else 8)  # fmt: skip
+                      RP=rp, NPAIRS=pairs, NP=np_, num_warps=4)  # fmt: skip
     return tokens, parents, depths, mask, count

@@ -101,7 +101,7 @@ def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
         from runner.device_tree import build_tree_device
         from runner.device_tree_kernel import build_tree_kernel
         cases = [(int(d), int(b), int(k)) for d, b, k in np.random.default_rng(7).integers(1, [9, 34, 9], size=(20, 3))]
-        cases += [(7, 32, 32), (15, 16, 4), (1, 1, 1), (7, 7, 1)]
+        cases += [(7, 32, 32), (15, 16, 4), (1, 1, 1), (7, 7, 1), (8, 64, 16), (3, 40, 40)]
         for seed, (depth, budget, k) in enumerate(cases):
             rng = np.random.default_rng(seed)
             k = min(k, budget)
@@ -118,4 +118,4 @@ def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
         print("ok", len(cases))
     """)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-1] == "24"
+    assert done.stdout.split()[-1] == "26"

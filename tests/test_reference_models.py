@@ -130,8 +130,16 @@ def _draft_inputs(config, seed):
     return make
 
 
-def test_drafter_matches_zlab_structured_reference(demo_hf, demo_ckpt):
-    """An independent implementation from transformers' Qwen3 blocks, following z-lab dflash/model.py."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_drafter_matches_zlab_structured_reference(demo_hf, demo_ckpt, fused, monkeypatch):
+    """An independent implementation from transformers' Qwen3 blocks, following z-lab dflash/model.py. fused: the
+    GPU form of the draft attention (heads folded into the query length, one scaled_dot_product_attention), here
+    on the CPU."""
+    if fused:
+        from models.dflash import DraftAttention
+
+        attend = DraftAttention.attend
+        monkeypatch.setattr(DraftAttention, "attend", lambda self, *args, fused: attend(self, *args, fused=True))
     from safetensors.torch import load_file
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Config, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
