@@ -76,14 +76,14 @@ def main() -> int:
             draft_cache, torch.tensor([length - block], device=device))  # fmt: skip
     calls["drafter (block 8)"] = lambda: drafter(*args)
     # the device loop's tree phase (DDTree budget 32) and the walk, outside the forwards
-    from runner.device_tree import accept_greedy_device, build_tree_device
+    from runner.device_tree import accept_greedy_device, build_tree_device, top_logprobs
 
     draft_logits = torch.randn(block - 1, shard, device=device) * 4
-    calls["draft top-k (log_softmax + topk 32)"] = lambda: torch.log_softmax(draft_logits, -1).topk(32, dim=-1)
-    top = torch.log_softmax(draft_logits, -1).topk(32, dim=-1)
+    calls["draft top-k (log_softmax + topk 32)"] = lambda: top_logprobs(draft_logits, 32)
+    values, indices = top_logprobs(draft_logits, 32)
     root = torch.zeros(1, dtype=torch.long, device=device)
-    calls["tree build (budget 32)"] = lambda: build_tree_device(top.values, top.indices, 32, root, 33)
-    tree = build_tree_device(top.values, top.indices, 32, root, 33)
+    calls["tree build (budget 32)"] = lambda: build_tree_device(values, indices, 32, root, 33)
+    tree = build_tree_device(values, indices, 32, root, 33)
     choices = torch.randint(0, shard, (33,), device=device)
     calls["greedy walk"] = lambda: accept_greedy_device(tree[0], tree[1], tree[2], tree[3], choices, block - 1)
     with torch.no_grad():

@@ -22,7 +22,8 @@ import triton.testing as tt
 from plugins.tree_attention import kernel
 from plugins.tree_attention.reference import tree_attention
 
-CASES = [(1024, 64), (1024, 320), (1024, 1000), (8192, 4096), (32768, 32768), (131072, 320)]  # (capacity, length)
+# (capacity, length)
+CASES = [(1024, 64), (1024, 320), (1024, 1000), (8192, 4096), (16384, 16384), (32768, 32768), (131072, 320)]
 CONFIGS = [
     dict(block_m=block_m, block_n=64 if block_m < 64 else 32, num_warps=4 if block_m < 64 else 8, num_stages=2)
     for block_m in (16, 32, 64)

@@ -26,7 +26,7 @@ import torch
 
 from engines.spec import SpecConfig
 from runner.cuda_graphs import capture_graph, timing_event, warm_up
-from runner.device_tree import accept_greedy_device, build_tree_device
+from runner.device_tree import accept_greedy_device, build_tree_device, top_logprobs
 from runner.speculate import GenerationResult, PhaseTimer, _emit, speculative_step
 
 SLOTS = 2  # steps in flight at most: the one running and the one queued behind it
@@ -107,8 +107,8 @@ class DeviceLoop:
 
     def _tree(self) -> None:
         """Tree: best-first under the budget."""
-        top = torch.log_softmax(self.draft_logits.float(), dim=-1).topk(self.width, dim=-1)
-        self.tree = build_tree_device(top.values, top.indices, self.spec.budget, self.bonus, self.rows)
+        values, indices = top_logprobs(self.draft_logits, self.width)
+        self.tree = build_tree_device(values, indices, self.spec.budget, self.bonus, self.rows)
 
     def _verify(self) -> None:
         """Every node at position start + depth, one target forward; the target's greedy choice per node."""

@@ -13,6 +13,17 @@ from __future__ import annotations
 import torch
 
 
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits).topk(k) per row: (values fp32 [rows, k] best first, indices int64). On CUDA tensors two
+    Triton kernels (`device_tree_kernel.top_logprobs_kernel`; ties go to the lower index)."""
+    if logits.is_cuda:
+        from runner.device_tree_kernel import top_logprobs_kernel
+
+        return top_logprobs_kernel(logits, k)
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return top.values, top.indices
+
+
 def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int, root: torch.Tensor,
                       rows: int, pad_token: int = 0):  # fmt: skip
     """top_logprobs, top_ids: [L, K] (K <= budget, sorted descending); root: [] or [1] token.

@@ -150,3 +150,62 @@ def build_tree_kernel(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
                       node_of, L=depth_limit, K=width, B=budget, R=rows, pad_token=pad_token, KP=kp, BP=bp, LP=lp,
                       RP=rp, NPAIRS=pairs, NP=np_, num_warps=4)  # fmt: skip
     return tokens, parents, depths, mask, count
+
+
+@triton.jit
+def _chunk_top(logits, row_stride, V, cand, part_max, part_sum, KP: tl.constexpr, CH: tl.constexpr):
+    """Program (row, chunk): the chunk's KP best logits (packed with their index, best first), its max and the sum
+    of exp(logit - max)."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    chunks = tl.num_programs(1)
+    offs = chunk * CH + tl.arange(0, CH)
+    ok = offs < V
+    x = tl.load(logits + row * row_stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    tl.store(part_max + row * chunks + chunk, m)
+    tl.store(part_sum + row * chunks + chunk, tl.sum(tl.where(ok, tl.exp(x - m), 0.0), axis=0))
+    packed = _order_key(x) | tl.where(ok, V - 1 - offs, 0).to(tl.int64)  # ties: the lower index first
+    tl.store(cand + (row * chunks + chunk) * KP + tl.arange(0, KP), tl.topk(packed, KP))
+
+
+@triton.jit
+def _merge_top(cand, part_max, part_sum, values, indices, V, chunks, K: tl.constexpr, KP: tl.constexpr,
+               NC: tl.constexpr, NCAND: tl.constexpr):  # fmt: skip
+    """Program row: log-sum-exp of the chunks, then the K best of all chunks' candidates as log-probabilities."""
+    row = tl.program_id(0)
+    c = tl.arange(0, NC)
+    m = tl.load(part_max + row * chunks + c, mask=c < chunks, other=float("-inf"))
+    m_max = tl.max(m, axis=0)
+    s = tl.load(part_sum + row * chunks + c, mask=c < chunks, other=0.0)
+    lse = m_max + tl.log(tl.sum(tl.where(c < chunks, s * tl.exp(m - m_max), 0.0), axis=0))
+    i = tl.arange(0, NCAND)
+    packed = tl.load(cand + row * chunks * KP + i, mask=i < chunks * KP, other=-(2**63) + 1)
+    best = tl.topk(packed, KP)
+    j = tl.arange(0, KP)
+    tl.store(values + row * K + j, _key_score(best) - lse, mask=j < K)
+    tl.store(indices + row * K + j, (V - 1 - (best & 0xFFFFFFFF)).to(tl.int64), mask=j < K)
+
+
+def top_logprobs_kernel(logits: torch.Tensor, k: int, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits).topk(k) of every row (values fp32 best first, int64 indices; ties: the lower index), in
+    two kernels instead of torch's ~23: per chunk of the vocabulary its k best and its exp-sum, then per row the
+    merge."""
+    rows, vocab = logits.shape
+    if not 1 <= k <= vocab:
+        raise ValueError(f"top-k needs 1 <= k <= vocab ({vocab}), got k={k}")
+    device = logits.device
+    kp = triton.next_power_of_2(k)
+    chunk = max(min(chunk, triton.next_power_of_2(vocab)), kp)
+    chunks = triton.cdiv(vocab, chunk)
+    cand = torch.empty(rows * chunks * kp, dtype=torch.int64, device=device)
+    part_max = torch.empty(rows * chunks, dtype=torch.float32, device=device)
+    part_sum = torch.empty(rows * chunks, dtype=torch.float32, device=device)
+    values = torch.empty(rows, k, dtype=torch.float32, device=device)
+    indices = torch.empty(rows, k, dtype=torch.int64, device=device)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    _chunk_top[(rows, chunks)](logits, logits.stride(0), vocab, cand, part_max, part_sum, KP=kp, CH=chunk,
+                               num_warps=4)  # fmt: skip
+    _merge_top[(rows,)](cand, part_max, part_sum, values, indices, vocab, chunks, K=k, KP=kp,
+                        NC=max(2, triton.next_power_of_2(chunks)), NCAND=triton.next_power_of_2(chunks * kp),
+                        num_warps=4)  # fmt: skip
+    return values, indices

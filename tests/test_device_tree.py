@@ -119,3 +119,33 @@ def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
     """)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "26"
+
+
+def test_top_logprobs_kernel_equals_log_softmax_topk_under_the_interpreter():
+    """The GPU draft top-k (two Triton kernels) equals torch's log_softmax + topk: values, indices and order; on
+    ties the lower index comes first."""
+    pytest.importorskip("triton")
+    done = run_interpreted("""
+        import torch
+        from runner.device_tree_kernel import top_logprobs_kernel
+        gen = torch.Generator().manual_seed(0)
+        for rows, vocab, k, chunk in ((7, 2500, 32, 512), (3, 777, 8, 256), (1, 64, 64, 2048), (2, 100, 5, 16)):
+            logits = torch.randn(rows, vocab, generator=gen) * 3
+            want = torch.log_softmax(logits, -1).topk(k, dim=-1)
+            values, indices = top_logprobs_kernel(logits, k, chunk=chunk)
+            assert torch.equal(indices, want.indices), (rows, vocab, k)
+            assert (values - want.values).abs().max() < 1e-5, (rows, vocab, k)
+        tied = torch.zeros(2, 300)
+        tied[0, 250] = tied[1, 7] = 30.0  # as the oracle drafter's logits: one winner, the rest equal
+        values, indices = top_logprobs_kernel(tied, 4, chunk=64)
+        assert indices.tolist() == [[250, 0, 1, 2], [7, 0, 1, 2]], indices
+        try:
+            top_logprobs_kernel(tied, 301)
+        except ValueError as err:
+            assert "k=301" in str(err)
+        else:
+            raise AssertionError("k > vocab accepted")
+        print("ok")
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "ok"
