@@ -26,7 +26,7 @@ from plugins.tree_attention.reference import tree_attention
 CASES = [(1024, 64), (1024, 320), (1024, 1000), (8192, 4096), (16384, 16384), (32768, 32768), (131072, 320)]
 CONFIGS = [
     dict(block_m=block_m, block_n=64 if block_m < 64 else 32, num_warps=4 if block_m < 64 else 8, num_stages=2)
-    for block_m in (16, 32, 64)
+    for block_m in (16, 64)
 ]
 
 
@@ -68,7 +68,7 @@ def main() -> int:
             if baseline is not None:
                 row["baseline_us"] = time_us(baseline.tree_attention_cuda, args)
             for config in CONFIGS:
-                for min_blocks in (1, 2):
+                for min_blocks in (1, 2, 4):
                     name = f"m{config['block_m']}_b{min_blocks}"
                     row[name] = time_us(kernel.tree_attention_cuda, args, **config, min_blocks=min_blocks)
             rows.append(row)

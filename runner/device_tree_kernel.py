@@ -194,7 +194,7 @@ def top_logprobs_kernel(logits: torch.Tensor, k: int, chunk: int = 2048) -> tupl
     if not 1 <= k <= vocab:
         raise ValueError(f"top-k needs 1 <= k <= vocab ({vocab}), got k={k}")
     device = logits.device
-    kp = triton.next_power_of_2(k)
+    kp = max(2, triton.next_power_of_2(k))  # tl.topk needs k >= 2: keep 2 a chunk, return the first k
     chunk = max(min(chunk, triton.next_power_of_2(vocab)), kp)
     chunks = triton.cdiv(vocab, chunk)
     cand = torch.empty(rows * chunks * kp, dtype=torch.int64, device=device)

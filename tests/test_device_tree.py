@@ -129,7 +129,8 @@ def test_top_logprobs_kernel_equals_log_softmax_topk_under_the_interpreter():
         import torch
         from runner.device_tree_kernel import top_logprobs_kernel
         gen = torch.Generator().manual_seed(0)
-        for rows, vocab, k, chunk in ((7, 2500, 32, 512), (3, 777, 8, 256), (1, 64, 64, 2048), (2, 100, 5, 16)):
+        cases = ((7, 2500, 32, 512), (3, 777, 8, 256), (1, 64, 64, 2048), (2, 100, 5, 16), (7, 300, 1, 64))
+        for rows, vocab, k, chunk in cases:
             logits = torch.randn(rows, vocab, generator=gen) * 3
             want = torch.log_softmax(logits, -1).topk(k, dim=-1)
             values, indices = top_logprobs_kernel(logits, k, chunk=chunk)

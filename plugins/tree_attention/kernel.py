@@ -102,43 +102,39 @@ def _tree_attention_split(
     chunk = _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS)
     is_tree = split == num_splits
     start = split * chunk
-    if is_tree or start < length:
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (token, head) query rows
-        row_ok = rows < T * H
-        token = rows // H
-        offs_dl, offs_dr = tl.arange(0, BLOCK_DL), tl.arange(0, BLOCK_DR)
-        q_row = q_ptr + rows[:, None] * (D_LAT + D_ROPE)
-        q_lat = tl.load(q_row + offs_dl[None, :], mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)
-        q_rope = tl.load(
-            q_row + D_LAT + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0
-        )
-        acc = tl.zeros((BLOCK_M, BLOCK_DL), dtype=tl.float32)
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        # one loop for both kinds of split (two would each stage their own key blocks in shared memory): committed
-        # cache rows [start, stop), visible to every query, or the tree's own rows [0, T) under the tree mask
-        lo = tl.where(is_tree, 0, start)
-        hi = tl.where(is_tree, T, tl.minimum(start + chunk, length))
-        k_ptr, k_stride = cache_ptr, cache_stride
-        if is_tree:
-            k_ptr, k_stride = new_ptr, new_stride
-        for block in range(lo, hi, BLOCK_N):
+    active = is_tree | (start < length)  # splits past the length do nothing (their loop below is empty)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (token, head) query rows
+    row_ok = rows < T * H
+    token = rows // H
+    offs_dl, offs_dr = tl.arange(0, BLOCK_DL), tl.arange(0, BLOCK_DR)
+    q_row = q_ptr + rows[:, None] * (D_LAT + D_ROPE)
+    q_lat = tl.load(q_row + offs_dl[None, :], mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT) & active, other=0.0)
+    q_rope = tl.load(
+        q_row + D_LAT + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < D_ROPE) & active, other=0.0
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_DL), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    if is_tree:  # the tree's own rows under the tree mask (a few blocks: not software-pipelined, so the loop
+        # stages no key blocks of its own in shared memory next to the cache loop's)
+        for block in tl.range(0, T, BLOCK_N, num_stages=1):
             keys = block + offs_n
-            key_ok = keys < hi
-            both_ok = row_ok[:, None] & key_ok[None, :]
-            allowed = tl.load(mask_ptr + token[:, None] * T + keys[None, :], mask=both_ok & is_tree, other=1)
+            key_ok = keys < T
+            allowed = tl.load(
+                mask_ptr + token[:, None] * T + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0
+            ).to(tl.int1)
             acc, m_i, l_i = _attend_block(
                 acc,
                 m_i,
                 l_i,
                 q_lat,
                 q_rope,
-                k_ptr,
-                k_stride,
+                new_ptr,
+                new_stride,
                 keys,
                 key_ok,
-                both_ok & (allowed != 0),
+                allowed,
                 offs_dl,
                 offs_dr,
                 D_LAT,
@@ -146,14 +142,36 @@ def _tree_attention_split(
                 qk_scale,
                 PRECISION,
             )
-        base = split * T * H + rows
-        tl.store(part_m + base, m_i, mask=row_ok)
-        tl.store(part_l + base, l_i, mask=row_ok)
-        tl.store(
-            part_out + base[:, None] * D_LAT + offs_dl[None, :],
-            acc,
-            mask=row_ok[:, None] & (offs_dl[None, :] < D_LAT),
-        )
+    else:  # committed cache rows [start, stop): visible to every query
+        stop = tl.minimum(start + chunk, length)
+        for block in range(start, stop, BLOCK_N):
+            keys = block + offs_n
+            key_ok = keys < stop
+            acc, m_i, l_i = _attend_block(
+                acc,
+                m_i,
+                l_i,
+                q_lat,
+                q_rope,
+                cache_ptr,
+                cache_stride,
+                keys,
+                key_ok,
+                row_ok[:, None] & key_ok[None, :],
+                offs_dl,
+                offs_dr,
+                D_LAT,
+                D_ROPE,
+                qk_scale,
+                PRECISION,
+            )
+    base = split * T * H + rows
+    written = row_ok & active
+    tl.store(part_m + base, m_i, mask=written)
+    tl.store(part_l + base, l_i, mask=written)
+    tl.store(
+        part_out + base[:, None] * D_LAT + offs_dl[None, :], acc, mask=written[:, None] & (offs_dl[None, :] < D_LAT)
+    )
 
 
 @triton.jit
@@ -166,14 +184,15 @@ def _combine_splits(
     rows_total,
     num_splits,
     D_LAT: tl.constexpr,
-    BLOCK_DL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MIN_BLOCKS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     SPLIT_GROUP: tl.constexpr,
 ):
-    # merges the splits the device length used (the same cut as the split kernel) and the tree split
-    row = tl.program_id(0)
+    # program (row, column block): merges the splits the device length used (the same cut as the split kernel) and
+    # the tree split
+    row, col = tl.program_id(0), tl.program_id(1)
     length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
     used = tl.cdiv(length, _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS))
     splits = tl.arange(0, BLOCK_S)
@@ -184,7 +203,7 @@ def _combine_splits(
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     weight = tl.where(ok, tl.exp2(m - m_safe), 0.0)
     total = tl.sum(weight * l, axis=0)
-    offs = tl.arange(0, BLOCK_DL)
+    offs = col * BLOCK_D + tl.arange(0, BLOCK_D)
     ok_d = offs < D_LAT
     tree = num_splits * rows_total + row
     acc = tl.load(part_out + tree * D_LAT + offs, mask=ok_d, other=0.0) * tl.exp2(tl.load(part_m + tree) - m_safe)
@@ -204,6 +223,7 @@ def _combine_splits(
 
 
 SMALL_TILE_CAPACITY = 8192  # cache rows up to which 16-row query tiles are used at any T (measured crossover)
+COMBINE_COLUMNS = 128  # output columns a combine program merges (more programs for few rows)
 DEFAULT_MIN_BLOCKS = 1  # key blocks a split takes at least (benchmarks/tree_attention_short_cache.py)
 SHARED_MEMORY_BUDGET = 232448 - 8192  # Hopper allows 227 KB a block; Triton adds a few KB of its own (measured)
 
@@ -304,7 +324,8 @@ def tree_attention_cuda(
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
-        _combine_splits[(rows,)](
+        block_d = min(block_dl, COMBINE_COLUMNS)
+        _combine_splits[(rows, triton.cdiv(latent_dim, block_d))](
             part_out,
             part_m,
             part_l,
@@ -313,11 +334,11 @@ def tree_attention_cuda(
             rows,
             splits,
             D_LAT=latent_dim,
-            BLOCK_DL=block_dl,
+            BLOCK_D=block_d,
             BLOCK_N=block_n,
             MIN_BLOCKS=min_blocks,
             BLOCK_S=triton.next_power_of_2(splits + 1),
-            SPLIT_GROUP=8,
+            SPLIT_GROUP=16,
             num_warps=4,
         )
     return out
