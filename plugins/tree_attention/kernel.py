@@ -116,9 +116,31 @@ def _tree_attention_split(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    if is_tree:  # the tree's own rows under the tree mask (a few blocks: not software-pipelined, so the loop
-        # stages no key blocks of its own in shared memory next to the cache loop's)
-        for block in tl.range(0, T, BLOCK_N, num_stages=1):
+    # committed cache rows [start, stop), visible to every query (the tree's split has none)
+    stop = tl.where(is_tree, start, tl.minimum(start + chunk, length))
+    for block in range(start, stop, BLOCK_N):
+        keys = block + offs_n
+        key_ok = keys < stop
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q_lat,
+            q_rope,
+            cache_ptr,
+            cache_stride,
+            keys,
+            key_ok,
+            row_ok[:, None] & key_ok[None, :],
+            offs_dl,
+            offs_dr,
+            D_LAT,
+            D_ROPE,
+            qk_scale,
+            PRECISION,
+        )
+    if is_tree:  # the tree's own rows, under the tree mask
+        for block in range(0, T, BLOCK_N):
             keys = block + offs_n
             key_ok = keys < T
             allowed = tl.load(
@@ -135,29 +157,6 @@ def _tree_attention_split(
                 keys,
                 key_ok,
                 allowed,
-                offs_dl,
-                offs_dr,
-                D_LAT,
-                D_ROPE,
-                qk_scale,
-                PRECISION,
-            )
-    else:  # committed cache rows [start, stop): visible to every query
-        stop = tl.minimum(start + chunk, length)
-        for block in range(start, stop, BLOCK_N):
-            keys = block + offs_n
-            key_ok = keys < stop
-            acc, m_i, l_i = _attend_block(
-                acc,
-                m_i,
-                l_i,
-                q_lat,
-                q_rope,
-                cache_ptr,
-                cache_stride,
-                keys,
-                key_ok,
-                row_ok[:, None] & key_ok[None, :],
                 offs_dl,
                 offs_dr,
                 D_LAT,
@@ -223,7 +222,8 @@ def _combine_splits(
 
 
 SMALL_TILE_CAPACITY = 8192  # cache rows up to which 16-row query tiles are used at any T (measured crossover)
-COMBINE_COLUMNS = 128  # output columns a combine program merges (more programs for few rows)
+COMBINE_COLUMNS, COMBINE_SPLIT_ROWS = 128, 128  # under 128 query rows a combine program merges 128 columns, not all
+# (more programs where there are few rows: T = 1 decode over a long cache; measured)
 DEFAULT_MIN_BLOCKS = 1  # key blocks a split takes at least (benchmarks/tree_attention_short_cache.py)
 SHARED_MEMORY_BUDGET = 232448 - 8192  # Hopper allows 227 KB a block; Triton adds a few KB of its own (measured)
 
@@ -324,7 +324,7 @@ def tree_attention_cuda(
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
-        block_d = min(block_dl, COMBINE_COLUMNS)
+        block_d = block_dl if rows >= COMBINE_SPLIT_ROWS else min(block_dl, COMBINE_COLUMNS)
         _combine_splits[(rows, triton.cdiv(latent_dim, block_d))](
             part_out,
             part_m,
