@@ -3,6 +3,7 @@ drafter forward and the device loop's tree build and walk, against the CUDA-grap
 difference is launch gaps).
 
     PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model=kimi-rank|moe|dense] [--smoke]
+        [--draft-attention]   (also: the drafter with each form of its attention)
 
 Writes OUT_DIR/profile_forward.json and prints the top kernels.
 """
@@ -98,8 +99,63 @@ def main() -> int:
                   f"({(replay - busy) / max(count, 1):.2f} us a kernel outside)", flush=True)  # fmt: skip
             for kernel, (n, t) in results["forwards"][name]["top"][:22]:
                 print(f"  {t:9.1f} us {n:5d}x  {kernel}")
+    if "--draft-attention" in sys.argv:
+        with torch.no_grad():
+            results["draft_attention"] = draft_attention_forms(drafter, args, device, smoke)
     (out / "profile_forward.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
+    """The drafter forward (CUDA graph replay) with each form of its attention: the einsum / mask / softmax chain
+    (the CPU form), scaled_dot_product_attention with PyTorch's backend choice and with each backend forced, and a
+    baddbmm (scores plus the key mask as a bias) / softmax / bmm chain; the logits' distance from the chain's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from models.dflash import DraftAttention
+
+    attend = DraftAttention.attend
+
+    def baddbmm_form(self, q, keys, values, visible, fused):
+        blocks, groups, kv, dim = q.shape[0], self.heads // self.kv_heads, self.kv_heads, self.head_dim
+        folded = q.view(blocks, kv, groups, dim).permute(1, 2, 0, 3).reshape(kv, groups * blocks, dim)
+        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+        scores = torch.baddbmm(bias.expand(kv, groups * blocks, -1), folded, keys.permute(1, 2, 0), alpha=self.scale)
+        out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))
+        return out.view(kv, groups, blocks, dim).permute(2, 0, 1, 3).reshape(blocks, -1)
+
+    def sdpa(backend):
+        def form(self, *a, fused):
+            if backend is None:
+                return attend(self, *a, fused=True)
+            with sdpa_kernel([backend]):
+                return attend(self, *a, fused=True)
+
+        return form
+
+    forms = {
+        "einsum chain": lambda self, *a, fused: attend(self, *a, fused=False),
+        "sdpa (PyTorch's choice)": sdpa(None),
+        "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "sdpa math": sdpa(SDPBackend.MATH),
+        "baddbmm + softmax + bmm": baddbmm_form,
+    }
+    rows, reference = {}, None
+    try:
+        for name, form in forms.items():
+            DraftAttention.attend = form
+            try:
+                logits = drafter(*args)[0].float()
+                reference = logits if reference is None else reference
+                rows[name] = {"graph_us": graph_time_us(lambda: drafter(*args), device, smoke),
+                              "rel_diff": float((logits - reference).norm() / reference.norm())}  # fmt: skip
+            except RuntimeError as err:  # a backend that does not take these inputs
+                rows[name] = {"error": str(err)[:200]}
+            print(f"drafter with {name}: {rows[name]}", flush=True)
+    finally:
+        DraftAttention.attend = attend
+    return rows
 
 
 if __name__ == "__main__":

@@ -224,7 +224,6 @@ def _combine_splits(
 SMALL_TILE_CAPACITY = 8192  # cache rows up to which 16-row query tiles are used at any T (measured crossover)
 COMBINE_COLUMNS, COMBINE_SPLIT_ROWS = 128, 128  # under 128 query rows a combine program merges 128 columns, not all
 # (more programs where there are few rows: T = 1 decode over a long cache; measured)
-DEFAULT_MIN_BLOCKS = 1  # key blocks a split takes at least (benchmarks/tree_attention_short_cache.py)
 SHARED_MEMORY_BUDGET = 232448 - 8192  # Hopper allows 227 KB a block; Triton adds a few KB of its own (measured)
 
 
@@ -252,9 +251,13 @@ def default_config(rows: int, width: int = 576, element_size: int = 2, capacity:
     return preferred[-1]
 
 
-def num_splits_for(
-    rows: int, capacity: int, block_m: int, block_n: int, sm_count: int, min_blocks: int = DEFAULT_MIN_BLOCKS
-) -> int:
+def default_min_blocks(rows: int, capacity: int) -> int:
+    """Key blocks a split takes at least (measured, benchmarks/tree_attention_short_cache.py): 1 for a decode's few
+    rows over a cache that is never long (most parallel), else 2 (fewer partial results to write and merge)."""
+    return 1 if rows <= 16 and capacity <= SMALL_TILE_CAPACITY else 2
+
+
+def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int, min_blocks: int) -> int:
     """Cache splits of the grid: enough (row tile, split) programs to fill the GPU ~2 deep at a full cache, each
     with at least `min_blocks` key blocks of the *capacity* (the length is only known on the device, which uses as
     many of them as it needs)."""
@@ -286,7 +289,7 @@ def tree_attention_cuda(
     padded = max(16, triton.next_power_of_2(latent_dim)) + max(16, triton.next_power_of_2(rope))
     config = {**default_config(rows, padded, q.element_size(), cache.shape[0]), **config}
     block_m, block_n = config["block_m"], config["block_n"]
-    min_blocks = config.get("min_blocks", DEFAULT_MIN_BLOCKS)
+    min_blocks = config.get("min_blocks", default_min_blocks(rows, cache.shape[0]))
     splits = num_splits_for(rows, cache.shape[0], block_m, block_n, _sm_count(device), min_blocks)
     if cache.shape[0] == 0:  # nothing cached: any valid pointer will do, no cache row is read
         cache = new_kv
