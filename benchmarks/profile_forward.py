@@ -10,6 +10,7 @@ Writes OUT_DIR/profile_forward.json and prints the top kernels.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -107,39 +108,34 @@ def main() -> int:
 
 
 def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
-    """The drafter forward (CUDA graph replay) with each form of its attention: the einsum / mask / softmax chain
-    (the CPU form), scaled_dot_product_attention with PyTorch's backend choice and with each backend forced, and a
-    baddbmm (scores plus the key mask as a bias) / softmax / bmm chain; the logits' distance from the chain's."""
+    """The drafter forward (CUDA graph replay) with each form of its attention: the einsum chain (the CPU form),
+    the baddbmm / softmax / bmm chain (the GPU form), scaled_dot_product_attention with PyTorch's backend choice and
+    with each backend forced; the logits' distance from the einsum chain's."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from models.dflash import DraftAttention
 
     attend = DraftAttention.attend
 
-    def baddbmm_form(self, q, keys, values, visible, fused):
-        blocks, groups, kv, dim = q.shape[0], self.heads // self.kv_heads, self.kv_heads, self.head_dim
-        folded = q.view(blocks, kv, groups, dim).permute(1, 2, 0, 3).reshape(kv, groups * blocks, dim)
-        bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
-        scores = torch.baddbmm(bias.expand(kv, groups * blocks, -1), folded, keys.permute(1, 2, 0), alpha=self.scale)
-        out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))
-        return out.view(kv, groups, blocks, dim).permute(2, 0, 1, 3).reshape(blocks, -1)
-
     def sdpa(backend):
-        def form(self, *a, fused):
-            if backend is None:
-                return attend(self, *a, fused=True)
-            with sdpa_kernel([backend]):
-                return attend(self, *a, fused=True)
+        def form(self, q, keys, values, key_bias, fused):
+            blocks, groups, kv, dim = q.shape[0], self.heads // self.kv_heads, self.kv_heads, self.head_dim
+            folded = q.view(blocks, kv, groups, dim).permute(1, 2, 0, 3).reshape(1, kv, groups * blocks, dim)
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    folded, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                    attn_mask=key_bias.view(1, 1, 1, -1), scale=self.scale)  # fmt: skip
+            return out.view(kv, groups, blocks, dim).permute(2, 0, 1, 3).reshape(blocks, -1)
 
         return form
 
     forms = {
         "einsum chain": lambda self, *a, fused: attend(self, *a, fused=False),
+        "baddbmm + softmax + bmm (the GPU form)": lambda self, *a, fused: attend(self, *a, fused=True),
         "sdpa (PyTorch's choice)": sdpa(None),
         "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
         "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa math": sdpa(SDPBackend.MATH),
-        "baddbmm + softmax + bmm": baddbmm_form,
     }
     rows, reference = {}, None
     try:

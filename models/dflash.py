@@ -14,7 +14,6 @@ The drafter borrows the target's vocab-parallel embedding and lm_head.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.config import DrafterConfig, TargetConfig
@@ -39,37 +38,33 @@ class DraftAttention(nn.Module):
         k = apply_rotary(self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim)), cos, sin)
         return k, self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
 
-    def forward(self, h, ctx, block_rope, rows_rope, cache, visible):
+    def forward(self, h, ctx, block_rope, rows_rope, cache, key_bias):
         """h [B, hidden] block rows, ctx [C, hidden] context features, block_rope / rows_rope the (cos, sin) of the
-        block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], visible [S + C + B] bool
-        (which keys exist: valid cache rows, valid context rows, the block)."""
+        block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], key_bias [S + C + B]
+        (0 where a key exists: valid cache rows, valid context rows, the block; -inf elsewhere)."""
         blocks, context = h.shape[0], ctx.shape[0]
         q = apply_rotary(self.q_norm(self.q_proj(h).view(blocks, self.heads, self.head_dim)), *block_rope)
         k_new, v_new = self.keys_values(torch.cat((ctx, h)), *rows_rope)  # [C + B, kv_heads, head_dim]: one GEMM each
         keys = torch.cat((cache[0], k_new), dim=0)  # [S + C + B, kv_heads, head_dim]
         values = torch.cat((cache[1], v_new), dim=0)
-        out = self.o_proj(self.attend(q, keys, values, visible, fused=h.is_cuda))
+        out = self.o_proj(self.attend(q, keys, values, key_bias, fused=h.is_cuda))
         return out, torch.stack((k_new[:context], v_new[:context]))
 
-    def attend(self, q, keys, values, visible, fused: bool):
-        """q [B, heads, head_dim] over keys / values [S', kv_heads, head_dim] where visible [S'] -> [B, heads *
-        head_dim]. fused (GPU): the mask depends on the key only, so the heads sharing a K/V head fold into the query
-        length and one scaled_dot_product_attention call does the layer; else the einsum / mask / softmax chain
-        (CPU, ONNX export)."""
-        blocks, groups = q.shape[0], self.heads // self.kv_heads
+    def attend(self, q, keys, values, key_bias, fused: bool):
+        """q [B, heads, head_dim] over keys / values [S', kv_heads, head_dim], key_bias [S'] -> [B, heads * head_dim].
+        fused (GPU): the bias depends on the key only, so the heads sharing a K/V head fold into the query length and
+        a layer is one baddbmm (scaled scores plus the bias), a softmax and a bmm (measured fastest of the forms in
+        `benchmarks/profile_forward.py --draft-attention`, scaled_dot_product_attention's backends included); else
+        the einsum chain (CPU, ONNX export)."""
+        blocks, groups, kv, dim = q.shape[0], self.heads // self.kv_heads, self.kv_heads, self.head_dim
         if fused:
-            folded = q.view(blocks, self.kv_heads, groups, self.head_dim).permute(1, 2, 0, 3)
-            out = F.scaled_dot_product_attention(
-                folded.reshape(1, self.kv_heads, groups * blocks, self.head_dim),
-                keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None],
-                attn_mask=visible.view(1, 1, 1, -1),
-                scale=self.scale,
-            )
-            return out.view(self.kv_heads, groups, blocks, self.head_dim).permute(2, 0, 1, 3).reshape(blocks, -1)
-        q = q.view(blocks, self.kv_heads, groups, self.head_dim)
-        scores = torch.einsum("bkgd,skd->kgbs", q, keys) * self.scale
-        scores = scores.masked_fill(~visible, float("-inf"))
+            folded = q.view(blocks, kv, groups, dim).permute(1, 2, 0, 3).reshape(kv, groups * blocks, dim)
+            bias = key_bias.expand(kv, groups * blocks, -1)
+            scores = torch.baddbmm(bias, folded, keys.permute(1, 2, 0), alpha=self.scale)
+            out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # fp32 inside the softmax
+            return out.view(kv, groups, blocks, dim).permute(2, 0, 1, 3).reshape(blocks, -1)
+        q = q.view(blocks, kv, groups, dim)
+        scores = torch.einsum("bkgd,skd->kgbs", q, keys) * self.scale + key_bias
         probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
         return torch.einsum("kgbs,skd->bkgd", probs, values).reshape(blocks, -1)
 
@@ -83,8 +78,8 @@ class DraftLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // config.mapping.tp_size)
         self.collectives = collectives
 
-    def forward(self, x, ctx, block_rope, rows_rope, cache, visible):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), ctx, block_rope, rows_rope, cache, visible)
+    def forward(self, x, ctx, block_rope, rows_rope, cache, key_bias):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), ctx, block_rope, rows_rope, cache, key_bias)
         x = x + self.collectives.all_reduce(attn)
         x = x + self.collectives.all_reduce(self.mlp(self.post_attention_layernorm(x)))
         return x, new_kv
@@ -124,8 +119,9 @@ class DFlashDrafter(nn.Module):
                 torch.ones(blocks, dtype=torch.bool, device=device),
             )
         )
+        key_bias = torch.zeros(visible.shape, dtype=x.dtype, device=device).masked_fill(~visible, float("-inf"))
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, ctx, block_rope, rows_rope, draft_cache[i], visible)
+            x, kv = layer(x, ctx, block_rope, rows_rope, draft_cache[i], key_bias)
             new_kv.append(kv)
         return self.lm_head(self.norm(x)[1:]), torch.stack(new_kv)
