@@ -19,6 +19,7 @@ are overwritten): fixed shapes, no data-dependent slicing. The caller keeps `2 *
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 
@@ -201,6 +202,9 @@ class DeviceLoop:
         warm_up(lambda: _run(self.phases), self.device)
         for tensor, before in zip(state, saved):
             tensor.copy_(before)  # the warm-up must not count as a step
+        # garbage holding CUDA resources (pinned memory, events) must not be freed while a stream captures: a
+        # collection that happens to run mid-capture invalidates the capture (torch no longer collects on entry)
+        gc.collect()
         pool = torch.cuda.graph_pool_handle()
         groups = [[phase] for phase in self.phases] if self.split_phases else [self.phases]
         self.graphs = [capture_graph(lambda g=group: _run(g), self.device, warmups=0, pool=pool)[0] for group in groups]

@@ -105,6 +105,7 @@ class RankWorker:
         """Runs later greedy steps as one tensor program (a CUDA graph on GPUs): `runner/device_loop.py`."""
         from runner.device_loop import DeviceLoop
 
+        self.close()  # the previous loop's graphs and pinned slots go now, not whenever the garbage collector runs
         self.loop = DeviceLoop(self, self.spec, self.device.type == "cuda", oracle, autoregressive, split_phases)
 
     def close(self) -> None:

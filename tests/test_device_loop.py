@@ -43,7 +43,13 @@ def test_device_loop_with_an_oracle_accepts_whole_blocks(demo_ckpt):
 def test_autoregressive_device_loop_equals_host_decoding(demo_ckpt):
     spec = SpecConfig(8, 32)
     engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
+    engine.workers[0].enable_device_loop()
+    first = engine.workers[0].loop
+    generate_on_device(engine, spec, PROMPTS[0], 20, capacity=512)
+    # a new loop closes the old one at once (its graphs and pinned slots must not wait for the garbage collector,
+    # which may run while the next graph is being captured)
     engine.workers[0].enable_device_loop(autoregressive=True)
+    assert first.host == [] and first.graphs is None and not first.in_flight
     for prompt in PROMPTS:
         expected = generate_autoregressive(engine, prompt, 50, Sampler(SamplingParams())).tokens
         result = generate_on_device(engine, spec, prompt, 50, capacity=512, autoregressive=True)
