@@ -24,10 +24,7 @@ from plugins.tree_attention.reference import tree_attention
 
 # (capacity, length)
 CASES = [(1024, 64), (1024, 320), (1024, 1000), (8192, 4096), (16384, 16384), (32768, 32768), (131072, 320)]
-CONFIGS = [
-    dict(block_m=block_m, block_n=64, num_warps=4 if block_m < 64 else 8, num_stages=2)
-    for block_m in (16, 64)
-]
+CONFIGS = [dict(block_m=block_m, block_n=64, num_warps=4 if block_m < 64 else 8, num_stages=2) for block_m in (16, 64)]
 
 
 def load_baseline(path: str):
