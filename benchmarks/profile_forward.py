@@ -119,13 +119,11 @@ def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
 
     def sdpa(backend):
         def form(self, q, keys, values, key_bias, fused):
-            blocks, groups, kv, dim = q.shape[0], self.heads // self.kv_heads, self.kv_heads, self.head_dim
-            folded = q.view(blocks, kv, groups, dim).permute(1, 2, 0, 3).reshape(1, kv, groups * blocks, dim)
             with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    folded, keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                    self.fold_heads(q)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                     attn_mask=key_bias.view(1, 1, 1, -1), scale=self.scale)  # fmt: skip
-            return out.view(kv, groups, blocks, dim).permute(2, 0, 1, 3).reshape(blocks, -1)
+            return self.unfold_heads(out[0], q.shape[0])
 
         return form
 

@@ -58,15 +58,27 @@ class DraftAttention(nn.Module):
         the einsum chain (CPU, ONNX export)."""
         blocks, groups, kv, dim = q.shape[0], self.heads // self.kv_heads, self.kv_heads, self.head_dim
         if fused:
-            folded = q.view(blocks, kv, groups, dim).permute(1, 2, 0, 3).reshape(kv, groups * blocks, dim)
+            folded = self.fold_heads(q)
             bias = key_bias.expand(kv, groups * blocks, -1)
             scores = torch.baddbmm(bias, folded, keys.permute(1, 2, 0), alpha=self.scale)
             out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # fp32 inside the softmax
-            return out.view(kv, groups, blocks, dim).permute(2, 0, 1, 3).reshape(blocks, -1)
+            return self.unfold_heads(out, blocks)
         q = q.view(blocks, kv, groups, dim)
         scores = torch.einsum("bkgd,skd->kgbs", q, keys) * self.scale + key_bias
         probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
         return torch.einsum("kgbs,skd->bkgd", probs, values).reshape(blocks, -1)
+
+    def fold_heads(self, q):
+        """q [B, heads, head_dim] -> [kv_heads, groups * B, head_dim]: the query heads of each K/V head as rows."""
+        blocks, groups = q.shape[0], self.heads // self.kv_heads
+        q = q.view(blocks, self.kv_heads, groups, self.head_dim).permute(1, 2, 0, 3)
+        return q.reshape(self.kv_heads, groups * blocks, self.head_dim)
+
+    def unfold_heads(self, out, blocks: int):
+        """`fold_heads`'s layout [kv_heads, groups * B, head_dim] -> [B, heads * head_dim]."""
+        groups = self.heads // self.kv_heads
+        out = out.reshape(self.kv_heads, groups, blocks, self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(blocks, -1)
 
 
 class DraftLayer(nn.Module):
@@ -109,9 +121,9 @@ class DFlashDrafter(nn.Module):
     ):
         ctx = self.hidden_norm(self.fc(context_hidden))
         x = self.embed_tokens(block_ids)
-        block_rope = self.rotary(block_positions, x.dtype)
-        rows_rope = self.rotary(torch.cat((context_positions, block_positions)), x.dtype)  # context, then block rows
         device, blocks = x.device, x.shape[0]
+        rows_rope = self.rotary(torch.cat((context_positions, block_positions)), x.dtype)  # context, then block rows
+        block_rope = tuple(table[-blocks:] for table in rows_rope)
         visible = torch.cat(  # the keys every layer attends to: [cached context | new context | block]
             (
                 torch.arange(draft_cache.shape[2], device=device) < draft_cache_length.reshape(-1)[0],

@@ -133,8 +133,8 @@ def _draft_inputs(config, seed):
 @pytest.mark.parametrize("fused", [False, True])
 def test_drafter_matches_zlab_structured_reference(demo_hf, demo_ckpt, fused, monkeypatch):
     """An independent implementation from transformers' Qwen3 blocks, following z-lab dflash/model.py. fused: the
-    GPU form of the draft attention (heads folded into the query length, one scaled_dot_product_attention), here
-    on the CPU."""
+    GPU form of the draft attention (heads folded into the query length, baddbmm / softmax / bmm), here on the
+    CPU."""
     if fused:
         from models.dflash import DraftAttention
 
