@@ -413,7 +413,6 @@ def loop_row(model, mode, drafter_kind, spec, target, drafter, target_cfg, draft
     """`runner/device_loop.py`: one CUDA graph a step (spec None: an autoregressive decode step), the next queued
     behind it. tokens/s and GPU idle between steps from `repeats` runs; the split into phases from one more run with
     one graph per phase (events between them)."""
-    from benchmarks.oracle_drafter import OracleDraftRanks
     from runner.device_loop import generate_on_device
 
     autoregressive = spec is None
@@ -421,8 +420,7 @@ def loop_row(model, mode, drafter_kind, spec, target, drafter, target_cfg, draft
     engine, _ = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, smoke)
     worker = engine.workers[0]
     oracle = torch.tensor(continuation, device=device) if drafter_kind == "oracle" else None
-    # the first step runs on the host loop (the prompt's context exceeds a block): the oracle drives it there too
-    runner = OracleDraftRanks(engine, continuation) if oracle is not None else engine
+    runner = engine  # every step runs on the device (the prompt's context is committed to the draft cache first)
     row = {"model": model, "mode": mode, "drafter": drafter_kind}
     for split in (False,) if autoregressive else (False, True):
         worker.enable_device_loop(oracle, autoregressive, split_phases=split)

@@ -1,9 +1,10 @@
 """Where a forward's GPU time goes: kernels (count, total time, by name) of one target forward at T = 1, 8, 33, one
-drafter forward and the device loop's tree build and walk, against the CUDA-graph replay time of the same call (the
-difference is launch gaps).
+drafter forward and the device loop's tree build and walk, each captured in a CUDA graph and profiled over replays,
+with the GPU's idle time between consecutive kernels (by the pair of kernels it falls between) and the replay time.
 
     PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model=kimi-rank|moe|dense] [--smoke]
         [--draft-attention]   (also: the drafter with each form of its attention)
+        [--steps]             (also: the device loop's step graphs and one request each, GPU only)
 
 Writes OUT_DIR/profile_forward.json and prints the top kernels.
 """
@@ -44,6 +45,67 @@ def kernel_table(fn, device) -> dict:
         entry[0] += 1
         entry[1] += time_us
     return dict(table)
+
+
+def replay_profile(fn, device, repeats: int = 4) -> dict:
+    """fn captured in a CUDA graph and replayed `repeats` times under the profiler (the kernels as the runtime
+    launches them, not eagerly): per replay, the kernels by name and the GPU idle time between consecutive kernels,
+    by the pair of kernels it falls between."""
+    from runner.cuda_graphs import capture_graph
+
+    graph, _ = capture_graph(fn, device, warmups=2)
+    return graph_replay_profile(graph.replay, repeats)
+
+
+def graph_replay_profile(replay, repeats: int = 4) -> dict:
+    """`replay` (a graph replay, or a device-loop step) `repeats` times under the profiler; see `replay_profile`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            replay()
+            torch.cuda.synchronize()  # a wide gap between replays, dropped below
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0),
+        key=lambda e: e.time_range.start,
+    )
+    table, pairs = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    for event in kernels:
+        entry = table[event.name[:90]]
+        entry[0] += 1
+        entry[1] += event.time_range.end - event.time_range.start
+    gaps = sorted(
+        ((b.time_range.start - a.time_range.end, a.name[:40], b.name[:40]) for a, b in zip(kernels, kernels[1:])),
+        reverse=True,
+    )[repeats - 1 :]  # the repeats - 1 largest are the synchronizations between replays
+    for gap, a, b in gaps:
+        entry = pairs[f"{a} -> {b}"]
+        entry[0] += 1
+        entry[1] += gap
+    scale = 1.0 / repeats
+    per_replay = lambda t: {k: [v[0] * scale, v[1] * scale] for k, v in t.items()}  # noqa: E731
+    return {
+        "kernels": len(kernels) * scale,
+        "kernel_us": sum(v[1] for v in table.values()) * scale,
+        "idle_us": sum(max(g, 0.0) for g, _, _ in gaps) * scale,
+        "overlap_us": -sum(min(g, 0.0) for g, _, _ in gaps) * scale,
+        "top": sorted(per_replay(table).items(), key=lambda kv: -kv[1][1])[:30],
+        "top_gaps": sorted(per_replay(pairs).items(), key=lambda kv: -kv[1][1])[:20],
+    }
+
+
+def print_replay_profile(name: str, graph_us: float | None, prof: dict) -> None:
+    head = f"{graph_us:.1f} us a replay (do_bench), " if graph_us is not None else ""
+    print(f"\n{name}: {head}{prof['kernels']:.0f} kernels, {prof['kernel_us']:.1f} us inside kernels, GPU idle between "
+          f"kernels {prof['idle_us']:.1f} us, kernels overlapping {prof['overlap_us']:.1f} us (profiled replays)",
+          flush=True)  # fmt: skip
+    for kernel, (n, t) in prof["top"][:22]:
+        print(f"  {t:9.1f} us {n:6.0f}x  {kernel}")
+    print("  idle between:")
+    for pair, (n, t) in prof["top_gaps"][:10]:
+        print(f"  {t:9.1f} us {n:6.0f}x  {pair}")
 
 
 def main() -> int:
@@ -90,21 +152,63 @@ def main() -> int:
     calls["greedy walk"] = lambda: accept_greedy_device(tree[0], tree[1], tree[2], tree[3], choices, block - 1)
     with torch.no_grad():
         for name, fn in calls.items():
-            table = kernel_table(fn, device)
             replay = graph_time_us(fn, device, smoke)
-            count = sum(c for c, _ in table.values())
-            busy = sum(t for _, t in table.values())
-            results["forwards"][name] = {"graph_us": replay, "kernels": count, "kernel_us": busy,
-                                         "top": sorted(table.items(), key=lambda kv: -kv[1][1])[:30]}  # fmt: skip
-            print(f"\n{name}: graph replay {replay:.1f} us, {count} kernels, {busy:.1f} us inside kernels "
-                  f"({(replay - busy) / max(count, 1):.2f} us a kernel outside)", flush=True)  # fmt: skip
-            for kernel, (n, t) in results["forwards"][name]["top"][:22]:
-                print(f"  {t:9.1f} us {n:5d}x  {kernel}")
+            if smoke:  # CPU: eager operator times
+                table = kernel_table(fn, device)
+                prof = {"kernels": sum(c for c, _ in table.values()), "kernel_us": sum(t for _, t in table.values()),
+                        "idle_us": 0.0, "overlap_us": 0.0, "top_gaps": [],
+                        "top": sorted(table.items(), key=lambda kv: -kv[1][1])[:30]}  # fmt: skip
+            else:
+                prof = replay_profile(fn, device)
+            results["forwards"][name] = {"graph_us": replay, **prof}
+            print_replay_profile(name, replay, prof)
+        if "--steps" in sys.argv and not smoke:
+            results["steps"] = device_loop_steps(target, drafter, target_cfg, drafter_cfg, device, dtype)
     if "--draft-attention" in sys.argv:
         with torch.no_grad():
             results["draft_attention"] = draft_attention_forms(drafter, args, device, smoke)
     (out / "profile_forward.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def device_loop_steps(target, drafter, target_cfg, drafter_cfg, device, dtype) -> dict:
+    """The device loop's step graphs as the e2e benchmark runs them (prompt 64, capacity 1024): the autoregressive
+    decode step and the DDTree-32 step with the oracle drafter, each profiled over replays; and one request each,
+    its time after the prefill against its steps' graph time (what the request spends outside the steps)."""
+    import statistics
+
+    from benchmarks.gpu_runtime import make_engine, tokens_per_s
+    from engines.spec import SpecConfig
+    from runner.device_loop import generate_on_device
+
+    spec = SpecConfig(8, 32)
+    engine, _ = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, False)
+    worker = engine.workers[0]
+    shard = target_cfg.vocab_size // target_cfg.mapping.tp_size
+    prompt = torch.randint(0, shard - 2, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows, continuation = {}, None
+    for name, autoregressive in (("autoregressive step", True), ("ddtree 32 oracle step", False)):
+        oracle = None if autoregressive else torch.tensor(continuation, device=device)
+        worker.enable_device_loop(oracle, autoregressive)
+        generate_on_device(engine, spec, prompt, 32, 1024, autoregressive=autoregressive)  # capture
+        worker.loop.events = []
+        result = generate_on_device(engine, spec, prompt, 256, 1024, autoregressive=autoregressive)
+        continuation = result.tokens if autoregressive else continuation
+        torch.cuda.synchronize()
+        marks = worker.loop.events
+        steps = [m[0].elapsed_time(m[-1]) for m in marks]
+        after_prefill = result.elapsed - result.seconds.get("prefill", 0.0)
+        request = {"tokens_per_s": tokens_per_s(result), "steps": len(steps), "step_ms": statistics.median(steps),
+                   "after_prefill_ms": after_prefill * 1e3, "steps_sum_ms": sum(steps),
+                   "outside_steps_ms": after_prefill * 1e3 - sum(steps),
+                   "first_launch_ms": (result.seconds.get("device_load", 0.0)) * 1e3}  # fmt: skip
+        worker.loop.events = None
+        prof = graph_replay_profile(worker.loop.graphs[0].replay)
+        rows[name] = {"request": request, **prof}
+        print(f"\n{name}: request {request}", flush=True)
+        print_replay_profile(name, None, prof)
+    engine.close()
+    return rows
 
 
 def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:

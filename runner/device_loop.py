@@ -28,7 +28,7 @@ import torch
 from engines.spec import SpecConfig
 from runner.cuda_graphs import capture_graph, timing_event, warm_up
 from runner.device_tree import accept_greedy_device, build_tree_device, top_logprobs
-from runner.speculate import GenerationResult, PhaseTimer, _emit, speculative_step
+from runner.speculate import GenerationResult, PhaseTimer, _emit
 
 SLOTS = 2  # steps in flight at most: the one running and the one queued behind it
 
@@ -72,17 +72,23 @@ class DeviceLoop:
         self.events: list[tuple] | None = None
 
     def load(self, bonus: int, prompt_length: int) -> None:
-        """Takes over a sequence the host loop has prefilled (autoregressive) or stepped at least once (speculative:
-        its pending context then fits one block)."""
+        """Takes over a prefilled sequence (or one the host loop has stepped). A pending context longer than the
+        draft's fixed block of context rows (a prompt) goes into the draft cache first, K/V only
+        (`DFlashDrafter.context_kv`): the first step then drafts with no new context rows, the same keys as a host
+        step's longer draft profile, so every step runs on the device."""
         if self.in_flight:
             raise RuntimeError(f"{len(self.in_flight)} device steps are still in flight: collect them first")
         if not self.autoregressive:
-            taps, _ = self.cache.take_context()
+            taps, start = self.cache.take_context()
             count = taps.shape[0]
-            if count > self.spec.block_size:
-                raise ValueError(f"the device loop needs <= {self.spec.block_size} context rows, got {count}")
             self.context.zero_()
-            self.context[:count] = taps
+            if count > self.spec.block_size:
+                with torch.no_grad():
+                    positions = torch.arange(start, start + count, device=self.device)
+                    self.cache.commit_draft(self.drafter.context_kv(taps, positions), count)
+                count = 0
+            else:
+                self.context[:count] = taps
             self.context_count.fill_(count)
         self.num_cached.fill_(self.cache.num_cached)
         self.num_drafted.fill_(self.cache.num_drafted)
@@ -218,9 +224,8 @@ def _run(phases) -> None:
 def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_tokens: int, capacity: int,
                        end_ids: set[int] = frozenset(), on_tokens=None,
                        autoregressive: bool = False) -> GenerationResult:  # fmt: skip
-    """Greedy generation with device steps, one queued behind the one collected. Speculative: prefill and the first
-    step run on the host loop (the prompt's context may exceed a block). Every rank's worker must have called
-    `enable_device_loop` (with the same `autoregressive`)."""
+    """Greedy generation with device steps, one queued behind the one collected; the prefill runs on the host loop.
+    Every rank's worker must have called `enable_device_loop` (with the same `autoregressive`)."""
     from runner.sampling import Sampler, SamplingParams
 
     timer, start = PhaseTimer(), time.perf_counter()
@@ -231,13 +236,9 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
         first = greedy.choose(engine.prefill(list(prompt)))
     result.target_forwards = 1
     _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, on_tokens=on_tokens)
-    if not finished and not autoregressive:
-        step = speculative_step(engine, spec, greedy, result.tokens[-1], timer)
-        result.target_forwards += 1
-        result.accept_lengths.append(step.accept_length)
-        _, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids, on_tokens=on_tokens)
     if not finished:
-        engine.device_load(result.tokens[-1], len(prompt))
+        with timer("device_load"):
+            engine.device_load(result.tokens[-1], len(prompt))
     most = 1 if autoregressive else spec.draft_depth + 1  # tokens (and committed rows) a step adds at most
     spare = 1 if autoregressive else 2 * spec.block_size  # rows a step writes past the committed ones
     in_flight = 0

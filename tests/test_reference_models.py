@@ -107,6 +107,25 @@ def test_tp_ranks_match_tp1(demo_ckpt, tp_size):
     assert rel(context_kv, draft_reference[1]) < 1e-5
 
 
+def test_context_kv_is_the_context_rows_of_a_draft(demo_ckpt):
+    """`context_kv` (the device loop commits a prompt's context with it) gives the K/V rows a draft returns for the
+    same context, and drafting after committing them gives the draft of the longer context."""
+    config, _, drafter = _target(demo_ckpt(1))
+    d = config.drafter
+    context, positions, _, block, block_positions, cache, cache_length = _draft_inputs(config, seed=2)(
+        d.num_key_value_heads
+    )
+    with torch.no_grad():
+        logits, new_kv = drafter(context, positions, torch.tensor([8]), block, block_positions, cache, cache_length)
+        kv = drafter.context_kv(context, positions)
+        assert kv.shape == new_kv.shape and rel(kv, new_kv) < 1e-6
+        committed = cache.clone()
+        committed[:, :, 10:18] = kv
+        after, _ = drafter(torch.zeros_like(context), positions, torch.tensor([0]), block, block_positions,
+                           committed, torch.tensor([18]))  # fmt: skip
+    assert rel(after, logits) < 1e-5
+
+
 def _draft_inputs(config, seed):
     """Draft inputs with a non-empty draft cache, 3 valid context rows of 8, and a block of 8."""
     gen = torch.Generator().manual_seed(seed)
