@@ -444,6 +444,7 @@ def loop_row(model, mode, drafter_kind, spec, target, drafter, target_cfg, draft
         row.update(tokens_per_s=statistics.median(rates), mean_accept_length=result.mean_accept_length,
                    gpu_idle_us_per_step=statistics.median(idle) if idle else None,
                    step_graph_ms=statistics.median(step_ms) if step_ms else None,
+                   prefill_ms=result.seconds.get("prefill", 0.0) * 1e3,  # the drafter's prefill too (speculative)
                    tokens_equal_to_autoregressive=first_difference(result.tokens, continuation),
                    tokens=len(result.tokens))  # fmt: skip
     engine.close()

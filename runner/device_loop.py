@@ -11,7 +11,8 @@ the same machinery with one phase (decode a token, commit it): the baseline the 
 `launch` replays the step graph and queues an asynchronous copy of the emitted tokens into a pinned host slot;
 `collect` waits for the oldest launched step and returns its tokens. `generate_on_device` keeps one step in flight
 behind the one it collects (as SGLang's overlap scheduler does), so graph replays run back to back; a step launched
-past the end of a request is discarded. Greedy only: sampling uses the host loop.
+past the end of a request is discarded. Greedy only: sampling uses the host loop. The prompt's context enters the
+draft cache with the prefill (`prefill_context`, the drafter's prefill), so the first step is a device step too.
 
 Rows past the accepted path are written too (into cache rows past the new length, which no step reads before they
 are overwritten): fixed shapes, no data-dependent slicing. The caller keeps `2 * block_size` rows of cache spare.
@@ -71,25 +72,27 @@ class DeviceLoop:
         # benchmarks: set to [] to record, per step, an event before the first graph and after each graph
         self.events: list[tuple] | None = None
 
+    def prefill_context(self) -> None:
+        """The drafter's prefill: the pending context (the prompt's, after the target's prefill) goes into the draft
+        cache as K/V (`DFlashDrafter.context_kv`), queued behind the prefill before the host waits for its logits.
+        The first step then drafts with no new context rows (the same keys as a host step's longer draft profile),
+        so every step runs on the device."""
+        if self.autoregressive or self.cache.pending_taps is None:
+            return
+        taps, start = self.cache.take_context()
+        with torch.no_grad():
+            positions = torch.arange(start, start + taps.shape[0], device=self.device)
+            self.cache.commit_draft(self.drafter.context_kv(taps, positions), taps.shape[0])
+
     def load(self, bonus: int, prompt_length: int) -> None:
-        """Takes over a prefilled sequence (or one the host loop has stepped). A pending context longer than the
-        draft's fixed block of context rows (a prompt) goes into the draft cache first, K/V only
-        (`DFlashDrafter.context_kv`): the first step then drafts with no new context rows, the same keys as a host
-        step's longer draft profile, so every step runs on the device."""
+        """Takes over a prefilled sequence (or one the host loop has stepped); context still pending goes through
+        `prefill_context`, so the first step has no new context rows."""
         if self.in_flight:
             raise RuntimeError(f"{len(self.in_flight)} device steps are still in flight: collect them first")
         if not self.autoregressive:
-            taps, start = self.cache.take_context()
-            count = taps.shape[0]
+            self.prefill_context()
             self.context.zero_()
-            if count > self.spec.block_size:
-                with torch.no_grad():
-                    positions = torch.arange(start, start + count, device=self.device)
-                    self.cache.commit_draft(self.drafter.context_kv(taps, positions), count)
-                count = 0
-            else:
-                self.context[:count] = taps
-            self.context_count.fill_(count)
+            self.context_count.fill_(0)
         self.num_cached.fill_(self.cache.num_cached)
         self.num_drafted.fill_(self.cache.num_drafted)
         self.bonus.fill_(bonus)
@@ -232,8 +235,11 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
     result = GenerationResult(prompt=list(prompt), tokens=[])
     greedy = Sampler(SamplingParams())
     engine.reset()
-    with timer("prefill"):
-        first = greedy.choose(engine.prefill(list(prompt)))
+    with timer("prefill"):  # the target's prefill, then the drafter's (queued behind it: no wait in between)
+        logits = engine.prefill(list(prompt))
+        if not autoregressive:
+            engine.device_prefill_context()
+        first = greedy.choose(logits)
     result.target_forwards = 1
     _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, on_tokens=on_tokens)
     if not finished:

@@ -34,6 +34,9 @@ class Ranks:
     def commit(self, rows: list[int]) -> None:
         self.call("commit", rows)
 
+    def device_prefill_context(self) -> None:
+        self.call("device_prefill_context")
+
     def device_load(self, bonus: int, prompt_length: int) -> None:
         self.call("device_load", bonus, prompt_length)
 

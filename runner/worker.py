@@ -113,6 +113,9 @@ class RankWorker:
             self.loop.close()
             self.loop = None
 
+    def device_prefill_context(self) -> None:
+        self.loop.prefill_context()
+
     def device_load(self, bonus: int, prompt_length: int) -> None:
         self.loop.load(bonus, prompt_length)
 
