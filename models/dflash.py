@@ -14,10 +14,12 @@ The drafter borrows the target's vocab-parallel embedding and lm_head.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from models import layers
 from models.config import DrafterConfig, TargetConfig
-from models.layers import GatedMLP, RMSNorm, VocabParallelEmbedding, VocabParallelHead, linear
+from models.layers import GatedMLP, RMSNorm, VocabParallelEmbedding, VocabParallelHead, fuse_linears, linear
 from models.rope import Rotary, apply_rotary
 
 
@@ -32,19 +34,36 @@ class DraftAttention(nn.Module):
         self.o_proj = linear(self.heads * self.head_dim, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.register_buffer("qkv", None, persistent=False)  # `fuse()`: q, k, v as one weight
+
+    def fuse(self) -> None:
+        """Once after loading: q, k and v as one GEMM on GPUs (SGLang's qkv_proj)."""
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def keys_values(self, x, cos, sin):
-        rows = x.shape[0]
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(rows, self.kv_heads, self.head_dim)), cos, sin)
-        return k, self.v_proj(x).view(rows, self.kv_heads, self.head_dim)
+        """x [R, hidden] -> k (k_norm, rope), v [R, kv_heads, head_dim]."""
+        rows, width = x.shape[0], self.kv_heads * self.head_dim
+        if self.qkv is not None and layers.gpu_form(x):
+            k, v = F.linear(x, self.qkv[-2 * width :]).split(width, dim=-1)
+        else:
+            k, v = self.k_proj(x), self.v_proj(x)
+        k = apply_rotary(self.k_norm(k.view(rows, self.kv_heads, self.head_dim)), cos, sin)
+        return k, v.view(rows, self.kv_heads, self.head_dim)
 
     def forward(self, h, ctx, block_rope, rows_rope, cache, key_bias):
         """h [B, hidden] block rows, ctx [C, hidden] context features, block_rope / rows_rope the (cos, sin) of the
         block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], key_bias [S + C + B]
         (0 where a key exists: valid cache rows, valid context rows, the block; -inf elsewhere)."""
-        blocks, context = h.shape[0], ctx.shape[0]
-        q = apply_rotary(self.q_norm(self.q_proj(h).view(blocks, self.heads, self.head_dim)), *block_rope)
-        k_new, v_new = self.keys_values(torch.cat((ctx, h)), *rows_rope)  # [C + B, kv_heads, head_dim]: one GEMM each
+        blocks, context, dim = h.shape[0], ctx.shape[0], self.head_dim
+        rows = torch.cat((ctx, h))
+        if self.qkv is not None and layers.gpu_form(h):  # one GEMM over the C + B rows (the context rows' q dropped)
+            q, k, v = F.linear(rows, self.qkv).split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], -1)
+            q = q[context:]
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(rows), self.v_proj(rows)
+        q = apply_rotary(self.q_norm(q.view(blocks, self.heads, dim)), *block_rope)
+        k_new = apply_rotary(self.k_norm(k.view(context + blocks, self.kv_heads, dim)), *rows_rope)
+        v_new = v.view(context + blocks, self.kv_heads, dim)  # [C + B, kv_heads, head_dim]
         keys = torch.cat((cache[0], k_new), dim=0)  # [S + C + B, kv_heads, head_dim]
         values = torch.cat((cache[1], v_new), dim=0)
         out = self.o_proj(self.attend(q, keys, values, key_bias, fused=h.is_cuda))
@@ -108,6 +127,12 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(config, collectives) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.rotary = Rotary(config.rope, config.head_dim)
+
+    def prepare_weights(self) -> None:
+        """Once after loading: q/k/v and gate/up as single GEMMs on GPUs (`fuse`; the same weights, views of one)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def context_kv(self, context_hidden, context_positions):
         """K/V of context rows alone, every layer [layers, 2, C, kv_heads, head_dim]: the rows `forward` returns as

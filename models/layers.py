@@ -28,6 +28,25 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
+def gpu_form(x: torch.Tensor) -> bool:
+    """Whether x takes the GPU forms of the fused projections (one GEMM for several weights); the CPU and the ONNX
+    export keep one linear per weight. Tests patch it to run the GPU forms on the CPU."""
+    return x.is_cuda
+
+
+@torch.no_grad()
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Stacks the weights of linears that read the same input into one [sum of outputs, in] tensor and points each
+    linear's weight at its rows of it (no second copy): `F.linear(x, fused)` is then all of them in one GEMM."""
+    fused = torch.cat([module.weight for module in linears])
+    start = 0
+    for module in linears:
+        rows = module.weight.shape[0]
+        module.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
 class GatedMLP(nn.Module):
     """SwiGLU MLP, one rank's column/row slice: the caller all-reduces the output."""
 
@@ -36,8 +55,16 @@ class GatedMLP(nn.Module):
         self.gate_proj = linear(hidden, width)
         self.up_proj = linear(hidden, width)
         self.down_proj = linear(width, hidden)
+        self.register_buffer("gate_up", None, persistent=False)  # `fuse()`: gate and up as one weight
+
+    def fuse(self) -> None:
+        """Once after loading: gate and up projections as one GEMM on GPUs (SGLang's / vLLM's gate_up_proj)."""
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and gpu_form(x):
+            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -33,4 +33,5 @@ def load_rank_models(
                 sub.rebuild("cpu")
         module.to(device).eval().requires_grad_(False)
     target.prepare_weights()
+    drafter.prepare_weights()
     return config, target, drafter

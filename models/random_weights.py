@@ -57,4 +57,5 @@ def random_rank_models(target_cfg, drafter_cfg, ops, device, dtype: torch.dtype,
             if isinstance(sub, Rotary):
                 sub.rebuild(device)
         module.eval().requires_grad_(False)
+    drafter.prepare_weights()
     return target, drafter

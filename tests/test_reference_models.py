@@ -107,9 +107,15 @@ def test_tp_ranks_match_tp1(demo_ckpt, tp_size):
     assert rel(context_kv, draft_reference[1]) < 1e-5
 
 
-def test_context_kv_is_the_context_rows_of_a_draft(demo_ckpt):
+@pytest.mark.parametrize("fused", [False, True])
+def test_context_kv_is_the_context_rows_of_a_draft(demo_ckpt, fused, monkeypatch):
     """`context_kv` (the device loop commits a prompt's context with it) gives the K/V rows a draft returns for the
-    same context, and drafting after committing them gives the draft of the longer context."""
+    same context, and drafting after committing them gives the draft of the longer context (fused: the GPU forms of
+    the projections, on the CPU)."""
+    if fused:
+        from models import layers
+
+        monkeypatch.setattr(layers, "gpu_form", lambda x: True)
     config, _, drafter = _target(demo_ckpt(1))
     d = config.drafter
     context, positions, _, block, block_positions, cache, cache_length = _draft_inputs(config, seed=2)(
@@ -152,13 +158,15 @@ def _draft_inputs(config, seed):
 @pytest.mark.parametrize("fused", [False, True])
 def test_drafter_matches_zlab_structured_reference(demo_hf, demo_ckpt, fused, monkeypatch):
     """An independent implementation from transformers' Qwen3 blocks, following z-lab dflash/model.py. fused: the
-    GPU form of the draft attention (heads folded into the query length, baddbmm / softmax / bmm), here on the
-    CPU."""
+    GPU forms, here on the CPU: q/k/v and gate/up each one GEMM over a stacked weight, the draft attention with the
+    heads folded into the query length (baddbmm / softmax / bmm)."""
     if fused:
+        from models import layers
         from models.dflash import DraftAttention
 
         attend = DraftAttention.attend
         monkeypatch.setattr(DraftAttention, "attend", lambda self, *args, fused: attend(self, *args, fused=True))
+        monkeypatch.setattr(layers, "gpu_form", lambda x: True)
     from safetensors.torch import load_file
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Config, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
