@@ -54,7 +54,22 @@ def replay_profile(fn, device, repeats: int = 4) -> dict:
     from runner.cuda_graphs import capture_graph
 
     graph, _ = capture_graph(fn, device, warmups=2)
-    return graph_replay_profile(graph.replay, repeats)
+    return {**graph_replay_profile(graph.replay, repeats), "back_to_back_us": back_to_back_us(graph.replay)}
+
+
+def back_to_back_us(replay, count: int = 30) -> float:
+    """Mean time of one of `count` replays queued back to back (as the device loop runs its steps), against
+    do_bench's one replay at a time after an L2 flush."""
+    replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / count
 
 
 def graph_replay_profile(replay, repeats: int = 4) -> dict:
@@ -98,6 +113,8 @@ def graph_replay_profile(replay, repeats: int = 4) -> dict:
 
 def print_replay_profile(name: str, graph_us: float | None, prof: dict) -> None:
     head = f"{graph_us:.1f} us a replay (do_bench), " if graph_us is not None else ""
+    if "back_to_back_us" in prof:
+        head += f"{prof['back_to_back_us']:.1f} us a replay back to back, "
     print(f"\n{name}: {head}{prof['kernels']:.0f} kernels, {prof['kernel_us']:.1f} us inside kernels, GPU idle between "
           f"kernels {prof['idle_us']:.1f} us, kernels overlapping {prof['overlap_us']:.1f} us (profiled replays)",
           flush=True)  # fmt: skip
@@ -204,6 +221,7 @@ def device_loop_steps(target, drafter, target_cfg, drafter_cfg, device, dtype) -
                    "first_launch_ms": (result.seconds.get("device_load", 0.0)) * 1e3}  # fmt: skip
         worker.loop.events = None
         prof = graph_replay_profile(worker.loop.graphs[0].replay)
+        prof["back_to_back_us"] = back_to_back_us(worker.loop.graphs[0].replay, 20)  # 8 rows a step at most: fits
         rows[name] = {"request": request, **prof}
         print(f"\n{name}: request {request}", flush=True)
         print_replay_profile(name, None, prof)
