@@ -5,6 +5,7 @@ with the GPU's idle time between consecutive kernels (by the pair of kernels it 
     PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model=kimi-rank|moe|dense] [--smoke]
         [--draft-attention]   (also: the drafter with each form of its attention)
         [--steps]             (also: the device loop's step graphs and one request each, GPU only)
+        [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
 
 Writes OUT_DIR/profile_forward.json and prints the top kernels.
 """
@@ -181,6 +182,15 @@ def main() -> int:
             print_replay_profile(name, replay, prof)
         if "--steps" in sys.argv and not smoke:
             results["steps"] = device_loop_steps(target, drafter, target_cfg, drafter_cfg, device, dtype)
+    if "--draft-capacities" in sys.argv:
+        results["draft_capacities"] = {}
+        with torch.no_grad():
+            for cap in (1024, 8192, 32768, 131072):
+                cache_cap = torch.zeros(*draft_cache.shape[:2], cap, *draft_cache.shape[3:], device=device, dtype=dtype)
+                call = (*args[:5], cache_cap, args[6])
+                results["draft_capacities"][cap] = graph_time_us(lambda c=call: drafter(*c), device, smoke)
+                print(f"drafter, draft cache capacity {cap:6d} (length {length - block}): "
+                      f"{results['draft_capacities'][cap]:.1f} us", flush=True)  # fmt: skip
     if "--draft-attention" in sys.argv:
         with torch.no_grad():
             results["draft_attention"] = draft_attention_forms(drafter, args, device, smoke)
