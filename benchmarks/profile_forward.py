@@ -240,37 +240,53 @@ def device_loop_steps(target, drafter, target_cfg, drafter_cfg, device, dtype) -
 
 
 def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
-    """The drafter forward (CUDA graph replay) with each form of its attention: the einsum chain (the CPU form),
-    the baddbmm / softmax / bmm chain (the GPU form), scaled_dot_product_attention with PyTorch's backend choice and
-    with each backend forced; the logits' distance from the einsum chain's."""
+    """The drafter forward (CUDA graph replay) with each form of its attention: the Triton kernel (the GPU form:
+    only the valid cached rows read), and over the concatenated [cache | new rows] under a key bias the einsum chain
+    (the CPU form), a baddbmm / softmax / bmm chain (the previous GPU form) and scaled_dot_product_attention with
+    PyTorch's backend choice and with each backend forced; the logits' distance from the einsum chain's."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from models.dflash import DraftAttention
+    from models.dflash import DFlashDrafter, DraftAttention
 
-    attend = DraftAttention.attend
+    kernel_form = DraftAttention.attend_rows
 
-    def sdpa(backend):
-        def form(self, q, keys, values, key_bias, fused):
-            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    self.fold_heads(q)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                    attn_mask=key_bias.view(1, 1, 1, -1), scale=self.scale)  # fmt: skip
-            return self.unfold_heads(out[0], q.shape[0])
+    def concatenated(attention):
+        def form(self, q, cache, k_new, v_new, key_bias, lengths):
+            keys, values = torch.cat((cache[0], k_new)), torch.cat((cache[1], v_new))
+            bias = DFlashDrafter.key_bias(cache.shape[1], k_new.shape[0] - q.shape[0], q.shape[0], *lengths, q.dtype)
+            return attention(self, q, keys, values, bias)
 
         return form
 
+    def baddbmm(self, q, keys, values, bias):
+        folded = self.fold_heads(q)
+        bias = bias.expand(self.kv_heads, folded.shape[1], -1)
+        scores = torch.baddbmm(bias, folded, keys.permute(1, 2, 0), alpha=self.scale)
+        return self.unfold_heads(torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1)), q.shape[0])
+
+    def sdpa(backend):
+        def attention(self, q, keys, values, bias):
+            with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    self.fold_heads(q)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                    attn_mask=bias.view(1, 1, 1, -1), scale=self.scale)  # fmt: skip
+            return self.unfold_heads(out[0], q.shape[0])
+
+        return attention
+
     forms = {
-        "einsum chain": lambda self, *a, fused: attend(self, *a, fused=False),
-        "baddbmm + softmax + bmm (the GPU form)": lambda self, *a, fused: attend(self, *a, fused=True),
-        "sdpa (PyTorch's choice)": sdpa(None),
-        "sdpa efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
-        "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-        "sdpa math": sdpa(SDPBackend.MATH),
+        "einsum chain": concatenated(DraftAttention.attend),
+        "Triton kernel (the GPU form)": kernel_form,
+        "baddbmm + softmax + bmm (the previous GPU form)": concatenated(baddbmm),
+        "sdpa (PyTorch's choice)": concatenated(sdpa(None)),
+        "sdpa efficient": concatenated(sdpa(SDPBackend.EFFICIENT_ATTENTION)),
+        "sdpa cudnn": concatenated(sdpa(SDPBackend.CUDNN_ATTENTION)),
+        "sdpa math": concatenated(sdpa(SDPBackend.MATH)),
     }
     rows, reference = {}, None
     try:
         for name, form in forms.items():
-            DraftAttention.attend = form
+            DraftAttention.attend_rows = form
             try:
                 logits = drafter(*args)[0].float()
                 reference = logits if reference is None else reference
@@ -280,7 +296,7 @@ def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
                 rows[name] = {"error": str(err)[:200]}
             print(f"drafter with {name}: {rows[name]}", flush=True)
     finally:
-        DraftAttention.attend = attend
+        DraftAttention.attend_rows = kernel_form
     return rows
 
 

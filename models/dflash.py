@@ -50,10 +50,11 @@ class DraftAttention(nn.Module):
         k = apply_rotary(self.k_norm(k.view(rows, self.kv_heads, self.head_dim)), cos, sin)
         return k, v.view(rows, self.kv_heads, self.head_dim)
 
-    def forward(self, h, ctx, block_rope, rows_rope, cache, key_bias):
+    def forward(self, h, ctx, block_rope, rows_rope, cache, key_bias, lengths):
         """h [B, hidden] block rows, ctx [C, hidden] context features, block_rope / rows_rope the (cos, sin) of the
-        block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], key_bias [S + C + B]
-        (0 where a key exists: valid cache rows, valid context rows, the block; -inf elsewhere)."""
+        block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], lengths (valid cached
+        rows [1], valid context rows [1]) and, off GPUs, key_bias [S + C + B] (0 where a key exists: valid cache rows,
+        valid context rows, the block; -inf elsewhere)."""
         blocks, context, dim = h.shape[0], ctx.shape[0], self.head_dim
         rows = torch.cat((ctx, h))
         if self.qkv is not None and layers.gpu_form(h):  # one GEMM over the C + B rows (the context rows' q dropped)
@@ -64,24 +65,29 @@ class DraftAttention(nn.Module):
         q = apply_rotary(self.q_norm(q.view(blocks, self.heads, dim)), *block_rope)
         k_new = apply_rotary(self.k_norm(k.view(context + blocks, self.kv_heads, dim)), *rows_rope)
         v_new = v.view(context + blocks, self.kv_heads, dim)  # [C + B, kv_heads, head_dim]
-        keys = torch.cat((cache[0], k_new), dim=0)  # [S + C + B, kv_heads, head_dim]
-        values = torch.cat((cache[1], v_new), dim=0)
-        out = self.o_proj(self.attend(q, keys, values, key_bias, fused=h.is_cuda))
+        out = self.o_proj(self.attend_rows(q, cache, k_new, v_new, key_bias, lengths))
         return out, torch.stack((k_new[:context], v_new[:context]))
 
-    def attend(self, q, keys, values, key_bias, fused: bool):
-        """q [B, heads, head_dim] over keys / values [S', kv_heads, head_dim], key_bias [S'] -> [B, heads * head_dim].
-        fused (GPU): the bias depends on the key only, so the heads sharing a K/V head fold into the query length and
-        a layer is one baddbmm (scaled scores plus the bias), a softmax and a bmm (measured fastest of the forms in
-        `benchmarks/profile_forward.py --draft-attention`, scaled_dot_product_attention's backends included); else
-        the einsum chain (CPU, ONNX export)."""
+    def attend_rows(self, q, cache, k_new, v_new, key_bias, lengths):
+        """q [B, heads, head_dim] over [cached rows | new rows] -> [B, heads * head_dim]. GPUs: the Triton kernel,
+        which reads only the valid cached rows (`models/draft_attention_kernel.py`; measured against the torch forms
+        in `benchmarks/profile_forward.py --draft-attention`); elsewhere (CPU, ONNX export) the concatenation under
+        key_bias (`attend`)."""
+        if q.is_cuda:
+            from models.draft_attention_kernel import draft_attention_cuda
+
+            context = k_new.shape[0] - q.shape[0]
+            out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new, context, lengths[1],
+                                       self.scale)  # fmt: skip
+            return self.unfold_heads(out, q.shape[0])
+        keys = torch.cat((cache[0], k_new), dim=0)  # [S + C + B, kv_heads, head_dim]
+        values = torch.cat((cache[1], v_new), dim=0)
+        return self.attend(q, keys, values, key_bias)
+
+    def attend(self, q, keys, values, key_bias):
+        """q [B, heads, head_dim] over keys / values [S', kv_heads, head_dim], key_bias [S'] -> [B, heads * head_dim]
+        (the einsum chain)."""
         blocks, groups, kv, dim = q.shape[0], self.heads // self.kv_heads, self.kv_heads, self.head_dim
-        if fused:
-            folded = self.fold_heads(q)
-            bias = key_bias.expand(kv, groups * blocks, -1)
-            scores = torch.baddbmm(bias, folded, keys.permute(1, 2, 0), alpha=self.scale)
-            out = torch.bmm(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # fp32 inside the softmax
-            return self.unfold_heads(out, blocks)
         q = q.view(blocks, kv, groups, dim)
         scores = torch.einsum("bkgd,skd->kgbs", q, keys) * self.scale + key_bias
         probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
@@ -109,8 +115,8 @@ class DraftLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // config.mapping.tp_size)
         self.collectives = collectives
 
-    def forward(self, x, ctx, block_rope, rows_rope, cache, key_bias):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), ctx, block_rope, rows_rope, cache, key_bias)
+    def forward(self, x, ctx, block_rope, rows_rope, cache, key_bias, lengths):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), ctx, block_rope, rows_rope, cache, key_bias, lengths)
         x = x + self.collectives.all_reduce(attn)
         x = x + self.collectives.all_reduce(self.mlp(self.post_attention_layernorm(x)))
         return x, new_kv
@@ -134,6 +140,20 @@ class DFlashDrafter(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    @staticmethod
+    def key_bias(capacity, context, blocks, cache_length, context_length, dtype):
+        """[capacity + context + blocks]: 0 for the keys every layer attends to (valid cached rows, valid context
+        rows, the block), -inf elsewhere; built once a forward (the torch form of the attention)."""
+        device = cache_length.device
+        visible = torch.cat(
+            (
+                torch.arange(capacity, device=device) < cache_length[0],
+                torch.arange(context, device=device) < context_length[0],
+                torch.ones(blocks, dtype=torch.bool, device=device),
+            )
+        )
+        return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+
     def context_kv(self, context_hidden, context_positions):
         """K/V of context rows alone, every layer [layers, 2, C, kv_heads, head_dim]: the rows `forward` returns as
         `new_context_kv` (a layer's context K/V depend on the context features only, not on the block), for a
@@ -155,19 +175,13 @@ class DFlashDrafter(nn.Module):
     ):
         ctx = self.hidden_norm(self.fc(context_hidden))
         x = self.embed_tokens(block_ids)
-        device, blocks = x.device, x.shape[0]
+        blocks = x.shape[0]
         rows_rope = self.rotary(torch.cat((context_positions, block_positions)), x.dtype)  # context, then block rows
         block_rope = tuple(table[-blocks:] for table in rows_rope)
-        visible = torch.cat(  # the keys every layer attends to: [cached context | new context | block]
-            (
-                torch.arange(draft_cache.shape[2], device=device) < draft_cache_length.reshape(-1)[0],
-                torch.arange(ctx.shape[0], device=device) < context_length.reshape(-1)[0],
-                torch.ones(blocks, dtype=torch.bool, device=device),
-            )
-        )
-        key_bias = torch.zeros(visible.shape, dtype=x.dtype, device=device).masked_fill(~visible, float("-inf"))
+        lengths = (draft_cache_length.reshape(1), context_length.reshape(1))
+        key_bias = None if x.is_cuda else self.key_bias(draft_cache.shape[2], ctx.shape[0], blocks, *lengths, x.dtype)
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, ctx, block_rope, rows_rope, draft_cache[i], key_bias)
+            x, kv = layer(x, ctx, block_rope, rows_rope, draft_cache[i], key_bias, lengths)
             new_kv.append(kv)
         return self.lm_head(self.norm(x)[1:]), torch.stack(new_kv)

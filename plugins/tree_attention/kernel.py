@@ -39,27 +39,40 @@ def _attend_block(
     D_ROPE: tl.constexpr,
     qk_scale,
     PRECISION: tl.constexpr,
+    v_ptr,
+    v_stride,
+    SEPARATE_V: tl.constexpr,
 ):
+    """One key block into the online softmax. Keys are rows [lat | rope] at k_ptr; values are the keys' first D_LAT
+    columns (MLA's latent rows), or with SEPARATE_V rows of D_LAT at v_ptr (the drafter's GQA cache)."""
     k_lat = tl.load(
         k_ptr + rows_k[:, None] * k_stride + offs_dl[None, :],
         mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT),
         other=0.0,
     )
-    k_rope = tl.load(
-        k_ptr + rows_k[:, None] * k_stride + D_LAT + offs_dr[None, :],
-        mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE),
-        other=0.0,
-    )
-    scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION) + tl.dot(
-        q_rope, tl.trans(k_rope), input_precision=PRECISION
-    )  # [BLOCK_M, BLOCK_N] fp32
+    scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if D_ROPE > 0:
+        k_rope = tl.load(
+            k_ptr + rows_k[:, None] * k_stride + D_LAT + offs_dr[None, :],
+            mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE),
+            other=0.0,
+        )
+        scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
+    if SEPARATE_V:
+        values = tl.load(
+            v_ptr + rows_k[:, None] * v_stride + offs_dl[None, :],
+            mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT),
+            other=0.0,
+        )
+    else:
+        values = k_lat
+    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -138,6 +151,9 @@ def _tree_attention_split(
             D_ROPE,
             qk_scale,
             PRECISION,
+            cache_ptr,
+            cache_stride,
+            False,
         )
     if is_tree:  # the tree's own rows, under the tree mask
         for block in range(0, T, BLOCK_N):
@@ -163,6 +179,9 @@ def _tree_attention_split(
                 D_ROPE,
                 qk_scale,
                 PRECISION,
+                new_ptr,
+                new_stride,
+                False,
             )
     base = split * T * H + rows
     written = row_ok & active

@@ -1,0 +1,211 @@
+"""GPU attention of the DFlash drafter (Triton): the block's queries over [cached context | new context | block]
+without building that concatenation, and reading only the cache rows that exist.
+
+The torch form (`DraftAttention.attend`) concatenates the whole draft cache with the new rows and masks the rows past
+the length, so a step costs the cache's *capacity* (max_seq_len), not the sequence: measured 0.93 ms a drafter
+forward at capacity 1024 and 2.07 ms at 131072 for the same 248 cached rows (BENCHMARKS.md, section 3). Here the
+TreeAttention kernel's machinery (`plugins/tree_attention/kernel.py`) runs it: per KV head, its query heads' rows
+(the heads sharing a K/V head, times the block's rows) take slices of the cached rows cut from the *device* length
+(no host sync; safe under CUDA-graph capture), one more program takes the new rows (valid context rows and the
+block, visible to every query), and the combine kernel merges the slices that ran. K and V are separate rows here
+(`SEPARATE_V`), where MLA's values are the keys' first columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plugins.tree_attention.kernel import (
+    LOG2E,
+    _attend_block,
+    _combine_splits,
+    _sm_count,
+    _split_chunk,
+    default_min_blocks,
+    num_splits_for,
+)
+
+
+@triton.jit
+def _draft_attention_split(
+    q_ptr,
+    k_cache,
+    v_cache,
+    length_ptr,
+    k_new,
+    v_new,
+    count_ptr,
+    part_out,
+    part_m,
+    part_l,
+    rows_total,
+    qk_scale,
+    cache_stride,
+    new_k_stride,
+    new_v_stride,
+    num_splits,
+    ROWS: tl.constexpr,
+    CONTEXT: tl.constexpr,
+    NEW: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # program (row tile, split, KV head): splits 0 .. num_splits - 1 take slices of the cached rows, split num_splits
+    # the NEW new rows (CONTEXT context rows, of which the first `count` are valid, then the block)
+    tile, split, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
+    count = tl.sum(tl.load(count_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
+    chunk = _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS)
+    is_new = split == num_splits
+    start = split * chunk
+    active = is_new | (start < length)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # this KV head's query rows (`fold_heads` order)
+    row_ok = rows < ROWS
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(
+        q_ptr + (head * ROWS + rows)[:, None] * D + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < D) & active,
+        other=0.0,
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    stop = tl.where(is_new, start, tl.minimum(start + chunk, length))
+    for block in range(start, stop, BLOCK_N):  # cached rows [start, stop), visible to every query
+        keys = block + offs_n
+        key_ok = keys < stop
+        acc, m_i, l_i = _attend_block(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q,
+            k_cache + head * D,
+            cache_stride,
+            keys,
+            key_ok,
+            row_ok[:, None] & key_ok[None, :],
+            offs_d,
+            offs_d,
+            D,
+            0,
+            qk_scale,
+            PRECISION,
+            v_cache + head * D,
+            cache_stride,
+            True,
+        )
+    if is_new:  # the new rows: valid context rows and the whole block
+        for block in range(0, NEW, BLOCK_N):
+            keys = block + offs_n
+            key_ok = (keys < NEW) & ((keys >= CONTEXT) | (keys < count))
+            acc, m_i, l_i = _attend_block(
+                acc,
+                m_i,
+                l_i,
+                q,
+                q,
+                k_new + head * D,
+                new_k_stride,
+                keys,
+                key_ok,
+                row_ok[:, None] & key_ok[None, :],
+                offs_d,
+                offs_d,
+                D,
+                0,
+                qk_scale,
+                PRECISION,
+                v_new + head * D,
+                new_v_stride,
+                True,
+            )
+    base = split * rows_total + head * ROWS + rows
+    written = row_ok & active
+    tl.store(part_m + base, m_i, mask=written)
+    tl.store(part_l + base, l_i, mask=written)
+    tl.store(part_out + base[:, None] * D + offs_d[None, :], acc, mask=written[:, None] & (offs_d[None, :] < D))
+
+
+def draft_attention_cuda(q, cache, cache_length, k_new, v_new, context_rows: int, context_length, scale: float,
+                         **config):  # fmt: skip
+    """q [KV, G * B, D] (`DraftAttention.fold_heads`: the G query heads of each KV head times the B block rows), cache
+    [2, S, KV, D] (rows < cache_length [1] valid; the length on the device), k_new / v_new [C + B, KV, D] (the
+    `context_rows` C context rows, the first context_length [1] of them valid, then the block; rows may be strided)
+    -> [KV, G * B, D] in q's dtype: softmax(q k^T * scale) v over the valid cached rows, the valid context rows and
+    the block. `config`: block_m, block_n, min_blocks, num_warps, num_stages (tests)."""
+    kv, rows, dim = q.shape
+    capacity, new = cache.shape[1], k_new.shape[0]
+    if cache.shape[2:] != (kv, dim) or k_new.shape[1:] != (kv, dim) or v_new.shape != k_new.shape:
+        shapes = f"q {tuple(q.shape)}, cache {tuple(cache.shape)}, k_new {tuple(k_new.shape)}, v {tuple(v_new.shape)}"
+        raise ValueError(f"draft attention: {shapes} disagree on KV heads / head dim")
+    if not 0 <= context_rows <= new:
+        raise ValueError(f"draft attention: context_rows must be in [0, {new}] (the new rows), got {context_rows}")
+    strides = [(t.stride(-2) if kv > 1 else dim, t.stride(-1)) for t in (cache, k_new, v_new)]
+    if strides != [(dim, 1)] * 3:
+        raise ValueError(f"draft attention: each K/V row's heads must be contiguous, got strides {strides}")
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_m = config.get("block_m", 64 if rows > 32 else max(16, triton.next_power_of_2(rows)))
+    block_n = config.get("block_n", 64)
+    min_blocks = config.get("min_blocks", default_min_blocks(rows, capacity))
+    tiles = triton.cdiv(rows, block_m)
+    splits = num_splits_for(rows * kv, capacity, block_m, block_n, _sm_count(q.device), min_blocks)
+    total = kv * rows
+    device = q.device
+    part_out = torch.empty((splits + 1, total, dim), dtype=torch.float32, device=device)
+    part_m = torch.empty((splits + 1, total), dtype=torch.float32, device=device)
+    part_l = torch.empty((splits + 1, total), dtype=torch.float32, device=device)
+    out = torch.empty((kv, rows, dim), dtype=q.dtype, device=device)
+    _draft_attention_split[(tiles, splits + 1, kv)](
+        q.contiguous(),
+        cache[0],
+        cache[1],
+        cache_length,
+        k_new,
+        v_new,
+        context_length,
+        part_out,
+        part_m,
+        part_l,
+        total,
+        scale * LOG2E,
+        cache.stride(1),
+        k_new.stride(0),
+        v_new.stride(0),
+        splits,
+        ROWS=rows,
+        CONTEXT=context_rows,
+        NEW=new,
+        D=dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        MIN_BLOCKS=min_blocks,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.get("num_warps", 4),
+        num_stages=config.get("num_stages", 2),
+    )
+    _combine_splits[(total, 1)](
+        part_out,
+        part_m,
+        part_l,
+        cache_length,
+        out,
+        total,
+        splits,
+        D_LAT=dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        MIN_BLOCKS=min_blocks,
+        BLOCK_S=triton.next_power_of_2(splits + 1),
+        SPLIT_GROUP=16,
+        num_warps=4,
+    )
+    return out
