@@ -42,16 +42,23 @@ class MpiRanks(Ranks):
 
     def close(self) -> None:
         self.comm.bcast((STOP, ()), root=0)
-        self.worker.close()
+        _close(self.worker, self.comm)
 
 
 def worker_loop(worker, comm) -> None:
     while True:
         method, args = comm.bcast(None, root=0)
         if method == STOP:
-            worker.close()
+            _close(worker, comm)
             return
         getattr(worker, method)(*args)
+
+
+def _close(worker, comm) -> None:
+    from runner.nccl import leave_nccl
+
+    worker.close()
+    leave_nccl(comm)
 
 
 def run_on_all_ranks(main: Callable[[object], int]) -> int:

@@ -27,6 +27,16 @@ def init_nccl(comm, device: torch.device) -> None:
     dist.init_process_group("nccl", rank=comm.Get_rank(), world_size=comm.Get_size(), device_id=device)
 
 
+def leave_nccl(comm) -> None:
+    """Every rank leaves the NCCL group before its process exits (else torch warns that destroy_process_group was not
+    called, and a rank still watching the group warns when rank 0, which serves its store, exits first): all ranks
+    arrive, leave, and wait for each other before any exits. A no-op where no group was set up (CPU ranks, TP-1)."""
+    if dist.is_initialized():
+        comm.Barrier()
+        dist.destroy_process_group()
+        comm.Barrier()
+
+
 class NcclCollectives:
     def __init__(self, comm, device: torch.device):
         self.world_size = comm.Get_size()
