@@ -156,9 +156,9 @@ class DFlashDrafter(nn.Module):
 
     def context_kv(self, context_hidden, context_positions):
         """K/V of context rows alone, every layer [layers, 2, C, kv_heads, head_dim]: the rows `forward` returns as
-        `new_context_kv` (a layer's context K/V depend on the context features only, not on the block), for a
-        context longer than a block (SGLang's `_append_target_hidden_to_draft_kv`: fc, hidden_norm, k/v, k_norm,
-        rope)."""
+        `new_context_kv` (a layer's context K/V depend on the context features only, not on the block); the device
+        loop commits a prompt's context with it (SGLang's `_append_target_hidden_to_draft_kv`: fc, hidden_norm, k/v,
+        k_norm, rope)."""
         ctx = self.hidden_norm(self.fc(context_hidden))
         rope = self.rotary(context_positions, ctx.dtype)
         return torch.stack([torch.stack(layer.self_attn.keys_values(ctx, *rope)) for layer in self.layers])
