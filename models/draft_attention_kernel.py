@@ -20,11 +20,13 @@ import triton.language as tl
 from plugins.tree_attention.kernel import (
     LOG2E,
     _attend_block,
-    _combine_splits,
     _sm_count,
     _split_chunk,
+    combine_splits,
     default_min_blocks,
+    dot_precision,
     num_splits_for,
+    split_partials,
 )
 
 
@@ -158,11 +160,8 @@ def draft_attention_cuda(q, cache, cache_length, k_new, v_new, context_rows: int
     tiles = triton.cdiv(rows, block_m)
     splits = num_splits_for(rows * kv, capacity, block_m, block_n, _sm_count(q.device), min_blocks)
     total = kv * rows
-    device = q.device
-    part_out = torch.empty((splits + 1, total, dim), dtype=torch.float32, device=device)
-    part_m = torch.empty((splits + 1, total), dtype=torch.float32, device=device)
-    part_l = torch.empty((splits + 1, total), dtype=torch.float32, device=device)
-    out = torch.empty((kv, rows, dim), dtype=q.dtype, device=device)
+    part_out, part_m, part_l = parts = split_partials(splits, total, dim, q.device)
+    out = torch.empty((kv, rows, dim), dtype=q.dtype, device=q.device)
     _draft_attention_split[(tiles, splits + 1, kv)](
         q.contiguous(),
         cache[0],
@@ -188,24 +187,9 @@ def draft_attention_cuda(q, cache, cache_length, k_new, v_new, context_rows: int
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         MIN_BLOCKS=min_blocks,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(q.dtype),
         num_warps=config.get("num_warps", 4),
         num_stages=config.get("num_stages", 2),
     )
-    _combine_splits[(total, 1)](
-        part_out,
-        part_m,
-        part_l,
-        cache_length,
-        out,
-        total,
-        splits,
-        D_LAT=dim,
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        MIN_BLOCKS=min_blocks,
-        BLOCK_S=triton.next_power_of_2(splits + 1),
-        SPLIT_GROUP=16,
-        num_warps=4,
-    )
+    combine_splits(parts, cache_length, out, total, splits, dim, block_d, block_n, min_blocks)
     return out

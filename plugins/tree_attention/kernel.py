@@ -315,9 +315,7 @@ def tree_attention_cuda(
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         if out is None:
             out = torch.empty((tokens, heads, latent_dim), dtype=q.dtype, device=device)
-        part_out = torch.empty((splits + 1, rows, latent_dim), dtype=torch.float32, device=device)  # + the tree's
-        part_m = torch.empty((splits + 1, rows), dtype=torch.float32, device=device)
-        part_l = torch.empty((splits + 1, rows), dtype=torch.float32, device=device)
+        part_out, part_m, part_l = parts = split_partials(splits, rows, latent_dim, device)
         mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
         block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
         _tree_attention_split[(triton.cdiv(rows, block_m), splits + 1)](
@@ -342,25 +340,45 @@ def tree_attention_cuda(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             MIN_BLOCKS=min_blocks,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 models stay exact; bf16 ignores it
+            PRECISION=dot_precision(q.dtype),
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
         block_d = block_dl if rows >= COMBINE_SPLIT_ROWS else min(block_dl, COMBINE_COLUMNS)
-        _combine_splits[(rows, triton.cdiv(latent_dim, block_d))](
-            part_out,
-            part_m,
-            part_l,
-            cache_length,
-            out,
-            rows,
-            splits,
-            D_LAT=latent_dim,
-            BLOCK_D=block_d,
-            BLOCK_N=block_n,
-            MIN_BLOCKS=min_blocks,
-            BLOCK_S=triton.next_power_of_2(splits + 1),
-            SPLIT_GROUP=16,
-            num_warps=4,
-        )
+        combine_splits(parts, cache_length, out, rows, splits, latent_dim, block_d, block_n, min_blocks)
     return out
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 models stay exact (no TF32 in the products); bf16 / fp16 ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def split_partials(splits: int, rows: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (output [., rows, width], running max, running sum) per query row of each of the `splits` cache splits
+    and of the one split for the new rows; a split kernel writes them, `combine_splits` merges them."""
+    return (
+        torch.empty((splits + 1, rows, width), dtype=torch.float32, device=device),
+        torch.empty((splits + 1, rows), dtype=torch.float32, device=device),
+        torch.empty((splits + 1, rows), dtype=torch.float32, device=device),
+    )
+
+
+def combine_splits(parts, cache_length, out, rows: int, splits: int, width: int, block_d: int, block_n: int,
+                   min_blocks: int) -> None:  # fmt: skip
+    """Merges `split_partials` into out [rows, width] (contiguous rows): the splits the device length used (cut as
+    the split kernel cut them: block_n, min_blocks) and the new rows' split; a program per row and block_d columns."""
+    _combine_splits[(rows, triton.cdiv(width, block_d))](
+        *parts,
+        cache_length,
+        out,
+        rows,
+        splits,
+        D_LAT=width,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        MIN_BLOCKS=min_blocks,
+        BLOCK_S=triton.next_power_of_2(splits + 1),
+        SPLIT_GROUP=16,
+        num_warps=4,
+    )
