@@ -10,6 +10,7 @@ TreeAttention enqueue in a CUDA graph, as TensorRT does under graph capture.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from types import SimpleNamespace
 
@@ -33,7 +34,8 @@ def enqueue(spec, fields: dict, inputs: list[torch.Tensor], output: torch.Tensor
                  [output.data_ptr()], 0, stream.cuda_stream)  # fmt: skip
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no flags: any is an error
     from mpi4py import MPI
 
     from runner.nccl import init_nccl

@@ -2,27 +2,30 @@
 drafter forward and the device loop's tree build and walk, each captured in a CUDA graph and profiled over replays,
 with the GPU's idle time between consecutive kernels (by the pair of kernels it falls between) and the replay time.
 
-    PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model=kimi-rank|moe|dense] [--smoke]
+    PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model kimi-rank|moe|dense] [--smoke]
         [--draft-attention]   (also: the drafter with each form of its attention)
         [--steps]             (also: the device loop's step graphs and one request each, GPU only)
         [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
 
-Writes OUT_DIR/profile_forward.json and prints the top kernels.
+The modules are rank 0's, built by the rank factory (the forms the CLI runs). Writes OUT_DIR/profile_forward.json
+and prints the top kernels.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_runtime import benchmark_ops, graph_time_us, scaled_models, tree_mask
-from models.random_weights import random_rank_models
+from benchmarks.common import Setup, add_setup_args, environment, graph_time_us, preset_ranks, tree_mask
+from engines.spec import SpecConfig
+from runner.factory import PresetWeights
+from runner.probes import Probes
 
 
 def kernel_table(fn, device) -> dict:
@@ -126,21 +129,28 @@ def print_replay_profile(name: str, graph_us: float | None, prof: dict) -> None:
         print(f"  {t:9.1f} us {n:6.0f}x  {pair}")
 
 
-def main() -> int:
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    smoke = "--smoke" in sys.argv
-    model = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--model=")), "kimi-rank")
-    device = torch.device("cpu" if smoke else "cuda")
-    dtype = torch.float32 if smoke else torch.bfloat16
-    target_cfg, drafter_cfg = scaled_models(model, smoke)
-    target, drafter = random_rank_models(target_cfg, drafter_cfg, benchmark_ops(smoke), device, dtype, seed=3)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--model", default="kimi-rank", choices=["kimi-rank", "moe", "dense"])
+    parser.add_argument("--draft-attention", action="store_true", help="the drafter with each form of its attention")
+    parser.add_argument("--steps", action="store_true", help="the device loop's step graphs (GPU only)")
+    parser.add_argument("--draft-capacities", action="store_true", help="the drafter against its cache's capacity")
+    add_setup_args(parser)
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    setup = Setup.from_args(args)
+    device, dtype, smoke = setup.device, setup.dtype, setup.smoke
+    weights = PresetWeights(args.model, dtype, seed=3, smoke=smoke)
+    target_cfg, drafter_cfg = weights.rank_configs(0)
+    generator = preset_ranks(weights, setup, SpecConfig(8, 32), device_loop=False)
+    target, drafter = (generator.ranks.lead.session.modules[role] for role in ("target", "draft"))
     length, capacity = 256, 1024
     cache = (torch.randn(target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim, device=device) * 0.5).to(dtype)
     cache_length = torch.tensor([length], device=device)
     shard = target_cfg.vocab_size // target_cfg.mapping.tp_size
-    results = {"model": model, "layers": target_cfg.num_hidden_layers, "date": time.strftime("%Y-%m-%d"),
-               "torch": torch.__version__, "forwards": {}}  # fmt: skip
+    results = {"model": args.model, "layers": target_cfg.num_hidden_layers, **environment(smoke), "forwards": {},
+               "ranks": generator.rank_description}  # fmt: skip
     calls = {}
     for tokens in (1, 8, 33):
         ids = torch.randint(0, shard - 2, (tokens,), device=device)
@@ -154,9 +164,9 @@ def main() -> int:
     taps = torch.randn(block, drafter.fc.weight.shape[1], device=device).to(dtype)
     arange = torch.arange(block, device=device)
     block_ids = torch.randint(0, shard - 2, (block,), device=device)
-    args = (taps, length - block + arange, torch.tensor([block], device=device), block_ids, length + arange,
-            draft_cache, torch.tensor([length - block], device=device))  # fmt: skip
-    calls["drafter (block 8)"] = lambda: drafter(*args)
+    draft_args = (taps, length - block + arange, torch.tensor([block], device=device), block_ids, length + arange,
+                  draft_cache, torch.tensor([length - block], device=device))  # fmt: skip
+    calls["drafter (block 8)"] = lambda: drafter(*draft_args)
     # the device loop's tree phase (DDTree budget 32) and the walk, outside the forwards
     from runner.device_tree import accept_greedy_device, build_tree_device, top_logprobs
 
@@ -180,62 +190,56 @@ def main() -> int:
                 prof = replay_profile(fn, device)
             results["forwards"][name] = {"graph_us": replay, **prof}
             print_replay_profile(name, replay, prof)
-        if "--steps" in sys.argv and not smoke:
-            results["steps"] = device_loop_steps(target, drafter, target_cfg, drafter_cfg, device, dtype)
-    if "--draft-capacities" in sys.argv:
+        if args.steps and not smoke:
+            results["steps"] = device_loop_steps(weights, setup, shard)
+    if args.draft_capacities:
         results["draft_capacities"] = {}
         with torch.no_grad():
             for cap in (1024, 8192, 32768, 131072):
                 cache_cap = torch.zeros(*draft_cache.shape[:2], cap, *draft_cache.shape[3:], device=device, dtype=dtype)
-                call = (*args[:5], cache_cap, args[6])
+                call = (*draft_args[:5], cache_cap, draft_args[6])
                 results["draft_capacities"][cap] = graph_time_us(lambda c=call: drafter(*c), device, smoke)
                 print(f"drafter, draft cache capacity {cap:6d} (length {length - block}): "
                       f"{results['draft_capacities'][cap]:.1f} us", flush=True)  # fmt: skip
-    if "--draft-attention" in sys.argv:
+    if args.draft_attention:
         with torch.no_grad():
-            results["draft_attention"] = draft_attention_forms(drafter, args, device, smoke)
-    (out / "profile_forward.json").write_text(json.dumps(results, indent=1))
+            results["draft_attention"] = draft_attention_forms(drafter, draft_args, device, smoke)
+    generator.ranks.close()
+    (args.out_dir / "profile_forward.json").write_text(json.dumps(results, indent=1))
     return 0
 
 
-def device_loop_steps(target, drafter, target_cfg, drafter_cfg, device, dtype) -> dict:
+def device_loop_steps(weights, setup, shard: int) -> dict:
     """The device loop's step graphs as the e2e benchmark runs them (prompt 64, capacity 1024): the autoregressive
     decode step and the DDTree-32 step with the oracle drafter, each profiled over replays; and one request each,
     its time after the prefill against its steps' graph time (what the request spends outside the steps)."""
     import statistics
 
-    from benchmarks.gpu_runtime import make_engine, tokens_per_s
-    from engines.spec import SpecConfig
-    from runner.device_loop import generate_on_device
-
     spec = SpecConfig(8, 32)
-    engine, _ = make_engine(target, drafter, target_cfg, drafter_cfg, spec, device, dtype, False)
-    worker = engine.workers[0]
-    shard = target_cfg.vocab_size // target_cfg.mapping.tp_size
     prompt = torch.randint(0, shard - 2, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     rows, continuation = {}, None
     for name, autoregressive in (("autoregressive step", True), ("ddtree 32 oracle step", False)):
-        oracle = None if autoregressive else torch.tensor(continuation, device=device)
-        worker.enable_device_loop(oracle, autoregressive)
-        generate_on_device(engine, spec, prompt, 32, 1024, autoregressive=autoregressive)  # capture
-        worker.loop.events = []
-        result = generate_on_device(engine, spec, prompt, 256, 1024, autoregressive=autoregressive)
+        probes = Probes(oracle=None if autoregressive else torch.tensor(continuation), record_events=True)
+        generator = preset_ranks(weights, setup, spec, True, autoregressive, probes)
+        generator.warm_up()
+        loop = generator.ranks.lead.loop
+        loop.events.clear()
+        result = generator.generate(prompt, 256)
         continuation = result.tokens if autoregressive else continuation
         torch.cuda.synchronize()
-        marks = worker.loop.events
-        steps = [m[0].elapsed_time(m[-1]) for m in marks]
-        after_prefill = result.elapsed - result.seconds.get("prefill", 0.0)
-        request = {"tokens_per_s": tokens_per_s(result), "steps": len(steps), "step_ms": statistics.median(steps),
-                   "after_prefill_ms": after_prefill * 1e3, "steps_sum_ms": sum(steps),
-                   "outside_steps_ms": after_prefill * 1e3 - sum(steps),
+        steps = [m[0].elapsed_time(m[-1]) for m in loop.events]
+        after_prefill = result.decode_seconds
+        request = {"tokens_per_s": result.decode_tokens_per_s, "steps": len(steps),
+                   "step_ms": statistics.median(steps), "after_prefill_ms": after_prefill * 1e3,
+                   "steps_sum_ms": sum(steps), "outside_steps_ms": after_prefill * 1e3 - sum(steps),
                    "first_launch_ms": (result.seconds.get("device_load", 0.0)) * 1e3}  # fmt: skip
-        worker.loop.events = None
-        prof = graph_replay_profile(worker.loop.graphs[0].replay)
-        prof["back_to_back_us"] = back_to_back_us(worker.loop.graphs[0].replay, 20)  # 8 rows a step at most: fits
+        loop.events = None
+        prof = graph_replay_profile(loop.graphs[0].replay)
+        prof["back_to_back_us"] = back_to_back_us(loop.graphs[0].replay, 20)  # 8 rows a step at most: fits
         rows[name] = {"request": request, **prof}
         print(f"\n{name}: request {request}", flush=True)
         print_replay_profile(name, None, prof)
-    engine.close()
+        generator.ranks.close()
     return rows
 
 
@@ -246,14 +250,15 @@ def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
     PyTorch's backend choice and with each backend forced; the logits' distance from the einsum chain's."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from models.dflash import DFlashDrafter, DraftAttention
+    from models.dflash import DraftAttention
 
-    kernel_form = DraftAttention.attend_rows
+    form_class = type(drafter.layers[0].self_attn)  # the factory's form on this device
+    kernel_form = form_class.attend_rows
 
     def concatenated(attention):
         def form(self, q, cache, k_new, v_new, key_bias, lengths):
             keys, values = torch.cat((cache[0], k_new)), torch.cat((cache[1], v_new))
-            bias = DFlashDrafter.key_bias(cache.shape[1], k_new.shape[0] - q.shape[0], q.shape[0], *lengths, q.dtype)
+            bias = DraftAttention.key_bias(cache.shape[1], k_new.shape[0] - q.shape[0], q.shape[0], *lengths, q.dtype)
             return attention(self, q, keys, values, bias)
 
         return form
@@ -276,7 +281,7 @@ def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
 
     forms = {
         "einsum chain": concatenated(DraftAttention.attend),
-        "Triton kernel (the GPU form)": kernel_form,
+        f"{form_class.__name__} (the factory's form)": kernel_form,
         "baddbmm + softmax + bmm (the previous GPU form)": concatenated(baddbmm),
         "sdpa (PyTorch's choice)": concatenated(sdpa(None)),
         "sdpa efficient": concatenated(sdpa(SDPBackend.EFFICIENT_ATTENTION)),
@@ -286,7 +291,7 @@ def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
     rows, reference = {}, None
     try:
         for name, form in forms.items():
-            DraftAttention.attend_rows = form
+            form_class.attend_rows = form
             try:
                 logits = drafter(*args)[0].float()
                 reference = logits if reference is None else reference
@@ -296,7 +301,7 @@ def draft_attention_forms(drafter, args, device, smoke: bool) -> dict:
                 rows[name] = {"error": str(err)[:200]}
             print(f"drafter with {name}: {rows[name]}", flush=True)
     finally:
-        DraftAttention.attend_rows = kernel_form
+        form_class.attend_rows = kernel_form
     return rows
 
 

@@ -1,45 +1,67 @@
 #!/usr/bin/env bash
-# One device call: kernel check + timings, runtime cost tables, and the tiny pipeline on the torch backend
-# (GPU vs the same run on the CPU; TP-2 over NCCL vs TP-1 when two GPUs are present). Results under $OUT.
+# The GPU runs behind BENCHMARKS.md, from the source tree with the machine's python3 (PYTHONPATH=.). Results under
+# $OUT (default out/gpu). STEPS picks what runs (default: all):
+#   tiny      the tiny demo through the CLI on the GPU (device loop) == the same run on the CPU; TP-2 == TP-1 (2 GPUs)
+#   lossless  benchmarks/gpu_lossless.py: float32 greedy speculative == autoregressive, host and device loops
+#   cli       benchmarks/cli_vs_inprocess.py: the CLI's decode tokens/s next to the in-process rows (TP-1; TP-2 too
+#             on two GPUs)
+#   e2e       benchmarks/gpu_runtime.py --e2e-only: every mode on the moe, dense and kimi-rank presets
+#   layers    benchmarks/gpu_runtime.py's layer-cost table as well
+#   kernel    benchmarks/tree_attention_gpu.py
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
+STEPS=${STEPS:-tiny lossless cli e2e}
 mkdir -p "$OUT"
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/env.txt"
-python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)' | tee -a "$OUT/env.txt"
-
-if [ "${SKIP_KERNEL:-0}" != 1 ]; then
-  python3 benchmarks/tree_attention_gpu.py "$OUT/kernel" --variants > "$OUT/kernel.log" 2>&1; echo "kernel rc=$?"
-  tail -45 "$OUT/kernel.log"
-fi
-if [ "${SKIP_RUNTIME:-0}" != 1 ]; then
-  python3 benchmarks/gpu_runtime.py "$OUT/runtime" > "$OUT/runtime.log" 2>&1; echo "runtime rc=$?"
-  tail -40 "$OUT/runtime.log"
-fi
-
-# The tiny demo pipeline with the torch backend (no TensorRT on this machine: --no_tensorrt engine dirs).
 {
-  python3 -m builder.demo_checkpoints /tmp/hf --force >/dev/null
-  ARGS="--max_input_len 64 --max_seq_len 512 --no_tensorrt --force"
-  python3 -m builder.cli --model_dir /tmp/hf/kimi-k2-tiny --draft_model_dir /tmp/hf/kimi-k2-tiny-dflash --tp_size 1 --output_dir /tmp/e1 $ARGS 2>&1 | tail -1
-  RUN="-m runner --backend torch --max_output_len 48 --input_text Hello --input_text The_quick_brown_fox"
-  mpirun -np 1 python3 $RUN --engine_dir /tmp/e1 --output_json "$OUT/tiny_gpu_tp1.json" 2>&1 | tail -2
-  CUDA_VISIBLE_DEVICES= mpirun -np 1 python3 $RUN --engine_dir /tmp/e1 --output_json /tmp/tiny_cpu_tp1.json 2>&1 | tail -1
-  if [ "$GPUS" -ge 2 ]; then
-    python3 -m builder.cli --model_dir /tmp/hf/kimi-k2-tiny --draft_model_dir /tmp/hf/kimi-k2-tiny-dflash --tp_size 2 --output_dir /tmp/e2 $ARGS 2>&1 | tail -1
-    mpirun -np 2 python3 $RUN --engine_dir /tmp/e2 --output_json "$OUT/tiny_gpu_tp2.json" 2>&1 | tail -2
-  fi
-  python3 - "$OUT" <<'PY'
-import json, sys, pathlib
-out = pathlib.Path(sys.argv[1])
-gpu = json.loads((out / "tiny_gpu_tp1.json").read_text())["results"]
-cpu = json.loads(pathlib.Path("/tmp/tiny_cpu_tp1.json").read_text())["results"]
-print("tiny greedy, GPU torch backend == CPU torch backend:", [g["output_ids"] == c["output_ids"] for g, c in zip(gpu, cpu)])
-tp2 = out / "tiny_gpu_tp2.json"
-if tp2.exists():
-    two = json.loads(tp2.read_text())["results"]
-    print("tiny greedy, TP-2 (NCCL, 2 GPUs) == TP-1 (1 GPU):", [a["output_ids"] == b["output_ids"] for a, b in zip(two, gpu)])
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+  mpirun --version | head -1
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+
+if has tiny; then
+  {
+    python3 -m builder.demo_checkpoints /tmp/hf --force >/dev/null
+    ARGS="--max_input_len 64 --max_seq_len 512 --no_tensorrt --force"
+    python3 -m builder.cli --model_dir /tmp/hf/kimi-k2-tiny --draft_model_dir /tmp/hf/kimi-k2-tiny-dflash --tp_size 1 --output_dir /tmp/e1 $ARGS 2>&1 | tail -1
+    RUN="-m runner --backend torch --max_output_len 48 --input_text Hello --input_text The_quick_brown_fox"
+    mpirun -np 1 python3 $RUN --engine_dir /tmp/e1 --output_json /tmp/tiny_gpu_tp1.json 2>&1 | grep -v "^---" | head -8
+    CUDA_VISIBLE_DEVICES= mpirun -np 1 python3 $RUN --engine_dir /tmp/e1 --output_json /tmp/tiny_cpu_tp1.json 2>&1 | grep "^mode"
+    mpirun -np 1 python3 $RUN --engine_dir /tmp/e1 --loop host --output_json /tmp/tiny_gpu_host.json 2>&1 | grep "^mode"
+    if [ "$GPUS" -ge 2 ]; then
+      python3 -m builder.cli --model_dir /tmp/hf/kimi-k2-tiny --draft_model_dir /tmp/hf/kimi-k2-tiny-dflash --tp_size 2 --output_dir /tmp/e2 $ARGS 2>&1 | tail -1
+      mpirun -np 2 python3 $RUN --engine_dir /tmp/e2 --output_json /tmp/tiny_gpu_tp2.json 2>&1 | grep "^mode"
+    fi
+    python3 - <<'PY'
+import json, pathlib
+load = lambda name: [r["output_ids"] for r in json.loads(pathlib.Path(f"/tmp/{name}.json").read_text())["results"]]
+gpu = load("tiny_gpu_tp1")
+print("tiny greedy, GPU device loop == CPU host loop:", gpu == load("tiny_cpu_tp1"))
+print("tiny greedy, GPU host loop == GPU device loop:", load("tiny_gpu_host") == gpu)
+if pathlib.Path("/tmp/tiny_gpu_tp2.json").exists():
+    print("tiny greedy, TP-2 (NCCL, 2 GPUs) == TP-1 (1 GPU):", load("tiny_gpu_tp2") == gpu)
 PY
-} > "$OUT/tiny.log" 2>&1
-cat "$OUT/tiny.log"
+  } > "$OUT/tiny.log" 2>&1
+  cat "$OUT/tiny.log"
+fi
+if has lossless; then
+  python3 benchmarks/gpu_lossless.py "$OUT" > "$OUT/gpu_lossless.log" 2>&1; echo "lossless rc=$?"
+  tail -9 "$OUT/gpu_lossless.log"
+fi
+if has cli; then
+  TP=1; [ "$GPUS" -ge 2 ] && TP=1,2
+  python3 benchmarks/cli_vs_inprocess.py "$OUT" --tp $TP > "$OUT/cli_vs_inprocess.log" 2>&1; echo "cli rc=$?"
+  tail -6 "$OUT/cli_vs_inprocess.log"
+fi
+if has e2e || has layers; then
+  FLAGS=$(has layers || echo --e2e-only)
+  python3 benchmarks/gpu_runtime.py "$OUT" $FLAGS > "$OUT/gpu_runtime.log" 2>&1; echo "runtime rc=$?"
+  tail -50 "$OUT/gpu_runtime.log"
+fi
+if has kernel; then
+  python3 benchmarks/tree_attention_gpu.py "$OUT" > "$OUT/kernel.log" 2>&1; echo "kernel rc=$?"
+  tail -30 "$OUT/kernel.log"
+fi

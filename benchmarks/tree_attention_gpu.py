@@ -14,6 +14,7 @@ Writes OUT_DIR/tree_attention.json and prints a markdown table.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -173,15 +174,19 @@ VARIANTS = {  # shape -> tile configurations tried on it
 }
 
 
-def main() -> int:
-    out_dir = Path(sys.argv[1])
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--variants", action="store_true", help="also time other tile configurations")
+    args = parser.parse_args(argv)
+    out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     scale = (192**-0.5) * (0.1 * 4.1588830833596715 + 1.0) ** 2  # Kimi: qk 192, yarn mscale(64)^2
     started = time.time()
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     variants = []
-    if "--variants" in sys.argv:
+    if args.variants:
         for shape, configs in VARIANTS.items():
             for config in configs:
                 try:

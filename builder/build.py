@@ -15,8 +15,8 @@ from pathlib import Path
 
 from builder import __version__
 from builder.output_dir import prepare_output_dir
-from engines.engine_dir import ENGINE_SCHEMA, ROLES, EngineDir, load_engine_dir
-from engines.io import role_io
+from engines.engine_dir import EngineDir, write_engine_dir_config
+from engines.io import ROLES, role_io
 from engines.spec import BuildConfig, SpecConfig, derive_profiles
 from models.checkpoint import load_checkpoint_config
 
@@ -30,11 +30,13 @@ def build_engines(
     build: BuildConfig,
     force: bool = False,
     tensorrt: str | None = None,
+    onnx: bool = True,
 ) -> EngineDir:
     """Exports and builds every rank's target and draft engines; config.json is written last.
 
     `tensorrt`: None picks full TensorRT, else TensorRT-RTX; "none" writes the ONNX graphs and the checkpoint
-    only (the ort and torch backends run from those; machines without TensorRT, like the lent H200s)."""
+    only (the ort and torch backends run from those; GPU machines without TensorRT). `onnx=False` (with "none")
+    writes the checkpoint only: the torch backend's engine directory, without exporting large models."""
     from builder.export import custom_ops, export_rank
     from builder.trt_backend import import_tensorrt
     from builder.trt_build import build_engine
@@ -54,6 +56,8 @@ def build_engines(
     max_positions = min(checkpoint.target.max_position_embeddings, checkpoint.drafter.max_position_embeddings)
     if build.max_seq_len > max_positions:
         raise ValueError(f"max_seq_len={build.max_seq_len} exceeds the models' max_position_embeddings={max_positions}")
+    if not onnx and tensorrt != "none":
+        raise ValueError("TensorRT engines are built from the ONNX graphs: --no_onnx needs --no_tensorrt")
     trt = None if tensorrt == "none" else import_tensorrt(tensorrt)
     if trt is not None:
         register_plugins(trt.module)
@@ -71,7 +75,7 @@ def build_engines(
     if (Path(checkpoint_dir) / "tokenizer").is_dir():
         shutil.copytree(Path(checkpoint_dir) / "tokenizer", output_dir / "tokenizer")
 
-    for rank in range(checkpoint.tp_size):
+    for rank in range(checkpoint.tp_size if onnx else 0):
         rank_dir = output_dir / f"rank{rank}"
         graphs = export_rank(Path(checkpoint_dir), rank, profiles, rank_dir)
         target_cfg, drafter_cfg = checkpoint.rank_configs(rank)
@@ -93,19 +97,10 @@ def build_engines(
                 record["build_seconds"],
             )
 
-    config = {
-        "schema_version": ENGINE_SCHEMA,
-        "version": __version__,
-        "pretrained_config": checkpoint.to_dict(),
-        "spec": spec.to_dict(),
-        "build_config": build.to_dict(),
-        "mapping": checkpoint.to_dict()["mapping"],
-        "profiles": {name: p.to_dict() for name, p in profiles.items()},
-        "engines": {"builder": trt.flavor if trt else "none", "builder_version": trt.version if trt else None},
-    }
-    (output_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    engines = {"builder": trt.flavor if trt else "none", "builder_version": trt.version if trt else None, "onnx": onnx}
+    engine = write_engine_dir_config(output_dir, __version__, checkpoint.to_dict(), spec, build, profiles, engines)
     log.info("built %d ranks x %d roles in %.1f s", checkpoint.tp_size, len(ROLES), time.perf_counter() - start)
-    return load_engine_dir(output_dir)
+    return engine
 
 
 def _link_tree(source: Path, destination: Path) -> None:
@@ -134,5 +129,5 @@ def build_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         dtype=checkpoint.dtype,
     )
     logging.getLogger("ddtree.builder").setLevel(args.log_level.upper() if args.log_level != "verbose" else "DEBUG")
-    tensorrt = "none" if args.no_tensorrt else None
-    return build_engines(args.checkpoint_dir, args.output_dir, spec, build, force=args.force, tensorrt=tensorrt)
+    tensorrt = "none" if args.no_tensorrt or args.no_onnx else None
+    return build_engines(args.checkpoint_dir, args.output_dir, spec, build, args.force, tensorrt, not args.no_onnx)

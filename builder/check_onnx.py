@@ -60,23 +60,11 @@ def _random_tree_mask(size: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def check_rank(engine, rank: int, comm) -> list[tuple[str, int, str, float]]:
-    from engines.io import role_io
-    from models.checkpoint import CheckpointConfig
-    from models.kimi import ModelOps
-    from models.loader import load_rank_models
-    from plugins.tree_attention.reference import tree_attention
-    from runner.mpi import MpiCollectives
-    from runner.ort_session import OrtSession
-    from runner.session import TorchSession
+    from runner.factory import RankOptions, build_rank
 
-    checkpoint = CheckpointConfig.from_dict(engine.config["pretrained_config"], str(engine.path))
-    target_cfg, drafter_cfg = checkpoint.rank_configs(rank)
-    io = {role: role_io(role, target_cfg, drafter_cfg) for role in ("target", "draft")}
-    profiles = engine.profiles
-    ort_session = OrtSession(engine.rank_dir(rank), profiles, io)
-    ops = ModelOps(tree_attention, MpiCollectives(comm))
-    _, target, drafter = load_rank_models(engine.checkpoint_dir, rank, ops)
-    torch_session = TorchSession(target, drafter, profiles, io)
+    ort_session = build_rank(engine, rank, RankOptions("ort"), comm=comm).session
+    torch_session = build_rank(engine, rank, RankOptions("torch", device="cpu", device_loop=False), comm=comm).session
+    profiles, io = engine.profiles, torch_session.io
     rows = []
     for seed, (name, size) in enumerate(profile_cases(profiles)):
         profile = profiles[name]

@@ -49,6 +49,11 @@ def _add_build_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write ONNX graphs + checkpoint only (ort/torch backends), no TensorRT engines",
     )
+    parser.add_argument(
+        "--no_onnx",
+        action="store_true",
+        help="write the checkpoint only (the torch backend's engine directory): no ONNX export, no TensorRT engines",
+    )
     parser.add_argument("--log_level", default="info", choices=["error", "warning", "info", "verbose"])
 
 

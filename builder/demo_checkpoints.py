@@ -1,6 +1,7 @@
 """Tiny Kimi-architecture checkpoints with the real layout, from a fixed seed.
 
     python -m builder.demo_checkpoints OUT [--int4] [--force]
+    python -m builder.demo_checkpoints OUT --preset moe [--dtype bfloat16] [--device cuda]
 
 writes OUT/kimi-k2-tiny (target, HF format, tokenizer included; with --int4 the routed experts are stored as
 compressed-tensors pack-quantized INT4, group 32, exactly as Kimi K2.x ships them) and OUT/kimi-k2-tiny-dflash
@@ -8,6 +9,10 @@ compressed-tensors pack-quantized INT4, group 32, exactly as Kimi K2.x ships the
 first layer and MoE layers with a shared expert, noaux_tc sigmoid routing with a correction bias, MLA with
 unequal qk (24) and v (16) head dims, yarn rope, 8 heads (one per rank at TP-8), GQA in the drafter.
 The weights are random: the text they produce is noise, and a random drafter is rarely accepted.
+
+`--preset moe|dense` writes OUT/kimi-<preset> and OUT/kimi-<preset>-dflash instead: the same layout at the
+dimensions of a model preset (`models/presets.py`; "moe": hidden 2048, 8 layers, 64 experts, about 2.3 B
+parameters), with the tiny tokenizer, for running and measuring the engine at a realistic size.
 """
 
 from __future__ import annotations
@@ -209,17 +214,85 @@ def _same_drafter(path: Path, config_text: str, tensors: dict[str, torch.Tensor]
     return stored.keys() == tensors.keys() and all(torch.equal(stored[k], v) for k, v in tensors.items())
 
 
+def preset_hf_configs(name: str, dtype: str, smoke: bool = False) -> tuple[dict, dict]:
+    """HF config.json dicts of a model preset's target and drafter (the tiny tokenizer's special ids)."""
+    from models.presets import PRESETS, preset
+
+    if name not in ("moe", "dense"):
+        raise ValueError(f"--preset must be a whole model of {PRESETS}: moe or dense, got {name!r}")
+    target, drafter = preset(name, smoke).target, preset(name, smoke).drafter
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace",
+              "routed_scaling_factor", "max_position_embeddings")  # fmt: skip
+    rope = target.rope.to_hf()
+    hf_target = {**target_hf_config(False), **{f: getattr(target, f) for f in fields}, **rope, "torch_dtype": dtype}
+    hf_target["num_key_value_heads"] = target.num_attention_heads
+    hf_drafter = {
+        **drafter_hf_config(),
+        **{
+            f: getattr(drafter, f)
+            for f in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "vocab_size",
+                "block_size",
+                "max_position_embeddings",
+            )
+        },  # fmt: skip
+        **drafter.rope.to_hf(),
+        "num_target_layers": target.num_hidden_layers,
+        "dflash_config": {"mask_token_id": special_id("[UNK]"), "target_layer_ids": list(drafter.target_layer_ids)},
+        "torch_dtype": dtype,
+    }
+    hf_drafter["max_position_embeddings"] = target.max_position_embeddings
+    return hf_target, hf_drafter
+
+
+def write_preset(output_dir: Path, name: str, dtype: str, force: bool, device: str = "cpu",
+                 smoke: bool = False) -> tuple[Path, Path]:  # fmt: skip
+    """A preset's target and drafter as HF checkpoints with random weights (drawn on `device`, stored in `dtype`;
+    the routing bias in float32 as Kimi K2.x ships it). smoke: the preset's few-MB form (scripts' CPU checks)."""
+    hf_target, hf_drafter = preset_hf_configs(name, dtype, smoke)
+    paths = output_dir / f"kimi-{name}", output_dir / f"kimi-{name}-dflash"
+    for path in paths:
+        prepare_output_dir(path, force)
+    for path, config, specs, seed in (
+        (paths[0], hf_target, hf_target_specs(TargetConfig.from_hf(hf_target)), SEED),
+        (paths[1], hf_drafter, hf_drafter_specs(DrafterConfig.from_hf(hf_drafter)), SEED + 1),
+    ):
+        shapes = {n: spec.shape for n, spec in specs.items()}
+        tensors = random_state(shapes, seed, device=device, dtype=getattr(torch, dtype))
+        tensors = {n: (t.float() if n.endswith("e_score_correction_bias") else t).cpu() for n, t in tensors.items()}
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(paths[0], SPECIAL_BASE, VOCAB_SIZE)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--int4", action="store_true", help="store routed experts as INT4 pack-quantized")
+    parser.add_argument("--preset", default=None, help="write a model preset's dimensions instead (moe or dense)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="--preset weights")
+    parser.add_argument("--device", default="cpu", help="--preset: where to draw the random weights (cpu, cuda)")
     parser.add_argument("--force", action="store_true", help="replace existing checkpoint folders")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.preset is not None and args.int4:
+        parser.error("--int4 writes the tiny checkpoint; it does not combine with --preset")
     name = "kimi-k2-tiny-int4" if args.int4 else "kimi-k2-tiny"
     try:
-        target = write_target(args.output_dir / name, args.int4, args.force)
-        drafter = write_drafter(args.output_dir / "kimi-k2-tiny-dflash", args.force)
+        if args.preset is not None:
+            target, drafter = write_preset(args.output_dir, args.preset, args.dtype, args.force, args.device)
+        else:
+            target = write_target(args.output_dir / name, args.int4, args.force)
+            drafter = write_drafter(args.output_dir / "kimi-k2-tiny-dflash", args.force)
     except (FileExistsError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -16,8 +16,8 @@ import torch
 
 from engines.io import TensorIO, role_io
 from engines.spec import Profile
-from models.kimi import ModelOps
 from models.loader import load_rank_models
+from models.ops import ModelOps
 from plugins.collectives.onnx_op import ExportCollectives
 from plugins.tree_attention.onnx_op import export_tree_attention
 
@@ -55,7 +55,7 @@ def export_rank(checkpoint_dir: Path, rank: int, profiles: dict[str, Profile], o
 
     tp_size = load_checkpoint_config(checkpoint_dir).tp_size
     ops = ModelOps(export_tree_attention, ExportCollectives(tp_size))
-    config, target, drafter = load_rank_models(checkpoint_dir, rank, ops, attention="absorbed")
+    config, target, drafter = load_rank_models(checkpoint_dir, rank, ops)
     target_cfg, drafter_cfg = config.rank_configs(rank)
     dtype = next(target.parameters()).dtype
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,10 +18,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from engines.io import ROLES
 from engines.spec import BuildConfig, Profile, SpecConfig
 
 ENGINE_SCHEMA = 1
-ROLES = ("target", "draft")
 
 
 @dataclass
@@ -90,6 +90,24 @@ class EngineDir:
                 f"engine directory {self.path} is incomplete for backend '{backend}': missing "
                 f"{missing[0].relative_to(self.path)}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             )
+
+
+def write_engine_dir_config(path: Path, version: str, pretrained_config: dict, spec: SpecConfig, build: BuildConfig,
+                            profiles: dict[str, Profile], engines: dict) -> EngineDir:  # fmt: skip
+    """Writes config.json, the last file of a build (a folder without it is an interrupted build), and loads it back
+    through the reader below, so what is written is what every runtime reads."""
+    config = {
+        "schema_version": ENGINE_SCHEMA,
+        "version": version,
+        "pretrained_config": pretrained_config,
+        "spec": spec.to_dict(),
+        "build_config": build.to_dict(),
+        "mapping": pretrained_config["mapping"],
+        "profiles": {name: p.to_dict() for name, p in profiles.items()},
+        "engines": engines,
+    }
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return load_engine_dir(path)
 
 
 def load_engine_dir(path: Path) -> EngineDir:

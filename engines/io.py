@@ -12,6 +12,7 @@ from engines.spec import Profile
 from models.config import DrafterConfig, TargetConfig
 
 Dim = int | str
+ROLES = ("target", "draft")  # the two engines of a rank: the Kimi target and the DFlash drafter
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,12 @@ def role_io(role: str, target: TargetConfig, drafter: DrafterConfig) -> tuple[li
         return target_io(target, drafter)
     if role == "draft":
         return draft_io(target, drafter)
-    raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+def engine_io(target: TargetConfig, drafter: DrafterConfig) -> dict[str, tuple[list[TensorIO], list[TensorIO]]]:
+    """Inputs and outputs of both engines of a rank, by role."""
+    return {role: role_io(role, target, drafter) for role in ROLES}
 
 
 def check_feeds(profile: Profile, inputs: list[TensorIO], shapes: dict[str, tuple[int, ...]]) -> None:

@@ -17,14 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import layers
 from models.config import DrafterConfig, TargetConfig
-from models.layers import GatedMLP, RMSNorm, VocabParallelEmbedding, VocabParallelHead, fuse_linears, linear
-from models.rope import Rotary, apply_rotary
+from models.layers import GatedMLP, VocabParallelEmbedding, VocabParallelHead, fuse_linears, linear
+from models.rope import Rotary
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, config: DrafterConfig):
+    """The torch form (CPUs, ONNX export): the block's queries over the concatenation [whole draft cache | new rows]
+    under a key bias that hides the cache rows past the length. `KernelDraftAttention` is the GPU form.
+
+    fused (GPUs): q, k and v run as one GEMM over one stacked weight (SGLang's qkv_proj), stacked by
+    `prepare_weights`; the CPU and the ONNX export keep one linear per weight."""
+
+    def __init__(self, config: DrafterConfig, ops):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.heads_per_rank, config.kv_heads_per_rank, config.head_dim
         self.scale = config.head_dim**-0.5
@@ -32,54 +37,70 @@ class DraftAttention(nn.Module):
         self.k_proj = linear(config.hidden_size, self.kv_heads * self.head_dim)
         self.v_proj = linear(config.hidden_size, self.kv_heads * self.head_dim)
         self.o_proj = linear(self.heads * self.head_dim, config.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.register_buffer("qkv", None, persistent=False)  # `fuse()`: q, k, v as one weight
+        self.q_norm = ops.norm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = ops.norm(self.head_dim, config.rms_norm_eps)
+        self.apply_rotary, self.fused = ops.rotary, ops.fused_projections
+        self.register_buffer("qkv", None, persistent=False)
+        self.project = self._project_fused if self.fused else self._project
+        self.project_kv = self._project_kv_fused if self.fused else self._project_kv
 
-    def fuse(self) -> None:
-        """Once after loading: q, k and v as one GEMM on GPUs (SGLang's qkv_proj)."""
-        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+    def prepare_weights(self) -> None:
+        if self.fused:
+            self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def _project(self, h, rows):
+        """q of the block rows h [B, hidden]; k, v of the context-then-block rows [C + B, hidden]."""
+        return self.q_proj(h), self.k_proj(rows), self.v_proj(rows)
+
+    def _project_fused(self, h, rows):
+        """One GEMM over the C + B rows; the context rows' q are dropped."""
+        dim = self.head_dim
+        q, k, v = F.linear(rows, self.qkv).split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], -1)
+        return q[rows.shape[0] - h.shape[0] :], k, v
+
+    def _project_kv(self, x):
+        return self.k_proj(x), self.v_proj(x)
+
+    def _project_kv_fused(self, x):
+        width = self.kv_heads * self.head_dim
+        return F.linear(x, self.qkv[-2 * width :]).split(width, dim=-1)
 
     def keys_values(self, x, cos, sin):
         """x [R, hidden] -> k (k_norm, rope), v [R, kv_heads, head_dim]."""
-        rows, width = x.shape[0], self.kv_heads * self.head_dim
-        if self.qkv is not None and layers.gpu_form(x):
-            k, v = F.linear(x, self.qkv[-2 * width :]).split(width, dim=-1)
-        else:
-            k, v = self.k_proj(x), self.v_proj(x)
-        k = apply_rotary(self.k_norm(k.view(rows, self.kv_heads, self.head_dim)), cos, sin)
+        rows = x.shape[0]
+        k, v = self.project_kv(x)
+        k = self.apply_rotary(self.k_norm(k.view(rows, self.kv_heads, self.head_dim)), cos, sin)
         return k, v.view(rows, self.kv_heads, self.head_dim)
 
     def forward(self, h, ctx, block_rope, rows_rope, cache, key_bias, lengths):
         """h [B, hidden] block rows, ctx [C, hidden] context features, block_rope / rows_rope the (cos, sin) of the
         block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], lengths (valid cached
-        rows [1], valid context rows [1]) and, off GPUs, key_bias [S + C + B] (0 where a key exists: valid cache rows,
-        valid context rows, the block; -inf elsewhere)."""
+        rows [1], valid context rows [1]) and key_bias (`key_bias`; None for the kernel form)."""
         blocks, context, dim = h.shape[0], ctx.shape[0], self.head_dim
-        rows = torch.cat((ctx, h))
-        if self.qkv is not None and layers.gpu_form(h):  # one GEMM over the C + B rows (the context rows' q dropped)
-            q, k, v = F.linear(rows, self.qkv).split([self.heads * dim, self.kv_heads * dim, self.kv_heads * dim], -1)
-            q = q[context:]
-        else:
-            q, k, v = self.q_proj(h), self.k_proj(rows), self.v_proj(rows)
-        q = apply_rotary(self.q_norm(q.view(blocks, self.heads, dim)), *block_rope)
-        k_new = apply_rotary(self.k_norm(k.view(context + blocks, self.kv_heads, dim)), *rows_rope)
+        q, k, v = self.project(h, torch.cat((ctx, h)))
+        q = self.apply_rotary(self.q_norm(q.view(blocks, self.heads, dim)), *block_rope)
+        k_new = self.apply_rotary(self.k_norm(k.view(context + blocks, self.kv_heads, dim)), *rows_rope)
         v_new = v.view(context + blocks, self.kv_heads, dim)  # [C + B, kv_heads, head_dim]
         out = self.o_proj(self.attend_rows(q, cache, k_new, v_new, key_bias, lengths))
         return out, torch.stack((k_new[:context], v_new[:context]))
 
-    def attend_rows(self, q, cache, k_new, v_new, key_bias, lengths):
-        """q [B, heads, head_dim] over [cached rows | new rows] -> [B, heads * head_dim]. GPUs: the Triton kernel,
-        which reads only the valid cached rows (`models/draft_attention_kernel.py`; measured against the torch forms
-        in `benchmarks/profile_forward.py --draft-attention`); elsewhere (CPU, ONNX export) the concatenation under
-        key_bias (`attend`)."""
-        if q.is_cuda:
-            from models.draft_attention_kernel import draft_attention_cuda
+    @staticmethod
+    def key_bias(capacity, context, blocks, cache_length, context_length, dtype):
+        """[capacity + context + blocks]: 0 for the keys every layer attends to (valid cached rows, valid context
+        rows, the block), -inf elsewhere; built once a forward."""
+        device = cache_length.device
+        visible = torch.cat(
+            (
+                torch.arange(capacity, device=device) < cache_length[0],
+                torch.arange(context, device=device) < context_length[0],
+                torch.ones(blocks, dtype=torch.bool, device=device),
+            )
+        )
+        return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
 
-            context = k_new.shape[0] - q.shape[0]
-            out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new, context, lengths[1],
-                                       self.scale)  # fmt: skip
-            return self.unfold_heads(out, q.shape[0])
+    def attend_rows(self, q, cache, k_new, v_new, key_bias, lengths):
+        """q [B, heads, head_dim] over [cached rows | new rows] -> [B, heads * head_dim]: the concatenation under
+        key_bias (`attend`)."""
         keys = torch.cat((cache[0], k_new), dim=0)  # [S + C + B, kv_heads, head_dim]
         values = torch.cat((cache[1], v_new), dim=0)
         return self.attend(q, keys, values, key_bias)
@@ -106,14 +127,33 @@ class DraftAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(blocks, -1)
 
 
+class KernelDraftAttention(DraftAttention):
+    """The GPU form: the Triton kernel (`models/draft_attention_kernel.py`) reads only the valid cached rows and the
+    new rows, without the concatenation or a key bias (measured against the torch forms in
+    `benchmarks/profile_forward.py --draft-attention`)."""
+
+    @staticmethod
+    def key_bias(capacity, context, blocks, cache_length, context_length, dtype):
+        return None
+
+    def attend_rows(self, q, cache, k_new, v_new, key_bias, lengths):
+        from models.draft_attention_kernel import draft_attention_cuda
+
+        context = k_new.shape[0] - q.shape[0]
+        out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new, context, lengths[1],
+                                   self.scale)  # fmt: skip
+        return self.unfold_heads(out, q.shape[0])
+
+
 class DraftLayer(nn.Module):
-    def __init__(self, config: DrafterConfig, collectives):
+    def __init__(self, config: DrafterConfig, ops):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DraftAttention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // config.mapping.tp_size)
-        self.collectives = collectives
+        self.input_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = ops.draft_attention(config, ops)
+        self.post_attention_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
+        width = config.intermediate_size // config.mapping.tp_size
+        self.mlp = GatedMLP(config.hidden_size, width, ops.fused_projections)
+        self.collectives = ops.collectives
 
     def forward(self, x, ctx, block_rope, rows_rope, cache, key_bias, lengths):
         attn, new_kv = self.self_attn(self.input_layernorm(x), ctx, block_rope, rows_rope, cache, key_bias, lengths)
@@ -123,36 +163,18 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __init__(self, config: DrafterConfig, target: TargetConfig, collectives):
+    def __init__(self, config: DrafterConfig, target: TargetConfig, ops):
+        """ops: `models.ops.ModelOps` (collectives, norm, rotary, attention form, fused projections)."""
         super().__init__()
-        hidden = config.hidden_size
+        hidden, collectives = config.hidden_size, ops.collectives
         self.embed_tokens = VocabParallelEmbedding(target.vocab_size, hidden, config.mapping, collectives)
         self.lm_head = VocabParallelHead(target.vocab_size, hidden, config.mapping, collectives)
         self.fc = linear(config.num_taps * hidden, hidden)
-        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(config, collectives) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hidden_norm = ops.norm(hidden, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(config, ops) for _ in range(config.num_hidden_layers))
+        self.norm = ops.norm(hidden, config.rms_norm_eps)
         self.rotary = Rotary(config.rope, config.head_dim)
-
-    def prepare_weights(self) -> None:
-        """Once after loading: q/k/v and gate/up as single GEMMs on GPUs (`fuse`; the same weights, views of one)."""
-        for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-
-    @staticmethod
-    def key_bias(capacity, context, blocks, cache_length, context_length, dtype):
-        """[capacity + context + blocks]: 0 for the keys every layer attends to (valid cached rows, valid context
-        rows, the block), -inf elsewhere; built once a forward (the torch form of the attention)."""
-        device = cache_length.device
-        visible = torch.cat(
-            (
-                torch.arange(capacity, device=device) < cache_length[0],
-                torch.arange(context, device=device) < context_length[0],
-                torch.ones(blocks, dtype=torch.bool, device=device),
-            )
-        )
-        return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+        self.key_bias = ops.draft_attention.key_bias  # the attention form's key bias (None for the kernel)
 
     def context_kv(self, context_hidden, context_positions):
         """K/V of context rows alone, every layer [layers, 2, C, kv_heads, head_dim]: the rows `forward` returns as
@@ -179,7 +201,7 @@ class DFlashDrafter(nn.Module):
         rows_rope = self.rotary(torch.cat((context_positions, block_positions)), x.dtype)  # context, then block rows
         block_rope = tuple(table[-blocks:] for table in rows_rope)
         lengths = (draft_cache_length.reshape(1), context_length.reshape(1))
-        key_bias = None if x.is_cuda else self.key_bias(draft_cache.shape[2], ctx.shape[0], blocks, *lengths, x.dtype)
+        key_bias = self.key_bias(draft_cache.shape[2], ctx.shape[0], blocks, *lengths, x.dtype)
         new_kv = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, ctx, block_rope, rows_rope, draft_cache[i], key_bias, lengths)

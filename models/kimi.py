@@ -6,47 +6,32 @@
          new_latent_kv [L, T, D] (the input tokens' latent rows: an output, never written into the cache),
          taps [T, len(tap_layers) * hidden] (outputs of the drafter's target layers, in tap order)
 
-Batch 1. Which attention form and which collectives run is fixed at construction (`attention_cls`, `ops`).
+Batch 1. Every operator form (attention, MoE, norms, collectives) is fixed at construction by `ops`
+(`models/ops.py`), chosen by the rank factory.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from models.config import TargetConfig
-from models.layers import GatedMLP, RMSNorm, VocabParallelEmbedding, VocabParallelHead
-from models.mla import AbsorbedMLA, ExpandedMLA
-from models.moe import MoE
+from models.layers import GatedMLP, VocabParallelEmbedding, VocabParallelHead
+from models.ops import ModelOps
 from models.rope import Rotary
-
-ATTENTION_FORMS = {"absorbed": AbsorbedMLA, "expanded": ExpandedMLA}
-
-
-@dataclass
-class ModelOps:
-    """The pluggable operators: tree attention (reference, ONNX op, GPU kernel), the collectives, and the MoE
-    form (gathered experts for export and CPUs, grouped GEMM on GPUs)."""
-
-    tree_attention: Callable
-    collectives: object
-    moe: type = MoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: TargetConfig, layer_idx: int, attention_cls, ops: ModelOps):
+    def __init__(self, config: TargetConfig, layer_idx: int, ops: ModelOps):
         super().__init__()
         tp = config.mapping.tp_size
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = attention_cls(config, layer_idx, ops.tree_attention)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = ops.mla(config, layer_idx, ops)
+        self.post_attention_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
-            self.mlp = ops.moe(config, layer_idx)
+            self.mlp = ops.moe(config, layer_idx, ops)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp, ops.fused_projections)
         self.collectives = ops.collectives
 
     def forward(self, x, cos, sin, tree_mask, cache, cache_length):
@@ -57,25 +42,17 @@ class DecoderLayer(nn.Module):
 
 
 class KimiTarget(nn.Module):
-    def __init__(self, config: TargetConfig, tap_layers: tuple[int, ...], ops: ModelOps, attention: str = "absorbed"):
+    def __init__(self, config: TargetConfig, tap_layers: tuple[int, ...], ops: ModelOps):
         super().__init__()
-        if attention not in ATTENTION_FORMS:
-            raise ValueError(f"attention must be one of {sorted(ATTENTION_FORMS)}, got {attention!r}")
         self.config, self.tap_layers = config, tuple(tap_layers)
         self.model = nn.Module()
         self.model.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, config.mapping, ops.collectives
         )
-        self.model.layers = nn.ModuleList(
-            DecoderLayer(config, i, ATTENTION_FORMS[attention], ops) for i in range(config.num_hidden_layers)
-        )
-        self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model.layers = nn.ModuleList(DecoderLayer(config, i, ops) for i in range(config.num_hidden_layers))
+        self.model.norm = ops.norm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = VocabParallelHead(config.vocab_size, config.hidden_size, config.mapping, ops.collectives)
         self.rotary = Rotary(config.rope, config.qk_rope_head_dim)
-
-    def prepare_weights(self) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.prepare_weights()
 
     def forward(self, input_ids, positions, tree_mask, latent_cache, cache_length, logit_indices):
         x = self.model.embed_tokens(input_ids)

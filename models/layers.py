@@ -14,24 +14,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused kernel instead of six (models/triton_ops.py)
-            from models.triton_ops import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
 
+class FusedRMSNorm(RMSNorm):
+    """The GPU form: one Triton kernel instead of six (`models/triton_ops.py`), the same roundings."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from models.triton_ops import rms_norm
+
+        return rms_norm(x, self.weight, self.eps)
+
+
 def linear(in_features: int, out_features: int) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False)
 
 
-def gpu_form(x: torch.Tensor) -> bool:
-    """Whether x takes the GPU forms of the fused projections (one GEMM for several weights); the CPU and the ONNX
-    export keep one linear per weight. Tests patch it to run the GPU forms on the CPU."""
-    return x.is_cuda
+def prepare_weights(model: nn.Module) -> None:
+    """Once after loading: every submodule's own `prepare_weights` (MLA's rope rows de-interleaved, projections that
+    run as one GEMM stacked)."""
+    for module in model.modules():
+        if module is not model and callable(getattr(module, "prepare_weights", None)):
+            module.prepare_weights()
 
 
 @torch.no_grad()
@@ -48,24 +55,33 @@ def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP, one rank's column/row slice: the caller all-reduces the output."""
+    """SwiGLU MLP, one rank's column/row slice: the caller all-reduces the output.
 
-    def __init__(self, hidden: int, width: int):
+    `fused` (GPUs): gate and up run as one GEMM over one stacked weight (SGLang's / vLLM's gate_up_proj), stacked by
+    `prepare_weights` after loading; the CPU and the ONNX export keep one linear per weight."""
+
+    def __init__(self, hidden: int, width: int, fused: bool = False):
         super().__init__()
         self.gate_proj = linear(hidden, width)
         self.up_proj = linear(hidden, width)
         self.down_proj = linear(width, hidden)
-        self.register_buffer("gate_up", None, persistent=False)  # `fuse()`: gate and up as one weight
+        self.fused = fused
+        self.register_buffer("gate_up", None, persistent=False)
+        self.gate_and_up = self._fused_gate_and_up if fused else self._gate_and_up
 
-    def fuse(self) -> None:
-        """Once after loading: gate and up projections as one GEMM on GPUs (SGLang's / vLLM's gate_up_proj)."""
-        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
+    def prepare_weights(self) -> None:
+        if self.fused:
+            self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
+
+    def _gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_proj(x), self.up_proj(x)
+
+    def _fused_gate_and_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return F.linear(x, self.gate_up).chunk(2, dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and gpu_form(x):
-            gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_and_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -2,10 +2,11 @@
 
 `ExpandedMLA` (prefill form): per-head keys and values are expanded from the latent rows with kv_b_proj and the
 attention runs over [T, H, qk_head_dim] / [T, H, v_head_dim] (transformers' DeepseekV3Attention).
-`AbsorbedMLA` (decode / verify form): kv_b_proj is folded into the query and the output: per head
-q_latent = q_nope @ W_kc [T, H, kv_lora], the query [q_latent | q_pe] of width latent_dim attends MQA-style to the
-cached latent rows [c_kv | k_pe], and the latent output is projected back with W_vc. This is the form the engines
-use (through the TreeAttention op) because it reads the 576-wide latent cache once for all heads.
+`AbsorbedMLA` (decode / verify form; `InPlaceAbsorbedMLA` is its GPU form): kv_b_proj is folded into the query and
+the output: per head q_latent = q_nope @ W_kc [T, H, kv_lora], the query [q_latent | q_pe] of width latent_dim
+attends MQA-style to the cached latent rows [c_kv | k_pe], and the latent output is projected back with W_vc. This
+is the form the engines use (through the TreeAttention op) because it reads the 576-wide latent cache once for all
+heads.
 
 Both return (partial output of this rank's heads before the o_proj all-reduce, the new latent rows [T, latent_dim]).
 """
@@ -16,23 +17,24 @@ import torch
 from torch import nn
 
 from models.config import TargetConfig
-from models.layers import RMSNorm, linear
-from models.rope import apply_rotary, deinterleave_permutation
+from models.layers import linear
+from models.rope import deinterleave_permutation
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, config: TargetConfig, layer_idx: int, tree_attention):
+    def __init__(self, config: TargetConfig, layer_idx: int, ops):
+        """ops: `models.ops.ModelOps` (the tree attention, norm and rotary forms)."""
         super().__init__()
         c = config
         self.heads, self.nope, self.rope = c.heads_per_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
         self.kv_lora, self.v_dim, self.scale = c.kv_lora_rank, c.v_head_dim, c.softmax_scale
         self.rope_interleave = c.rope_interleave
-        self.tree_attention = tree_attention
+        self.tree_attention, self.apply_rotary = ops.tree_attention, ops.rotary
         self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
-        self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
+        self.q_a_layernorm = ops.norm(c.q_lora_rank, 1e-6)
         self.q_b_proj = linear(c.q_lora_rank, self.heads * c.qk_head_dim)
         self.kv_a_proj_with_mqa = linear(c.hidden_size, c.latent_dim)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = ops.norm(c.kv_lora_rank, 1e-6)
         self.kv_b_proj = linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim))
         self.o_proj = linear(self.heads * self.v_dim, c.hidden_size)
 
@@ -51,10 +53,10 @@ class MultiLatentAttention(nn.Module):
         """x: [T, hidden] -> q_nope [T, H, nope], q_pe [T, H, rope] (rotated), new_kv [T, kv_lora + rope]."""
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(tokens, self.heads, self.nope + self.rope)
-        q_nope, q_pe = q[..., : self.nope], apply_rotary(q[..., self.nope :], cos, sin)
+        q_nope, q_pe = q[..., : self.nope], self.apply_rotary(q[..., self.nope :], cos, sin)
         kv = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv[:, : self.kv_lora])
-        k_pe = apply_rotary(kv[:, self.kv_lora :], cos, sin)
+        k_pe = self.apply_rotary(kv[:, self.kv_lora :], cos, sin)
         return q_nope, q_pe, torch.cat((c_kv, k_pe), dim=-1)
 
     def kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,8 +67,6 @@ class MultiLatentAttention(nn.Module):
 
 class AbsorbedMLA(MultiLatentAttention):
     def forward(self, x, cos, sin, tree_mask, cache, cache_length):
-        if x.is_cuda and self.rope & (self.rope - 1) == 0 and cos.dtype == x.dtype:
-            return self.forward_in_place(x, cos, sin, tree_mask, cache, cache_length)
         q_nope, q_pe, new_kv = self.project(x, cos, sin)
         w_kc, w_vc = self.kv_b_weights()
         q_latent = torch.einsum("thn,hnc->thc", q_nope, w_kc)  # [T, H, kv_lora]
@@ -75,8 +75,16 @@ class AbsorbedMLA(MultiLatentAttention):
         out = torch.einsum("thc,hvc->thv", latent, w_vc)  # [T, H, v_head_dim]
         return self.o_proj(out.reshape(x.shape[0], -1)), new_kv
 
-    def forward_in_place(self, x, cos, sin, tree_mask, cache, cache_length):
-        """`forward` for the GPU (Triton kernels): every result is written where the next op reads it: the
+
+class InPlaceAbsorbedMLA(AbsorbedMLA):
+    @staticmethod
+    def supports(config: TargetConfig) -> bool:
+        """The fused rotary kernel needs a power-of-two rope width."""
+        rope = config.qk_rope_head_dim
+        return rope & (rope - 1) == 0
+
+    def forward(self, x, cos, sin, tree_mask, cache, cache_length):
+        """`AbsorbedMLA.forward` for the GPU (Triton kernels): every result is written where the next op reads it: the
         normalized and rotated latent rows into one [T, latent_dim] buffer, q_nope @ W_kc and the rotated q_pe into
         the two column ranges of the query, the W_vc product straight into the [T, H, v] layout o_proj reads. At
         T > 1 that saves the three copies (two concatenations, one transpose) the plain expressions launch."""

@@ -53,7 +53,7 @@ class Router(nn.Module):
 class MoE(nn.Module):
     """Token-choice MoE by gathering the chosen experts' slices (the exported form)."""
 
-    def __init__(self, config: TargetConfig, layer_idx: int):
+    def __init__(self, config: TargetConfig, layer_idx: int, ops):
         super().__init__()
         experts, hidden = config.n_routed_experts, config.hidden_size
         width = config.moe_intermediate_size // config.mapping.tp_size
@@ -65,7 +65,8 @@ class MoE(nn.Module):
                 "down_proj": StackedExperts(experts, hidden, width),
             }
         )
-        self.shared_experts = GatedMLP(hidden, config.shared_intermediate_size // config.mapping.tp_size)
+        width = config.shared_intermediate_size // config.mapping.tp_size
+        self.shared_experts = GatedMLP(hidden, width, ops.fused_projections)
 
     def _gather(self, projection: str, ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' slices: [T, k, out, in]."""
@@ -87,8 +88,8 @@ class GroupedMoE(MoE):
     many tokens chose it. Static shapes (the group offsets live on the device), so CUDA graphs capture it.
     bf16 only; the weights are the same parameters as `MoE`'s."""
 
-    def __init__(self, config: TargetConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
+    def __init__(self, config: TargetConfig, layer_idx: int, ops):
+        super().__init__(config, layer_idx, ops)
         if not hasattr(torch, "_grouped_mm"):
             raise RuntimeError(f"GroupedMoE needs torch._grouped_mm (torch >= 2.8), this torch is {torch.__version__}")
         self.num_experts = config.n_routed_experts

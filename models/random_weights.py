@@ -41,11 +41,12 @@ def random_rank_models(target_cfg, drafter_cfg, ops, device, dtype: torch.dtype,
     """One rank's target and drafter with random weights, built directly on `device`."""
     from models.dflash import DFlashDrafter
     from models.kimi import KimiTarget
+    from models.layers import prepare_weights
     from models.layout import rank_drafter_shapes, rank_target_shapes
 
     with torch.device("meta"):
         target = KimiTarget(target_cfg, drafter_cfg.target_layer_ids, ops)
-        drafter = DFlashDrafter(drafter_cfg, target_cfg, ops.collectives)
+        drafter = DFlashDrafter(drafter_cfg, target_cfg, ops)
     target_state = router_in_fp32(random_state(rank_target_shapes(target_cfg), seed, device, dtype))
     target.load_state_dict(target_state, strict=True, assign=True)
     drafter_state = random_state(rank_drafter_shapes(drafter_cfg), seed + 1, device, dtype)
@@ -57,5 +58,5 @@ def random_rank_models(target_cfg, drafter_cfg, ops, device, dtype: torch.dtype,
             if isinstance(sub, Rotary):
                 sub.rebuild(device)
         module.eval().requires_grad_(False)
-    drafter.prepare_weights()
+        prepare_weights(module)
     return target, drafter

@@ -64,12 +64,7 @@ class Rotary(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotation. x: [T, ..., dim]; cos, sin: [T, dim]."""
-    if x.is_cuda:  # one fused kernel (models/triton_ops.py)
-        from models.triton_ops import rotary, rotary_supported
-
-        if rotary_supported(x, cos):
-            return rotary(x, cos, sin)
+    """Half-split rotation. x: [T, ..., dim]; cos, sin: [T, dim]. (GPUs: `triton_ops.fused_rotary`.)"""
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

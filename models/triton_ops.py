@@ -95,3 +95,10 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Ten
                            out.stride(0), out.stride(1) if three else 0, rows, HALF=x.shape[-1] // 2,
                            BLOCK_R=triton.next_power_of_2(rows), num_warps=1)  # fmt: skip
     return out
+
+
+def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope.apply_rotary` as one kernel where the kernel takes the layout (`rotary_supported`), else the torch form."""
+    from models.rope import apply_rotary
+
+    return rotary(x, cos, sin) if rotary_supported(x, cos) else apply_rotary(x, cos, sin)

@@ -35,10 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap")
     parser.add_argument("--autoregressive", action="store_true", help="baseline: no drafter, one token per step")
     parser.add_argument(
-        "--device_loop",
-        action="store_true",
-        help="torch backend, greedy: each step (tree build, accept and commit included; or an --autoregressive decode) "
-        "on the device, one graph a step, the next queued behind it",
+        "--loop",
+        choices=["auto", "device", "host"],
+        default="auto",
+        help="device: each greedy step (tree build, accept and commit included; or an --autoregressive decode) as one "
+        "tensor program on the device, one CUDA graph a step, the next queued behind it (torch backend); host: draft, "
+        "tree and acceptance on the host (any backend, sampling); auto (default): device for greedy requests on a "
+        "GPU with the torch backend, else host",
     )
     parser.add_argument("--output_json", type=Path, default=None, help="write token ids and stats (rank 0)")
     parser.add_argument(
@@ -95,7 +98,7 @@ def prepare(args, parser, comm):
     """Every check that needs no collective, on every rank; returns (engine, prompts, tokenizer or None, spec)."""
     from engines.engine_dir import load_engine_dir
     from engines.spec import SpecConfig, check_runtime_spec
-    from runner.backends import default_backend
+    from runner.factory import default_backend
 
     engine = load_engine_dir(args.engine_dir)
     engine.check_world_size(comm.Get_size())
@@ -104,9 +107,9 @@ def prepare(args, parser, comm):
     base = engine.spec
     spec = SpecConfig(base.block_size, args.ddtree_budget or base.budget, args.max_topk or base.max_topk)
     check_runtime_spec(spec, engine.profiles)
-    if args.device_loop and (args.backend != "torch" or args.temperature > 0):
+    if args.loop == "device" and (args.backend != "torch" or args.temperature > 0):
         raise ValueError(
-            f"--device_loop runs greedy steps on the torch backend; got --backend {args.backend}, "
+            f"--loop device runs greedy steps on the torch backend; got --backend {args.backend}, "
             f"--temperature {args.temperature}"
         )
     if comm.Get_rank() != 0:
@@ -129,60 +132,55 @@ def prepare(args, parser, comm):
     return engine, prompts, tokenizer, spec
 
 
-def generate_all(args, ranks, prompts, tokenizer, spec, end_ids, engine) -> list[dict]:
-    from runner.sampling import Sampler, SamplingParams
-    from runner.speculate import generate, generate_autoregressive
+def generate_all(args, generator, prompts, tokenizer, end_ids) -> list[dict]:
+    from runner.sampling import SamplingParams
 
     results = []
     for i, prompt in enumerate(prompts):
-        sampler = Sampler(SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i))
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i)
         if args.streaming:
             print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n", end="", flush=True)
         stream = TextStream(tokenizer) if args.streaming else None
-        if args.device_loop:
-            from runner.device_loop import generate_on_device
-
-            capacity = engine.build_config.max_seq_len
-            result = generate_on_device(ranks, spec, prompt, args.max_output_len, capacity, end_ids, stream,
-                                        autoregressive=args.autoregressive)  # fmt: skip
-        elif args.autoregressive:
-            result = generate_autoregressive(ranks, prompt, args.max_output_len, sampler, end_ids)
-            if stream:
-                stream(result.tokens)
-        else:
-            result = generate(ranks, prompt, args.max_output_len, spec, sampler, end_ids, on_tokens=stream)
+        result = generator.generate(prompt, args.max_output_len, params, end_ids, stream)
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
         if not args.streaming:
             print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n{text}")
         else:
             print()
-        print(format_stats(result, "autoregressive" if args.autoregressive else f"budget={spec.budget}"), flush=True)
+        print(format_stats(result, generator.mode(params)), flush=True)
         results.append(
             {
                 "prompt_ids": prompt,
                 "output_ids": result.tokens,
                 "text": text,
+                "mode": generator.mode(params),
                 "accept_lengths": result.accept_lengths,
                 "target_forwards": result.target_forwards,
                 "seconds": result.seconds,
                 "elapsed": result.elapsed,
+                "prefill_seconds": result.prefill_seconds,
+                "decode_seconds": result.decode_seconds,
+                "decode_tokens_per_s": result.decode_tokens_per_s,
             }
         )
     return results
 
 
-def format_stats(result, label: str) -> str:
+def format_stats(result, mode: str) -> str:
     tokens, elapsed = len(result.tokens), result.elapsed
-    phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     mean = f", mean acceptance length {result.mean_accept_length:.2f}" if result.accept_lengths else ""
+    phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     return (
-        f"[stats {label}] {tokens} tokens, {result.target_forwards} target forwards "
-        f"({result.tokens_per_target_forward:.2f} tokens/forward){mean}, {tokens / elapsed:.1f} tokens/s; "
-        f"time: {phases}"
+        f"[stats {mode}] {tokens} tokens: prefill {result.prefill_seconds * 1e3:.1f} ms; decode {tokens - 1} tokens "
+        f"in {result.decode_seconds * 1e3:.1f} ms = {result.decode_tokens_per_s:.1f} tokens/s (with the prefill "
+        f"{tokens / elapsed:.1f} tokens/s); {result.target_forwards} target forwards "
+        f"({result.tokens_per_target_forward:.2f} tokens/forward){mean}; time: {phases}"
     )
 
 
 def main_on_rank(comm, argv=None) -> int:
+    import time
+
     from runner.mpi import MpiRanks, setup_logging, worker_loop
 
     parser = build_parser()
@@ -202,34 +200,49 @@ def main_on_rank(comm, argv=None) -> int:
                 if message and (r == 0 or message != problems[0]):
                     print(f"error{'' if r == 0 else f' on rank {r}'}: {message}", file=sys.stderr)
         return 2
-    from runner.backends import rank_worker
+    from runner.factory import RankOptions, build_rank
+    from runner.sampling import SamplingParams
 
-    worker = rank_worker(engine, args.backend, rank, comm, spec)
-    if args.device_loop:
-        worker.enable_device_loop(autoregressive=args.autoregressive)
+    started = time.perf_counter()
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    loop = {"device": True, "host": False, "auto": None if params.greedy or args.serve else False}[args.loop]
+    options = RankOptions(args.backend, device_loop=loop, autoregressive=args.autoregressive)
+    worker = build_rank(engine, rank, options, spec, comm=comm)
     if rank != 0:
         worker_loop(worker, comm)
         return 0
-    ranks = MpiRanks(worker, comm)
-    if args.serve:
-        from runner.serve import serve
+    from runner.generator import Generator
 
-        try:
-            serve(ranks, tokenizer, engine, spec, args.backend)
-        finally:
-            ranks.close()
-        return 0
+    ranks = MpiRanks(worker, comm)
     try:
+        generator = Generator(ranks, args.autoregressive)
+        built = time.perf_counter() - started
+        requests = (SamplingParams(), SamplingParams(1.0)) if args.serve else (params,)
+        warm = generator.warm_up(requests)
+        startup = {"build_seconds": built, "warm_up_seconds": warm, "ranks": worker.description}
+        if args.serve:
+            from runner.serve import serve
+
+            serve(generator, tokenizer, engine, spec, args.backend, startup)
+            return 0
+        print(f"mode: {generator.mode(params)}; rank 0: {worker.description}")
+        print(f"startup: ranks built in {built:.2f} s, warm-up (graph capture, compilation) {warm:.2f} s", flush=True)
         target = engine.config["pretrained_config"]["target"]
         end_id = args.end_id if args.end_id is not None else target.get("eos_token_id")
         end_ids = {end_id} if end_id is not None else set()
-        results = generate_all(args, ranks, prompts, tokenizer, spec, end_ids, engine)
+        results = generate_all(args, generator, prompts, tokenizer, end_ids)
     finally:
         ranks.close()
     if args.output_json:
         args.output_json.write_text(
             json.dumps(
-                {"backend": args.backend, "world_size": comm.Get_size(), "spec": spec.to_dict(), "results": results},
+                {
+                    "backend": args.backend,
+                    "world_size": comm.Get_size(),
+                    "spec": spec.to_dict(),
+                    "startup": startup,
+                    "results": results,
+                },
                 indent=1,
             )
         )

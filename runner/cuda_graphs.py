@@ -2,7 +2,8 @@
 captured on first use and replayed after copying each new input *into* its captured buffer (a graph ignores a fresh
 tensor). The caches are the runner's own tensors, captured in place. Prefill profiles run eagerly.
 
-With `record_gaps`, CUDA events around every replay measure how long the GPU waits for the host between graphs.
+With `record_events` (benchmarks' probes), CUDA events around every replay measure how long the GPU waits for the
+host between graphs.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from runner.trt_session import BOUND_IN_PLACE, graph_capturable
 class CudaGraphSession(TorchSession):
     backend = "torch"
 
-    def __init__(self, target, drafter, profiles, io, device: torch.device, record_gaps: bool = False):
+    def __init__(self, target, drafter, profiles, io, device: torch.device, record_events: bool = False):
         super().__init__(target, drafter, profiles, io)
         self.device = device
         self.graphs: dict[str, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = [] if record_gaps else None
+        self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = [] if record_events else None
 
     @torch.no_grad()
     def execute(self, profile, feeds):

@@ -29,18 +29,18 @@ import torch
 from engines.spec import SpecConfig
 from runner.cuda_graphs import capture_graph, timing_event, warm_up
 from runner.device_tree import accept_greedy_device, build_tree_device, top_logprobs
+from runner.probes import Probes
 from runner.speculate import GenerationResult, PhaseTimer, _emit
 
 SLOTS = 2  # steps in flight at most: the one running and the one queued behind it
 
 
 class DeviceLoop:
-    def __init__(self, worker, spec: SpecConfig, use_graph: bool = True, oracle: torch.Tensor | None = None,
-                 autoregressive: bool = False, split_phases: bool = False):  # fmt: skip
-        """worker: a `RankWorker` on the torch backend (its modules and caches are used in place).
-        oracle: optional [N] device tensor, the known continuation (benchmarks): drafts and target choices follow it.
-        split_phases: one graph per phase instead of one per step (benchmarks: events between phases time each).
-        """
+    def __init__(self, worker, spec: SpecConfig, use_graph: bool = True, autoregressive: bool = False,
+                 probes: Probes | None = None):  # fmt: skip
+        """worker: a `RankWorker` on the torch backend (its modules and caches are used in place); use_graph: one
+        CUDA graph a step (else eager, as on CPUs); probes: benchmarks' hooks (`runner/probes.py`), None in
+        production."""
         self.worker, self.spec, self.autoregressive = worker, spec, autoregressive
         self.target = worker.session.modules["target"]
         self.drafter = worker.session.modules["draft"]
@@ -61,16 +61,23 @@ class DeviceLoop:
         self.arange_path = torch.arange(depth + 1, device=device)
         self.decode_mask = torch.ones(1, 1, dtype=torch.bool, device=device)
         self.emitted = torch.zeros(depth + 2, **long)  # tokens (depth + 1 at most), then the count
-        self.oracle, self.prompt_length = oracle, torch.zeros(1, **long)
-        self.phases = [self._decode] if autoregressive else [self._draft, self._tree, self._verify, self._accept]
-        self.use_graph, self.split_phases, self.graphs = use_graph, split_phases, None
+        self.prompt_length = torch.zeros(1, **long)
+        # the phases, in groups: one graph a step holds them all; probes.split_phases captures a graph per group
+        groups = [[self._decode]] if autoregressive else [[self._draft], [self._tree], [self._verify], [self._accept]]
+        probes = probes or Probes()
+        self.oracle = probes.oracle
+        if self.oracle is not None and not autoregressive:  # benchmarks: the real forwards, then the oracle's logits
+            groups[0].append(self._oracle_draft)
+            groups[2].append(self._oracle_choices)
+        self.groups = groups if probes.split_phases else [[phase for group in groups for phase in group]]
+        self.use_graph, self.graphs = use_graph, None
         pinned = device.type == "cuda"
         self.host = [torch.zeros(depth + 2, dtype=torch.long, pin_memory=pinned) for _ in range(SLOTS)]
         self.done = [torch.cuda.Event() for _ in range(SLOTS)] if pinned else None
         self.in_flight: deque[int] = deque()
         self.launched = 0
-        # benchmarks: set to [] to record, per step, an event before the first graph and after each graph
-        self.events: list[tuple] | None = None
+        # probes.record_events: per step, an event before the first graph and after each graph
+        self.events: list[tuple] | None = [] if probes.record_events else None
 
     def prefill_context(self) -> None:
         """The drafter's prefill: the pending context (the prompt's, after the target's prefill) goes into the draft
@@ -102,7 +109,6 @@ class DeviceLoop:
 
     def _draft(self) -> None:
         """Draft: [bonus, mask x (block - 1)] attending to the cached and the new context rows."""
-        depth = self.spec.draft_depth
         block_ids = torch.cat((self.bonus, self.masks))
         positions = self.num_cached + self.arange_block
         context_positions = self.num_cached - self.context_count + self.arange_block
@@ -110,9 +116,6 @@ class DeviceLoop:
                                                     positions, self.cache.draft, self.num_drafted)  # fmt: skip
         self.cache.draft.index_copy_(2, self.num_drafted + self.arange_block, new_context_kv)
         self.num_drafted += self.context_count
-        if self.oracle is not None:  # benchmarks: a drafter that knows the continuation
-            ahead = self._oracle_tokens(self.arange_block[:depth] + 1)
-            draft_logits = torch.zeros_like(draft_logits).scatter_(1, ahead[:, None], 30.0)
         self.draft_logits = draft_logits
 
     def _tree(self) -> None:
@@ -125,7 +128,7 @@ class DeviceLoop:
         tokens, _, depths, mask, _ = self.tree
         logits, self.new_kv, self.taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent,
                                                      self.num_cached, self.arange_rows)  # fmt: skip
-        self.choices = logits.argmax(dim=-1) if self.oracle is None else self._oracle_tokens(depths + 1)
+        self.choices = logits.argmax(dim=-1)
 
     def _accept(self) -> None:
         """The longest path of the target's own choices; its end's choice is the next bonus. Commits the path's rows
@@ -146,12 +149,21 @@ class DeviceLoop:
         """Autoregressive: the bonus token's forward, its KV committed, the greedy next token."""
         logits, new_kv, _ = self.target(self.bonus, self.num_cached, self.decode_mask, self.cache.latent,
                                         self.num_cached, self.arange_rows)  # fmt: skip
-        token = logits.argmax(dim=-1) if self.oracle is None else self._oracle_tokens(self.arange_rows + 1)
+        token = logits.argmax(dim=-1)
         self.cache.latent.index_copy_(1, self.num_cached, new_kv)
         self.num_cached += 1
         self.emitted[:1].copy_(token)
         self.emitted[-1:].copy_(self.decode_mask.reshape(1))
         self.bonus.copy_(token)
+
+    # --- benchmarks' oracle (probes.oracle): after the real forward, logits that follow the known continuation ---
+
+    def _oracle_draft(self) -> None:
+        ahead = self._oracle_tokens(self.arange_block[: self.spec.draft_depth] + 1)
+        self.draft_logits = torch.zeros_like(self.draft_logits).scatter_(1, ahead[:, None], 30.0)
+
+    def _oracle_choices(self) -> None:
+        self.choices = self._oracle_tokens(self.tree[2] + 1)  # every node's choice: the token one past its depth
 
     def _oracle_tokens(self, ahead: torch.Tensor) -> torch.Tensor:
         index = (self.num_cached - self.prompt_length + ahead).clamp(0, self.oracle.shape[0] - 1)
@@ -166,7 +178,8 @@ class DeviceLoop:
         slot = self.launched % SLOTS
         self.launched += 1
         if not self.use_graph:
-            _run(self.phases)
+            for group in self.groups:
+                _run(group)
             self.host[slot].copy_(self.emitted)
         else:
             if self.graphs is None:
@@ -208,15 +221,14 @@ class DeviceLoop:
     def _capture(self) -> None:
         state = (self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context)
         saved = [t.clone() for t in state]
-        warm_up(lambda: _run(self.phases), self.device)
+        warm_up(lambda: [_run(group) for group in self.groups], self.device)
         for tensor, before in zip(state, saved):
             tensor.copy_(before)  # the warm-up must not count as a step
         # garbage holding CUDA resources (pinned memory, events) must not be freed while a stream captures: a
         # collection that happens to run mid-capture invalidates the capture (torch no longer collects on entry)
         gc.collect()
         pool = torch.cuda.graph_pool_handle()
-        groups = [[phase] for phase in self.phases] if self.split_phases else [self.phases]
-        self.graphs = [capture_graph(lambda g=group: _run(g), self.device, warmups=0, pool=pool)[0] for group in groups]
+        self.graphs = [capture_graph(lambda g=g: _run(g), self.device, warmups=0, pool=pool)[0] for g in self.groups]
 
 
 def _run(phases) -> None:
@@ -225,8 +237,8 @@ def _run(phases) -> None:
 
 
 def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_tokens: int, capacity: int,
-                       end_ids: set[int] = frozenset(), on_tokens=None,
-                       autoregressive: bool = False) -> GenerationResult:  # fmt: skip
+                       end_ids: set[int] = frozenset(), on_tokens=None, autoregressive: bool = False,
+                       stop_sequences: tuple[tuple[int, ...], ...] = ()) -> GenerationResult:  # fmt: skip
     """Greedy generation with device steps, one queued behind the one collected; the prefill runs on the host loop.
     Every rank's worker must have called `enable_device_loop` (with the same `autoregressive`)."""
     from runner.sampling import Sampler, SamplingParams
@@ -241,7 +253,7 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
             engine.device_prefill_context()
         first = greedy.choose(logits)
     result.target_forwards = 1
-    _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, on_tokens=on_tokens)
+    _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, stop_sequences, on_tokens)
     if not finished:
         with timer("device_load"):
             engine.device_load(result.tokens[-1], len(prompt))
@@ -262,7 +274,7 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
         in_flight -= 1
         result.target_forwards += 1
         result.accept_lengths.append(len(step_tokens))
-        _, finished = _emit(result.tokens, step_tokens, max_new_tokens, end_ids, on_tokens=on_tokens)
+        _, finished = _emit(result.tokens, step_tokens, max_new_tokens, end_ids, stop_sequences, on_tokens)
     for _ in range(in_flight):  # a step launched past the end: its tokens are not the request's
         engine.device_collect()
     result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start

@@ -34,7 +34,7 @@ def setup_logging(rank: int, level: str = "INFO") -> None:
 
 class MpiRanks(Ranks):
     def __init__(self, worker, comm):
-        self.worker, self.comm = worker, comm
+        self.worker, self.comm, self.lead = worker, comm, worker
 
     def call(self, method: str, *args):
         self.comm.bcast((method, args), root=0)

@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 class Ranks:
-    """The engine as the speculative loop sees it."""
+    """The engine as the speculative loop sees it. `lead`: rank 0's own worker (its spec, caches, device loop)."""
+
+    lead = None
 
     def call(self, method: str, *args):
         raise NotImplementedError
@@ -52,7 +54,7 @@ class Ranks:
 
 class LocalRanks(Ranks):
     def __init__(self, workers: list, group=None):
-        self.workers, self.group = workers, group
+        self.workers, self.group, self.lead = workers, group, workers[0]
         self._pool = ThreadPoolExecutor(max_workers=len(workers)) if len(workers) > 1 else None
 
     def call(self, method: str, *args):

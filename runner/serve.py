@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import sys
 
-from runner.sampling import Sampler, SamplingParams
-from runner.speculate import check_request, generate
+from runner.sampling import SamplingParams
+from runner.speculate import check_request
 
 REQUEST_FIELDS = {
     "id",
@@ -70,7 +70,8 @@ class Request:
         self.banned = tuple(banned)
 
 
-def serve(ranks, tokenizer, engine, spec, backend: str, inp=None, out=None) -> None:
+def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None = None, inp=None, out=None) -> None:
+    """generator: rank 0's `runner.generator.Generator` (it picks the device loop for greedy requests on GPUs)."""
     inp, out = inp or sys.stdin, out or sys.stdout
 
     def send(event: dict) -> None:
@@ -86,6 +87,9 @@ def serve(ranks, tokenizer, engine, spec, backend: str, inp=None, out=None) -> N
             "spec": spec.to_dict(),
             "max_input_len": engine.build_config.max_input_len,
             "max_seq_len": engine.build_config.max_seq_len,
+            "mode": generator.mode(),
+            "sampled_mode": generator.mode(SamplingParams(1.0)),
+            "startup": startup or {},
         }
     )
     for line in inp:
@@ -111,15 +115,14 @@ def serve(ranks, tokenizer, engine, spec, backend: str, inp=None, out=None) -> N
             printed[0] += len(delta)
             send({"id": request.id, "event": "tokens", "text": delta, "output_ids": new, "accept_length": len(new)})
 
-        result = generate(
-            ranks,
+        result = generator.generate(
             request.prompt,
             request.max_tokens,
-            spec,
-            Sampler(request.params, request.banned),
+            request.params,
             request.end_ids,
             on_tokens,
             request.stop_sequences,
+            request.banned,
         )
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
         if len(text) > printed[0]:  # text held back for a partial character

@@ -55,6 +55,22 @@ class GenerationResult:
     def tokens_per_target_forward(self) -> float:
         return len(self.tokens) / self.target_forwards if self.target_forwards else 0.0
 
+    @property
+    def prefill_seconds(self) -> float:
+        """Time to the first token: the prompt's forward (and the drafter's prefill) and the first choice."""
+        return self.seconds.get("prefill", 0.0)
+
+    @property
+    def decode_seconds(self) -> float:
+        """Everything after the first token: the steps that emit the other tokens."""
+        return self.elapsed - self.prefill_seconds
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first over the time after the first token (the steady decode rate)."""
+        decoded = len(self.tokens) - 1
+        return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
+
 
 def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: int, timer: PhaseTimer) -> StepResult:
     """One DDTree round from the last committed token `bonus` (already emitted, not yet in the target cache)."""
@@ -146,8 +162,15 @@ def generate(
 
 
 def generate_autoregressive(
-    engine: Ranks, prompt: list[int], max_new_tokens: int, sampler: Sampler, end_ids: set[int] = frozenset()
+    engine: Ranks,
+    prompt: list[int],
+    max_new_tokens: int,
+    sampler: Sampler,
+    end_ids: set[int] = frozenset(),
+    on_tokens: Callable[[list[int]], None] | None = None,
+    stop_sequences: tuple[tuple[int, ...], ...] = (),
 ) -> GenerationResult:
+    """The baseline (and the lossless oracle): one target forward a token."""
     timer, start = PhaseTimer(), time.perf_counter()
     result = GenerationResult(prompt=list(prompt), tokens=[])
     engine.reset()
@@ -155,7 +178,7 @@ def generate_autoregressive(
         logits = engine.prefill(list(prompt))
     finished = False
     while not finished:
-        _, finished = _emit(result.tokens, sampler.choose(logits), max_new_tokens, end_ids)
+        _, finished = _emit(result.tokens, sampler.choose(logits), max_new_tokens, end_ids, stop_sequences, on_tokens)
         result.target_forwards += 1
         if not finished:
             with timer("decode"):

@@ -31,6 +31,8 @@ class RankWorker:
         draft = (drafter_cfg.num_hidden_layers, 2, capacity, drafter_cfg.kv_heads_per_rank, drafter_cfg.head_dim)
         self.cache = SequenceCache(latent, draft, dtype, self.device)
         self._pending: dict[str, torch.Tensor] = {}
+        self.loop = None  # `enable_device_loop`
+        self.description = session.backend  # what the rank runs, in words (set by the rank factory)
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
         """Small step inputs stay on the host: a session copies each one once into its own (device) buffer."""
@@ -50,7 +52,7 @@ class RankWorker:
         )
 
     def reset(self) -> None:
-        if getattr(self, "loop", None) is not None:
+        if self.loop is not None:
             self.loop.discard()  # steps still in flight (a request that failed mid-way) must not write later
         self.cache.reset()
         self._pending = {}
@@ -101,15 +103,16 @@ class RankWorker:
         self._pending = out
         return out["logits"]
 
-    def enable_device_loop(self, oracle=None, autoregressive: bool = False, split_phases: bool = False) -> None:
-        """Runs later greedy steps as one tensor program (a CUDA graph on GPUs): `runner/device_loop.py`."""
+    def enable_device_loop(self, autoregressive: bool = False, probes=None) -> None:
+        """Runs later greedy steps as one tensor program (a CUDA graph on GPUs): `runner/device_loop.py`. The rank
+        factory calls it; `probes` are benchmarks' hooks (`runner/probes.py`)."""
         from runner.device_loop import DeviceLoop
 
         self.close()  # the previous loop's graphs and pinned slots go now, not whenever the garbage collector runs
-        self.loop = DeviceLoop(self, self.spec, self.device.type == "cuda", oracle, autoregressive, split_phases)
+        self.loop = DeviceLoop(self, self.spec, self.device.type == "cuda", autoregressive, probes)
 
     def close(self) -> None:
-        if getattr(self, "loop", None) is not None:
+        if self.loop is not None:
             self.loop.close()
             self.loop = None
 

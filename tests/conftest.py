@@ -43,6 +43,15 @@ def demo_ckpt(demo_hf, tmp_path_factory):
     return get
 
 
+def cpu_ranks(checkpoint_dir: Path, spec, build, **options):
+    """Every rank of a converted checkpoint in this process on the CPU, through the rank factory (the reference
+    the tests compare against); `options`: more `RankOptions` fields (device_loop, autoregressive, probes)."""
+    from runner.factory import CheckpointWeights, RankOptions, local_ranks
+
+    settings = {"device": "cpu", "device_loop": False, **options}
+    return local_ranks(CheckpointWeights(checkpoint_dir), RankOptions(**settings), spec, build)
+
+
 def copy_checkpoint(src: Path, dst: Path, config_update: dict | None = None) -> Path:
     shutil.copytree(src, dst)
     if config_update:

@@ -7,20 +7,21 @@ import pytest
 
 from engines.spec import BuildConfig, SpecConfig
 from runner.device_loop import generate_on_device
+from runner.probes import Probes
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate_autoregressive
-from runner.torch_engine import local_torch_engine
+from tests.conftest import cpu_ranks
 
 # a prompt shorter than a block (its context rides in the first draft), longer (committed to the draft cache first,
 # `DeviceLoop.load`), and longer than two 16-token blocks
+BUILD = BuildConfig(max_input_len=64, max_seq_len=512)
 PROMPTS = [[5, 77, 300, 12, 480, 33, 250], [200, 201, 9, 88, 17, 400, 402, 300, 11, 63, 5], list(range(40, 440, 11))]
 
 
 @pytest.mark.parametrize(("block_size", "budget", "max_topk"), [(8, 32, None), (8, 7, 1), (8, 4, None), (16, 64, 4)])
 def test_device_loop_equals_autoregressive(demo_ckpt, block_size, budget, max_topk):
     spec = SpecConfig(block_size, budget, max_topk)
-    engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
-    engine.workers[0].enable_device_loop()
+    engine = cpu_ranks(demo_ckpt(1), spec, BUILD, device_loop=True)
     for prompt in PROMPTS:
         expected = generate_autoregressive(engine, prompt, 96, Sampler(SamplingParams())).tokens
         result = generate_on_device(engine, spec, prompt, 96, capacity=512)
@@ -33,9 +34,10 @@ def test_device_loop_with_an_oracle_accepts_whole_blocks(demo_ckpt):
     import torch
 
     spec = SpecConfig(8, 32)
-    engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
+    engine = cpu_ranks(demo_ckpt(1), spec, BUILD)
     expected = generate_autoregressive(engine, PROMPTS[0], 80, Sampler(SamplingParams())).tokens
-    engine.workers[0].enable_device_loop(oracle=torch.tensor(expected))
+    engine.close()
+    engine = cpu_ranks(demo_ckpt(1), spec, BUILD, device_loop=True, probes=Probes(oracle=torch.tensor(expected)))
     result = generate_on_device(engine, spec, PROMPTS[0], 80, capacity=512)
     assert result.tokens == expected
     assert result.accept_lengths[:-1] == [8] * (len(result.accept_lengths) - 1)  # every step, the first too
@@ -44,8 +46,7 @@ def test_device_loop_with_an_oracle_accepts_whole_blocks(demo_ckpt):
 
 def test_autoregressive_device_loop_equals_host_decoding(demo_ckpt):
     spec = SpecConfig(8, 32)
-    engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
-    engine.workers[0].enable_device_loop()
+    engine = cpu_ranks(demo_ckpt(1), spec, BUILD, device_loop=True)
     first = engine.workers[0].loop
     generate_on_device(engine, spec, PROMPTS[0], 20, capacity=512)
     # a new loop closes the old one at once (its graphs and pinned slots must not wait for the garbage collector,
@@ -63,8 +64,7 @@ def test_steps_launched_past_the_end_are_discarded(demo_ckpt):
     """An end token or max_new_tokens ends a request while a step is queued behind it: the output stops there and
     the next request on the same engine is unaffected."""
     spec = SpecConfig(8, 32)
-    engine = local_torch_engine(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512))
-    engine.workers[0].enable_device_loop()
+    engine = cpu_ranks(demo_ckpt(1), spec, BUILD, device_loop=True)
     expected = generate_autoregressive(engine, PROMPTS[1], 80, Sampler(SamplingParams())).tokens
     end = expected[40]
     stop = expected.index(end)

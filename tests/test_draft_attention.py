@@ -84,8 +84,8 @@ def test_drafter_with_the_kernel_equals_the_torch_form_under_the_interpreter(dem
         import torch
         from models.dflash import DraftAttention
         from models.draft_attention_kernel import draft_attention_cuda
-        from models.kimi import ModelOps
         from models.loader import load_rank_models
+        from models.ops import ModelOps
         from models.parallel import SingleRank
         from plugins.tree_attention.reference import tree_attention
         _, _, drafter = load_rank_models({str(demo_ckpt(1))!r}, 0, ModelOps(tree_attention, SingleRank()))

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from models.kimi import ModelOps
 from models.loader import load_rank_models
+from models.mla import AbsorbedMLA, ExpandedMLA
+from models.ops import ModelOps
 from models.parallel import SingleRank, ThreadGroup
 from plugins.tree_attention.reference import tree_attention
 
@@ -24,8 +25,13 @@ def hf_model(demo_hf):
     return transformers.DeepseekV3ForCausalLM.from_pretrained(demo_hf / "kimi-k2-tiny", dtype=torch.float32).eval()
 
 
-def _target(ckpt, rank=0, collectives=None, attention="absorbed"):
-    return load_rank_models(ckpt, rank, ModelOps(tree_attention, collectives or SingleRank()), attention)
+MLA_FORMS = {"absorbed": AbsorbedMLA, "expanded": ExpandedMLA}
+
+
+def _target(ckpt, rank=0, collectives=None, attention="absorbed", fused=False):
+    """fused: the GPU forms of the projections (q/k/v and gate/up each one GEMM over a stacked weight), on the CPU."""
+    ops = ModelOps(tree_attention, collectives or SingleRank(), mla=MLA_FORMS[attention], fused_projections=fused)
+    return load_rank_models(ckpt, rank, ops)
 
 
 def _prefill_inputs(config, tokens, capacity=64):
@@ -108,15 +114,11 @@ def test_tp_ranks_match_tp1(demo_ckpt, tp_size):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_context_kv_is_the_context_rows_of_a_draft(demo_ckpt, fused, monkeypatch):
+def test_context_kv_is_the_context_rows_of_a_draft(demo_ckpt, fused):
     """`context_kv` (the device loop commits a prompt's context with it) gives the K/V rows a draft returns for the
     same context, and drafting after committing them gives the draft of the longer context (fused: the GPU forms of
     the projections, on the CPU)."""
-    if fused:
-        from models import layers
-
-        monkeypatch.setattr(layers, "gpu_form", lambda x: True)
-    config, _, drafter = _target(demo_ckpt(1))
+    config, _, drafter = _target(demo_ckpt(1), fused=fused)
     d = config.drafter
     context, positions, _, block, block_positions, cache, cache_length = _draft_inputs(config, seed=2)(
         d.num_key_value_heads
@@ -156,18 +158,14 @@ def _draft_inputs(config, seed):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_drafter_matches_zlab_structured_reference(demo_hf, demo_ckpt, fused, monkeypatch):
+def test_drafter_matches_zlab_structured_reference(demo_hf, demo_ckpt, fused):
     """An independent implementation from transformers' Qwen3 blocks, following z-lab dflash/model.py. fused: the
     GPU forms of the projections, here on the CPU: q/k/v and gate/up each one GEMM over a stacked weight (the GPU
     attention kernel in the drafter: tests/test_draft_attention.py)."""
-    if fused:
-        from models import layers
-
-        monkeypatch.setattr(layers, "gpu_form", lambda x: True)
     from safetensors.torch import load_file
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Config, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-    config, _, drafter = _target(demo_ckpt(1))
+    config, _, drafter = _target(demo_ckpt(1), fused=fused)
     raw = json.loads((demo_hf / "kimi-k2-tiny-dflash" / "config.json").read_text())
     qcfg = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "dflash_config")})
     w = load_file(str(demo_hf / "kimi-k2-tiny-dflash" / "model.safetensors"))

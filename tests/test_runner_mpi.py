@@ -9,8 +9,7 @@ from engines.spec import BuildConfig, SpecConfig
 from runner.cli import load_tokenizer
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate_autoregressive
-from runner.torch_engine import local_torch_engine
-from tests.conftest import ENGINE_LIMITS, mpirun
+from tests.conftest import ENGINE_LIMITS, cpu_ranks, mpirun
 
 PROMPTS = ["Hello world! Speculative decoding", "The quick brown fox jumps"]
 pytestmark = pytest.mark.mpi
@@ -41,7 +40,7 @@ def run(np_, engine, tmp_path, *extra, prompts=PROMPTS, max_output_len=48):
 def reference(demo_ckpt, demo_engine):
     """Single-process torch autoregressive greedy output (TP=1 checkpoint of the same model)."""
     tokenizer = load_tokenizer(demo_engine(2) / "tokenizer", 512)
-    engine = local_torch_engine(demo_ckpt(1), SpecConfig(8, 32), BuildConfig(**ENGINE_LIMITS))
+    engine = cpu_ranks(demo_ckpt(1), SpecConfig(8, 32), BuildConfig(**ENGINE_LIMITS))
     outputs = []
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt).ids
@@ -57,8 +56,11 @@ def test_greedy_equals_single_process_reference(demo_engine, reference, tmp_path
     assert done.returncode == 0, done.stderr
     assert out["world_size"] == np_ and out["backend"] == "ort"
     assert [r["output_ids"] for r in out["results"]] == reference
-    assert "[stats budget=32]" in done.stdout and "mean acceptance length" in done.stdout
-    assert "tokens/s; time: prefill" in done.stdout and "verify" in done.stdout
+    assert "mode: DDTree budget 32 (block 8), host loop" in done.stdout
+    assert "[stats DDTree budget 32 (block 8), host loop]" in done.stdout
+    assert "tokens/s (with the prefill" in done.stdout
+    assert "mean acceptance length" in done.stdout
+    assert "; time: prefill" in done.stdout and "verify" in done.stdout
     assert done.stdout.count("--- prompt") == 2
 
 
@@ -110,17 +112,17 @@ def test_tokenizer_larger_than_the_vocab_is_refused(demo_engine):
 
 
 def test_device_loop_under_mpirun_equals_the_reference(demo_engine, reference, tmp_path):
-    """--device_loop: the speculative step (tree build, walk and commit as tensor ops) and, with --autoregressive, the
+    """--loop device: the speculative step (tree build, walk and commit as tensor ops) and, with --autoregressive, the
     decode step on every rank (torch backend, MPI collectives), each with the next step queued behind it."""
     for extra in ([], ["--autoregressive"]):
         out = tmp_path / "device.json"
-        args = ["-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "torch", "--device_loop",
+        args = ["-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "torch", "--loop", "device",
                 "--max_output_len", "48", "--output_json", str(out), *extra]  # fmt: skip
         for prompt in PROMPTS:
             args += ["--input_text", prompt]
         done = mpirun(2, *args)
         assert done.returncode == 0, done.stderr
         assert [r["output_ids"] for r in json.loads(out.read_text())["results"]] == reference, extra
-    refused = mpirun(2, "-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "ort", "--device_loop",
+    refused = mpirun(2, "-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "ort", "--loop", "device",
                      "--input_text", "x")  # fmt: skip
-    assert refused.returncode == 2 and "--device_loop runs greedy steps on the torch backend" in refused.stderr
+    assert refused.returncode == 2 and "--loop device runs greedy steps on the torch backend" in refused.stderr

@@ -7,7 +7,7 @@ import torch
 from engines.spec import BuildConfig, SpecConfig
 from runner.sampling import Sampler, SamplingParams, sampling_probs
 from runner.speculate import check_request, generate, generate_autoregressive
-from runner.torch_engine import local_torch_engine
+from tests.conftest import cpu_ranks
 from tests.oracle import TargetDraftRanks
 
 transformers = pytest.importorskip("transformers")
@@ -28,7 +28,7 @@ def engines(demo_ckpt):
     def get(block_size, budget, max_topk=None):
         key = (block_size, budget, max_topk)
         if key not in made:
-            made[key] = local_torch_engine(demo_ckpt(1), SpecConfig(block_size, budget, max_topk), BUILD)
+            made[key] = cpu_ranks(demo_ckpt(1), SpecConfig(block_size, budget, max_topk), BUILD)
         return made[key]
 
     yield get

@@ -59,18 +59,20 @@ def test_fused_norm_and_rotary_equal_the_torch_expressions():
 
 
 def test_in_place_absorbed_attention_equals_the_plain_expressions():
-    """AbsorbedMLA.forward_in_place (the GPU form: results written into column ranges and the o_proj layout) equals
+    """InPlaceAbsorbedMLA (the GPU form: results written into column ranges and the o_proj layout) equals
     forward's concatenations and einsums, at one token and at a tree of several."""
     pytest.importorskip("triton")
     done = run_interpreted("""
         import torch
-        from benchmarks.gpu_runtime import scaled_models
-        from models.mla import AbsorbedMLA
+        from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
+        from models.ops import ModelOps
+        from models.parallel import SingleRank
+        from models.presets import preset
         from models.rope import Rotary
         from plugins.tree_attention.kernel import tree_attention_cuda
-        target, _ = scaled_models("kimi-rank", smoke=True)
+        target = preset("kimi-rank", smoke=True).target
         gen = torch.Generator().manual_seed(0)
-        mla = AbsorbedMLA(target, 0, tree_attention_cuda)
+        mla = AbsorbedMLA(target, 0, ModelOps(tree_attention_cuda, SingleRank()))
         with torch.no_grad():
             for p in mla.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5 + (1 if p.dim() == 1 else 0))
@@ -85,7 +87,7 @@ def test_in_place_absorbed_attention_equals_the_plain_expressions():
             mask[-1, 1:-1] = False  # a branch
             args = (x, cos, sin, mask, cache, torch.tensor([23]))
             with torch.no_grad():
-                (want, want_kv), (got, got_kv) = mla(*args), mla.forward_in_place(*args)
+                (want, want_kv), (got, got_kv) = mla(*args), InPlaceAbsorbedMLA.forward(mla, *args)
             assert got.shape == want.shape and got_kv.shape == want_kv.shape
             for a, b in ((got, want), (got_kv, want_kv)):
                 worst = max(worst, float((a - b).norm() / b.norm()))

@@ -1,0 +1,270 @@
+"""One place assembles a rank, for every caller: the CLI and `--serve` (so the Triton model), the benchmarks, the ONNX
+check and the tests. A benchmark number therefore describes the program users launch.
+
+The hardware choices are made here, once:
+- torch backend on CUDA: the GPU form of every operator (`gpu_ops`: the TreeAttention and drafter attention kernels,
+  grouped-GEMM MoE in bf16, fused RMSNorm and rotary, the in-place absorbed MLA, q/k/v and gate/up as one GEMM
+  each), NCCL between ranks, one CUDA graph per fixed-shape profile (`CudaGraphSession`) and the device loop (a
+  greedy step as one CUDA graph, `device_loop.py`);
+- torch backend on CPUs: the reference forms, MPI (or threads of one process) between ranks, eager sessions;
+- ort / trt: the engine directory's ONNX graphs under ONNX Runtime, or its TensorRT engines.
+
+Weights come from an engine directory (its checkpoint), a converted checkpoint (`CheckpointWeights`) or a named
+preset with random weights built on the device (`PresetWeights`, `models/presets.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from engines.engine_dir import EngineDir
+from engines.io import engine_io
+from engines.spec import BuildConfig, SpecConfig, check_runtime_spec, derive_profiles
+from models.checkpoint import CheckpointConfig, load_checkpoint_config
+from models.ops import ModelOps
+from models.presets import Preset, preset
+from runner.probes import Probes
+from runner.ranks import LocalRanks
+from runner.worker import RankWorker
+
+log = logging.getLogger("ddtree.runner")
+BACKENDS = ("trt", "ort", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """How to run a rank. backend: trt | ort | torch. device (torch backend): auto (CUDA where a GPU exists), cpu,
+    cuda. device_loop: greedy steps as one tensor program a step (None: on CUDA, where it is one graph a step).
+    autoregressive: the device loop decodes one token a step (the baseline) instead of speculating. probes:
+    benchmarks' hooks (`runner/probes.py`), None for users."""
+
+    backend: str = "torch"
+    device: str = "auto"
+    device_loop: bool | None = None
+    autoregressive: bool = False
+    probes: Probes | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.device_loop and self.backend != "torch":
+            raise ValueError(f"the device loop runs on the torch backend; got backend={self.backend!r}")
+
+
+class CheckpointWeights:
+    """A converted TP-N checkpoint directory (`build-engine convert`, or an engine directory's `checkpoint/`)."""
+
+    standalone_rank = False
+
+    def __init__(self, checkpoint_dir: Path):
+        self.path = Path(checkpoint_dir)
+        self.config = load_checkpoint_config(self.path)
+        self.tp_size, self.dtype = self.config.tp_size, getattr(torch, self.config.dtype)
+
+    def rank_configs(self, rank: int):
+        return self.config.rank_configs(rank)
+
+    def models(self, rank: int, ops: ModelOps, device: torch.device):
+        from models.loader import load_rank_models
+
+        _, target, drafter = load_rank_models(self.path, rank, ops, device)
+        return target, drafter
+
+
+class PresetWeights:
+    """A named preset (`models/presets.py`) with random weights from a fixed seed, built directly on the device.
+    Ranks built again with other options (a different spec, the device loop or not) share the modules of the same
+    rank, forms and device."""
+
+    def __init__(self, model: Preset | str, dtype: torch.dtype = torch.bfloat16, seed: int = 3, smoke: bool = False):
+        self.preset = preset(model, smoke) if isinstance(model, str) else model
+        self.dtype, self.seed = dtype, seed
+        self.standalone_rank = self.preset.standalone_rank
+        self.tp_size = 1 if self.standalone_rank else self.preset.target.mapping.tp_size
+        self._built: dict = {}
+
+    def rank_configs(self, rank: int):
+        from models.mapping import Mapping
+
+        target, drafter = self.preset.target, self.preset.drafter
+        if self.standalone_rank:
+            return target, drafter
+        mapping = Mapping(self.tp_size, rank, self.tp_size)
+        return target.for_rank(mapping), drafter.for_rank(mapping)
+
+    def models(self, rank: int, ops: ModelOps, device: torch.device):
+        from models.random_weights import random_rank_models
+
+        forms = tuple(getattr(ops, f.name) for f in fields(ops) if f.name != "collectives")
+        key = (rank, str(device), forms)
+        if key not in self._built:
+            self._built[key] = random_rank_models(*self.rank_configs(rank), ops, device, self.dtype, self.seed)
+        return self._built[key]
+
+
+def default_backend() -> str:
+    """trt where full TensorRT imports and a GPU exists, else ort."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return "ort"
+    return "trt" if torch.cuda.is_available() else "ort"
+
+
+def cpu_ops(collectives) -> ModelOps:
+    """The reference forms (CPUs): the torch TreeAttention, gathered MoE, plain norms, one linear per weight."""
+    from plugins.tree_attention.reference import tree_attention
+
+    return ModelOps(tree_attention, collectives)
+
+
+def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
+    """The GPU forms: the Triton TreeAttention and drafter kernels, grouped-GEMM MoE (bf16; the gathered experts
+    otherwise), fused RMSNorm and rotary, the in-place absorbed MLA, q/k/v and gate/up as one GEMM each."""
+    from models.dflash import KernelDraftAttention
+    from models.layers import FusedRMSNorm
+    from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
+    from models.moe import GroupedMoE, MoE
+    from models.triton_ops import fused_rotary
+    from plugins.tree_attention.kernel import tree_attention_cuda
+
+    return ModelOps(
+        tree_attention=tree_attention_cuda,
+        collectives=collectives,
+        moe=GroupedMoE if dtype == torch.bfloat16 else MoE,
+        mla=InPlaceAbsorbedMLA if InPlaceAbsorbedMLA.supports(target_cfg) else AbsorbedMLA,
+        norm=FusedRMSNorm,
+        rotary=fused_rotary,
+        draft_attention=KernelDraftAttention,
+        fused_projections=True,
+    )
+
+
+def model_ops(device: torch.device, collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
+    return gpu_ops(collectives, target_cfg, dtype) if device.type == "cuda" else cpu_ops(collectives)
+
+
+def rank_device(options: RankOptions, rank: int) -> torch.device:
+    """trt: this rank's GPU; ort: the CPU; torch: as `options.device` says (auto: CUDA where a GPU exists)."""
+    cuda = options.backend == "trt" or (options.backend == "torch" and options.device != "cpu")
+    if cuda and not torch.cuda.is_available():
+        if options.device == "auto" and options.backend == "torch":
+            return torch.device("cpu")
+        raise ValueError(f"backend={options.backend!r} device={options.device!r} needs a CUDA GPU; none is visible")
+    if not cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def rank_collectives(device: torch.device, weights, rank: int, comm=None, group=None):
+    """Threads of one process (`group`), MPI ranks (`comm`: NCCL on GPUs, MPI on CPUs), or one rank alone."""
+    from models.parallel import SingleRank
+
+    if group is not None:
+        return group.member(rank)
+    if weights.standalone_rank or weights.tp_size == 1:
+        return SingleRank()
+    if comm is None:
+        raise ValueError(f"tp_size={weights.tp_size} needs its ranks: run under mpirun -np {weights.tp_size}")
+    if device.type == "cuda":
+        from runner.nccl import NcclCollectives
+
+        return NcclCollectives(comm, device)
+    from runner.mpi import MpiCollectives
+
+    return MpiCollectives(comm)
+
+
+def build_rank(model, rank: int, options: RankOptions = RankOptions(), spec: SpecConfig | None = None,
+               build: BuildConfig | None = None, comm=None, group=None) -> RankWorker:  # fmt: skip
+    """Rank `rank` of `model` (an `EngineDir`, `CheckpointWeights` or `PresetWeights`) as `options` asks.
+
+    spec: the speculation shape (an engine directory's own by default; its profiles must hold it); build: the limits
+    of weights without an engine directory. comm / group: the MPI communicator or the in-process `ThreadGroup`."""
+    if isinstance(model, EngineDir):
+        model.check_files(options.backend)
+        spec, profiles, capacity = spec or model.spec, model.profiles, model.build_config.max_seq_len
+        checkpoint = CheckpointConfig.from_dict(model.config["pretrained_config"], str(model.path / "config.json"))
+        dtype = getattr(torch, checkpoint.dtype)
+        weights = CheckpointWeights(model.checkpoint_dir) if options.backend == "torch" else checkpoint
+    else:
+        if options.backend != "torch":
+            raise ValueError(f"the {options.backend} backend runs an engine directory; got {type(model).__name__}")
+        if spec is None or build is None:
+            raise ValueError("weights without an engine directory need a spec and a build config")
+        weights, profiles, capacity, dtype = model, derive_profiles(spec, build), build.max_seq_len, model.dtype
+    check_runtime_spec(spec, profiles)
+    target_cfg, drafter_cfg = weights.rank_configs(rank)
+    io = engine_io(target_cfg, drafter_cfg)
+    device = rank_device(options, rank)
+    forms = options.backend
+    if options.backend == "ort":
+        from runner.ort_session import OrtSession
+
+        if dtype != torch.float32:
+            raise ValueError(f"the ort backend runs float32 engines on the CPU; this one is {checkpoint.dtype}")
+        session = OrtSession(model.rank_dir(rank), profiles, io)
+    elif options.backend == "trt":
+        from runner.trt_session import TrtSession
+
+        session = TrtSession(model, rank, profiles, io, device)
+    else:
+        ops = model_ops(device, rank_collectives(device, weights, rank, comm, group), target_cfg, dtype)
+        target, drafter = weights.models(rank, ops, device)
+        forms = describe_ops(ops)
+        if device.type == "cuda":
+            from runner.cuda_graphs import CudaGraphSession
+
+            record = options.probes is not None and options.probes.record_events
+            session = CudaGraphSession(target, drafter, profiles, io, device, record_events=record)
+            forms += ", a CUDA graph per fixed-shape profile"
+        else:
+            from runner.session import TorchSession
+
+            session = TorchSession(target, drafter, profiles, io)
+    worker = RankWorker(session, spec, target_cfg, drafter_cfg, capacity, dtype, device)
+    device_loop = options.device_loop if options.device_loop is not None else device.type == "cuda"
+    if device_loop and options.backend == "torch":
+        worker.enable_device_loop(options.autoregressive, _on_device(options.probes, device))
+    worker.description = f"{options.backend} backend on {device}: {forms}"
+    log.info("rank %d: %s", rank, worker.description)
+    return worker
+
+
+def local_ranks(model, options: RankOptions = RankOptions(), spec: SpecConfig | None = None,
+                build: BuildConfig | None = None) -> LocalRanks:  # fmt: skip
+    """Every rank of `model` in this process (threads, with an in-process all-reduce, when tp_size > 1): the CPU
+    reference the tests compare against, and one GPU's rank for benchmarks."""
+    from models.parallel import ThreadGroup
+
+    tp_size = model.tp_size
+    if tp_size > 1 and rank_device(options, 0).type == "cuda":
+        raise ValueError(f"in-process ranks on a GPU run one rank; tp_size={tp_size} runs under mpirun -np {tp_size}")
+    if tp_size > 1 and options.backend != "torch":
+        raise ValueError(f"the {options.backend} backend's collectives are MPI's: run tp_size={tp_size} under mpirun")
+    group = ThreadGroup(tp_size) if tp_size > 1 else None
+    return LocalRanks([build_rank(model, rank, options, spec, build, group=group) for rank in range(tp_size)], group)
+
+
+def describe_ops(ops: ModelOps) -> str:
+    """The forms a rank runs, in words (printed by the CLI, logged by every rank)."""
+    attention = getattr(ops.tree_attention, "__name__", type(ops.tree_attention).__name__)
+    return (
+        f"{attention}, {ops.mla.__name__}, {ops.moe.__name__}, {ops.norm.__name__}, {ops.draft_attention.__name__}"
+        + (", fused projections" if ops.fused_projections else "")
+    )
+
+
+def _on_device(probes: Probes | None, device: torch.device) -> Probes | None:
+    if probes is None or probes.oracle is None:
+        return probes
+    return Probes(torch.as_tensor(probes.oracle).to(device), probes.split_phases, probes.record_events)

@@ -1,0 +1,78 @@
+"""Rank 0's generation over all ranks, for the CLI, `--serve` and the benchmarks alike: it picks the loop for each
+request (the device loop for greedy requests where the ranks have one, the host loop for sampled ones and
+everywhere else), warms up (CUDA graphs are captured before the first request, as SGLang and TensorRT-LLM do at
+start-up), and says in words what runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from runner.device_loop import generate_on_device
+from runner.ranks import Ranks
+from runner.sampling import Sampler, SamplingParams
+from runner.speculate import GenerationResult, generate, generate_autoregressive
+
+GREEDY = SamplingParams()
+
+
+class Generator:
+    def __init__(self, ranks: Ranks, autoregressive: bool = False):
+        lead = ranks.lead
+        self.ranks, self.spec, self.autoregressive = ranks, lead.spec, autoregressive
+        self.capacity = lead.cache.capacity
+        self.device_loop = lead.loop is not None
+        if self.device_loop and lead.loop.autoregressive != autoregressive:
+            raise ValueError(
+                f"the ranks' device loop is {'autoregressive' if lead.loop.autoregressive else 'speculative'}; "
+                f"this generator is {'autoregressive' if autoregressive else 'speculative'}"
+            )
+        self.on_gpu = lead.device.type == "cuda"
+        self.rank_description = lead.description
+
+    def on_device(self, params: SamplingParams, banned: tuple[int, ...] = ()) -> bool:
+        """Whether a request runs on the device loop: greedy (the device step has no sampler yet), no banned ids."""
+        return self.device_loop and params.greedy and not banned
+
+    def mode(self, params: SamplingParams = GREEDY, banned: tuple[int, ...] = ()) -> str:
+        spec = self.spec
+        if self.autoregressive:
+            what = "autoregressive"
+        elif spec.max_topk == 1:
+            what = f"DFlash chain (block {spec.block_size})"
+        else:
+            what = f"DDTree budget {spec.budget} (block {spec.block_size})"
+        if not self.on_device(params, banned):
+            return f"{what}, host loop"
+        return f"{what}, device loop ({'one CUDA graph a step' if self.on_gpu else 'eager tensor program'})"
+
+    def generate(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        params: SamplingParams = GREEDY,
+        end_ids: set[int] = frozenset(),
+        on_tokens: Callable[[list[int]], None] | None = None,
+        stop_sequences: tuple[tuple[int, ...], ...] = (),
+        banned: tuple[int, ...] = (),
+    ) -> GenerationResult:
+        if self.on_device(params, banned):
+            return generate_on_device(self.ranks, self.spec, prompt, max_new_tokens, self.capacity, end_ids, on_tokens,
+                                      self.autoregressive, stop_sequences)  # fmt: skip
+        sampler = Sampler(params, banned)
+        if self.autoregressive:
+            return generate_autoregressive(self.ranks, prompt, max_new_tokens, sampler, end_ids, on_tokens,
+                                           stop_sequences)  # fmt: skip
+        return generate(self.ranks, prompt, max_new_tokens, self.spec, sampler, end_ids, on_tokens, stop_sequences)
+
+    def warm_up(self, requests: tuple[SamplingParams, ...] = (GREEDY,)) -> float:
+        """Runs a short request with each of `requests`' parameters, so the graph captures, kernel compilations and
+        allocations of the paths later requests take happen now; returns the seconds it took."""
+        start = time.perf_counter()
+        block = self.spec.block_size
+        prompt = list(range(1, block + 1))
+        tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
+        for params in requests:
+            self.generate(prompt, tokens, params)
+        return time.perf_counter() - start
