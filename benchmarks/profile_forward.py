@@ -168,7 +168,9 @@ def main(argv=None) -> int:
                   draft_cache, torch.tensor([length - block], device=device))  # fmt: skip
     calls["drafter (block 8)"] = lambda: drafter(*draft_args)
     # the device loop's tree phase (DDTree budget 32) and the walk, outside the forwards
-    from runner.device_tree import accept_greedy_device, build_tree_device, top_logprobs
+    from runner.device_tree import accept_greedy_device, tree_forms
+
+    top_logprobs, build_tree_device = tree_forms(device)
 
     draft_logits = torch.randn(block - 1, shard, device=device) * 4
     calls["draft top-k (log_softmax + topk 32)"] = lambda: top_logprobs(draft_logits, 32)

@@ -28,7 +28,7 @@ import torch
 
 from engines.spec import SpecConfig
 from runner.cuda_graphs import capture_graph, timing_event, warm_up
-from runner.device_tree import accept_greedy_device, build_tree_device, top_logprobs
+from runner.device_tree import accept_greedy_device, tree_forms
 from runner.probes import Probes
 from runner.speculate import GenerationResult, PhaseTimer, _emit
 
@@ -49,6 +49,7 @@ class DeviceLoop:
         block, depth = spec.block_size, spec.draft_depth
         self.rows = 1 if autoregressive else spec.verify_tokens
         self.width = spec.tree_width(self.target.config.vocab_size)
+        self.top_logprobs, self.build_tree = tree_forms(device)
         long = {"dtype": torch.long, "device": device}
         self.num_cached = torch.zeros(1, **long)
         self.num_drafted = torch.zeros(1, **long)
@@ -120,8 +121,8 @@ class DeviceLoop:
 
     def _tree(self) -> None:
         """Tree: best-first under the budget."""
-        values, indices = top_logprobs(self.draft_logits, self.width)
-        self.tree = build_tree_device(values, indices, self.spec.budget, self.bonus, self.rows)
+        values, indices = self.top_logprobs(self.draft_logits, self.width)
+        self.tree = self.build_tree(values, indices, self.spec.budget, self.bonus, self.rows)
 
     def _verify(self) -> None:
         """Every node at position start + depth, one target forward; the target's greedy choice per node."""

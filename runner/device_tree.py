@@ -13,13 +13,18 @@ from __future__ import annotations
 import torch
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_softmax(logits).topk(k) per row: (values fp32 [rows, k] best first, indices int64). On CUDA tensors two
-    Triton kernels (`device_tree_kernel.top_logprobs_kernel`; ties go to the lower index)."""
-    if logits.is_cuda:
-        from runner.device_tree_kernel import top_logprobs_kernel
+def tree_forms(device: torch.device):
+    """(top_logprobs, build_tree) for tensors on `device`: on GPUs the Triton kernels (`device_tree_kernel.py`: the
+    draft top-k as two kernels, the build as one; ties go to the lower index), elsewhere the tensor-op forms below."""
+    if device.type != "cuda":
+        return top_logprobs, build_tree_device
+    from runner.device_tree_kernel import build_tree_kernel, top_logprobs_kernel
 
-        return top_logprobs_kernel(logits, k)
+    return top_logprobs_kernel, build_tree_kernel
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits).topk(k) per row: (values fp32 [rows, k] best first, indices int64)."""
     top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return top.values, top.indices
 
@@ -29,11 +34,7 @@ def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
     """top_logprobs, top_ids: [L, K] (K <= budget, sorted descending); root: [] or [1] token.
 
     Returns tokens [rows], parents [rows] (-1: root/padding), depths [rows], mask [rows, rows] bool, and the
-    number of real nodes [1] (root included). On CUDA tensors: one Triton kernel (`device_tree_kernel.py`)."""
-    if top_logprobs.is_cuda:
-        from runner.device_tree_kernel import build_tree_kernel
-
-        return build_tree_kernel(top_logprobs, top_ids, budget, root, rows, pad_token)
+    number of real nodes [1] (root included)."""
     depth_limit, width = top_logprobs.shape
     device = top_logprobs.device
     # beam at depth 1: the K best tokens, padded to `budget` slots with -inf; a slot's flat index is parent * K + k

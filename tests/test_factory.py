@@ -1,0 +1,134 @@
+"""The rank factory (runner/factory.py): one place makes the hardware choices, and the GPU forms it picks compute
+what the reference forms compute (under the Triton interpreter, on the CPU)."""
+
+import pytest
+import torch
+
+from engines.spec import BuildConfig, SpecConfig
+from models.dflash import DraftAttention, KernelDraftAttention
+from models.layers import FusedRMSNorm, RMSNorm
+from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
+from models.moe import GroupedMoE, MoE
+from models.parallel import SingleRank
+from models.presets import preset
+from runner.factory import CheckpointWeights, PresetWeights, RankOptions, build_rank, cpu_ops, gpu_ops, local_ranks
+from runner.generator import Generator
+from runner.sampling import SamplingParams
+from tests.interpreter import run_interpreted
+
+BUILD = BuildConfig(max_input_len=64, max_seq_len=512)
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        RankOptions("tensorrt")
+    with pytest.raises(ValueError, match="device must be one of"):
+        RankOptions(device="gpu")
+    with pytest.raises(ValueError, match="the device loop runs on the torch backend; got backend='ort'"):
+        RankOptions("ort", device_loop=True)
+
+
+def test_weights_without_an_engine_directory_need_the_torch_backend_and_a_spec(demo_ckpt):
+    weights = CheckpointWeights(demo_ckpt(1))
+    with pytest.raises(ValueError, match="the ort backend runs an engine directory; got CheckpointWeights"):
+        build_rank(weights, 0, RankOptions("ort"), SpecConfig(8, 32), BUILD)
+    with pytest.raises(ValueError, match="need a spec and a build config"):
+        build_rank(weights, 0, RankOptions(device="cpu"))
+    with pytest.raises(ValueError, match="tp_size=2 needs its ranks: run under mpirun -np 2"):
+        build_rank(CheckpointWeights(demo_ckpt(2)), 0, RankOptions(device="cpu"), SpecConfig(8, 32), BUILD)
+
+
+def test_the_forms_are_chosen_by_device_and_dtype():
+    target = preset("moe").target
+    reference = cpu_ops(SingleRank())
+    assert (reference.mla, reference.moe, reference.norm, reference.draft_attention) == (
+        AbsorbedMLA, MoE, RMSNorm, DraftAttention)  # fmt: skip
+    assert not reference.fused_projections
+    bf16, fp32 = gpu_ops(SingleRank(), target, torch.bfloat16), gpu_ops(SingleRank(), target, torch.float32)
+    assert (bf16.mla, bf16.norm, bf16.draft_attention) == (InPlaceAbsorbedMLA, FusedRMSNorm, KernelDraftAttention)
+    assert bf16.moe is GroupedMoE and fp32.moe is MoE  # torch._grouped_mm is bf16 only
+    assert bf16.fused_projections
+
+
+def test_local_ranks_on_the_cpu_run_every_rank_with_the_reference_forms(demo_ckpt):
+    ranks = local_ranks(CheckpointWeights(demo_ckpt(2)), RankOptions(device="cpu"), SpecConfig(8, 32), BUILD)
+    assert len(ranks.workers) == 2 and ranks.lead is ranks.workers[0]
+    assert ranks.lead.loop is None  # the device loop is on by default only on CUDA
+    assert "torch backend on cpu: tree_attention, AbsorbedMLA, MoE, RMSNorm, DraftAttention" in ranks.lead.description
+    generator = Generator(ranks)
+    assert generator.mode() == "DDTree budget 32 (block 8), host loop"
+    assert generator.warm_up() > 0
+    ranks.close()
+
+
+def test_generator_takes_the_device_loop_for_greedy_requests_only(demo_ckpt):
+    ranks = local_ranks(CheckpointWeights(demo_ckpt(1)), RankOptions(device="cpu", device_loop=True),
+                        SpecConfig(8, 7, 1), BUILD)  # fmt: skip
+    generator = Generator(ranks)
+    assert generator.mode() == "DFlash chain (block 8), device loop (eager tensor program)"
+    assert generator.mode(SamplingParams(0.7)) == "DFlash chain (block 8), host loop"
+    assert generator.mode(banned=(3,)) == "DFlash chain (block 8), host loop"  # bad_words: the host loop's sampler
+    greedy = generator.generate([5, 77, 300], 20)
+    assert len(greedy.tokens) == 20 and greedy.decode_tokens_per_s > 0
+    with pytest.raises(ValueError, match="the ranks' device loop is speculative; this generator is autoregressive"):
+        Generator(ranks, autoregressive=True)
+    ranks.close()
+
+
+def test_preset_weights_are_shared_by_ranks_built_again():
+    weights = PresetWeights("moe", torch.float32, smoke=True)
+    first = local_ranks(weights, RankOptions(device="cpu"), SpecConfig(8, 32), BUILD)
+    again = local_ranks(weights, RankOptions(device="cpu", device_loop=True), SpecConfig(8, 7, 1), BUILD)
+    assert first.lead.session.modules["target"] is again.lead.session.modules["target"]
+    standalone = PresetWeights("kimi-rank", torch.float32, smoke=True)
+    assert standalone.tp_size == 1 and standalone.rank_configs(0)[0].mapping.tp_size == 2  # one rank's share, alone
+    first.close()
+    again.close()
+
+
+def test_gpu_forms_equal_the_reference_forms_under_the_interpreter(demo_ckpt):
+    """The forms `gpu_ops` picks (TreeAttention and drafter kernels, in-place MLA, fused norm / rotary / projections),
+    run on the CPU by the Triton interpreter, give the reference forms' logits, latent rows and draft K/V on the tiny
+    checkpoint in float32: a prefill, a tree verify and a draft."""
+    pytest.importorskip("triton")
+    done = run_interpreted(
+        f"""
+        import torch
+        from models.parallel import SingleRank
+        from runner.factory import CheckpointWeights, cpu_ops, gpu_ops
+        weights = CheckpointWeights({str(demo_ckpt(1))!r})
+        target_cfg, drafter_cfg = weights.rank_configs(0)
+        cpu = torch.device("cpu")
+        reference = weights.models(0, cpu_ops(SingleRank()), cpu)
+        forms = weights.models(0, gpu_ops(SingleRank(), target_cfg, torch.float32), cpu)
+        assert type(forms[0].model.layers[0].self_attn).__name__ == "InPlaceAbsorbedMLA"
+        gen = torch.Generator().manual_seed(3)
+        cache = torch.randn(target_cfg.num_hidden_layers, 64, target_cfg.latent_dim, generator=gen)
+        tree = torch.eye(9, dtype=torch.bool)
+        for node, parent in enumerate([0, 0, 1, 1, 2, 4, 0, 6], start=1):
+            tree[node] |= tree[parent]
+        ids = torch.randint(0, 400, (9,), generator=gen)
+        target_calls = [
+            (ids[:5], torch.arange(5), torch.ones(5, 5, dtype=torch.bool).tril(), cache, torch.tensor([0]),
+             torch.arange(5)),
+            (ids, 20 + tree.sum(-1) - 1, tree, cache, torch.tensor([20]), torch.arange(9)),
+        ]
+        taps = torch.randn(8, drafter_cfg.num_taps * target_cfg.hidden_size, generator=gen)
+        draft_cache = torch.randn(drafter_cfg.num_hidden_layers, 2, 64, drafter_cfg.kv_heads_per_rank,
+                                  drafter_cfg.head_dim, generator=gen)
+        block = torch.tensor([17] + [drafter_cfg.mask_token_id] * 7)
+        draft_call = (taps, torch.arange(12, 20), torch.tensor([3]), block, torch.arange(15, 23), draft_cache,
+                      torch.tensor([12]))
+        worst = 0.0
+        with torch.no_grad():
+            for call in target_calls:
+                for want, got in zip(reference[0](*call), forms[0](*call)):
+                    worst = max(worst, float((got - want).norm() / want.norm()))
+            for want, got in zip(reference[1](*draft_call), forms[1](*draft_call)):
+                worst = max(worst, float((got - want).norm() / want.norm()))
+        print("worst", worst)
+    """,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < 1e-5
