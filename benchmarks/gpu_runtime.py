@@ -146,7 +146,7 @@ class ModelRun:
     continuation: list[int] | None = None
 
 
-def end_to_end(setup: Setup, models, new_tokens: int) -> list[dict]:
+def end_to_end(setup: Setup, models, new_tokens: int, save=None) -> list[dict]:
     """Median of `setup.repeats` requests per row; the per-phase split from one more request with a graph per phase.
     Speed-ups are against the faster autoregressive loop."""
     rows = []
@@ -178,6 +178,8 @@ def end_to_end(setup: Setup, models, new_tokens: int) -> list[dict]:
             row.pop("tokens_list", None)
             row["speedup"] = row["tokens_per_s"] / baseline
         rows += model_rows
+        if save is not None:  # after each model: a run cut short keeps what it measured
+            save(rows)
         del weights, run
         if not setup.smoke:
             torch.cuda.empty_cache()
@@ -198,7 +200,7 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
 
         ranks = OracleDraftRanks(generator.ranks, run.continuation)
     generator.warm_up()
-    rates, idle, step_ms = [], [], []
+    rates, idle, step_ms, outputs = [], [], [], []
     for _ in range(setup.repeats):
         if events:
             events_of(generator).clear()
@@ -207,6 +209,7 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
         else:
             result = generator.generate(run.prompt, run.new_tokens)
         rates.append(result.decode_tokens_per_s)
+        outputs.append(result.tokens)
         if events:
             gaps, steps = gpu_gaps(generator, device_loop, len(result.accept_lengths) or len(result.tokens))
             idle.append(gaps)
@@ -216,6 +219,7 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
            "gpu_idle_us_per_step": statistics.median(idle) if idle else None,
            "step_ms": statistics.median(step_ms) if step_ms and step_ms[0] is not None else None,
            "tokens": len(result.tokens), "tokens_list": result.tokens,
+           "repeats_agree": all(o == outputs[0] for o in outputs),
            "tokens_equal_to_autoregressive": first_difference(result.tokens, run.continuation or result.tokens),
            "mode_printed": generator.mode(), "ranks": generator.rank_description}  # fmt: skip
     generator.ranks.close()
@@ -280,12 +284,17 @@ def main(argv=None) -> int:
     started = time.time()
     ceilings = measure_ceilings(setup.smoke)
     print(f"ceilings: copy {ceilings['copy_Bps'] / 1e9:.0f} GB/s, bf16 {ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s")
+    info = {**environment(setup.smoke), "ceilings": ceilings, "command": " ".join(sys.argv)}
+
+    def save(e2e_rows: list[dict]) -> None:
+        info.update(seconds=time.time() - started, end_to_end=e2e_rows)
+        (args.out_dir / "gpu_runtime.json").write_text(json.dumps(info, indent=1))
+
     with torch.no_grad():
         costs = [] if args.e2e_only else layer_costs(ceilings, setup)
-        e2e = end_to_end(setup, models, args.new_tokens or (24 if setup.smoke else 256))
-    info = {**environment(setup.smoke), "seconds": time.time() - started, "ceilings": ceilings, "layer_costs": costs,
-            "end_to_end": e2e, "command": " ".join(sys.argv)}  # fmt: skip
-    (args.out_dir / "gpu_runtime.json").write_text(json.dumps(info, indent=1))
+        info["layer_costs"] = costs
+        e2e = end_to_end(setup, models, args.new_tokens or (24 if setup.smoke else 256), save)
+    save(e2e)
     if costs:
         print("\n| layer | S | T | layer (us) | attention (us) | MLP (us) | MB moved | floor (us) | layer/floor "
               "| distinct experts |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
