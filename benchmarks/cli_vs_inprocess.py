@@ -49,7 +49,9 @@ def build_engines(work: Path, preset: str, tp_sizes: list[int], smoke: bool) -> 
 
     device = "cpu" if smoke else "cuda"
     dtype = "float32" if smoke else "bfloat16"
+    started = time.perf_counter()
     target, drafter = write_preset(work / "hf", preset, dtype, force=True, device=device, smoke=smoke)
+    print(f"HF checkpoint: {time.perf_counter() - started:.1f} s", flush=True)
     engines = {}
     for tp in tp_sizes:
         engines[tp] = work / f"engine-tp{tp}"
@@ -128,6 +130,7 @@ def run_in_process(engine: Path, loop, autoregressive: bool, repeats: int, new_t
         "prefill_ms": statistics.median(r.prefill_seconds * 1e3 for r in results),
         "mean_accept_length": results[0].mean_accept_length or 1.0,
         "warm_up_s": warm,
+        "repeats_agree": all(r.tokens == results[0].tokens for r in results),
         "mode": generator.mode(),
         "output_ids": results[0].tokens,
     }
@@ -174,10 +177,10 @@ def main(argv=None) -> int:
                 row[key].pop("output_ids", None)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        result = {**environment(args.smoke), "preset": args.preset, "tp_sizes": tp_sizes, "new_tokens": new_tokens,
+                  "repeats": args.repeats, "rows": rows, "command": " ".join(sys.argv)}  # fmt: skip
+        (args.out_dir / "cli_vs_inprocess.json").write_text(json.dumps(result, indent=1))  # after each mode
     (args.out_dir / "cli.json").unlink(missing_ok=True)
-    result = {**environment(args.smoke), "preset": args.preset, "tp_sizes": tp_sizes, "new_tokens": new_tokens,
-              "repeats": args.repeats, "rows": rows, "command": " ".join(sys.argv)}  # fmt: skip
-    (args.out_dir / "cli_vs_inprocess.json").write_text(json.dumps(result, indent=1))
     header = "| mode | in process (TP-1) | " + " | ".join(f"CLI TP-{tp}" for tp in tp_sizes) + " | CLI / in process |"
     print("\n" + header + "\n" + "|---" * (3 + len(tp_sizes)) + "|")
     for row in rows:
