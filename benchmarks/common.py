@@ -5,8 +5,8 @@ factory (`runner/factory.py`) exactly as the CLI builds them."""
 from __future__ import annotations
 
 import argparse
+import os
 import platform
-import subprocess
 import time
 from dataclasses import dataclass
 
@@ -80,13 +80,10 @@ def measure_ceilings(smoke: bool) -> dict:
 
 
 def environment(smoke: bool) -> dict:
-    """Hardware, versions and date: the head of every result file."""
-    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version()}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        info["commit"] = commit.stdout.strip() or None
-    except OSError:
-        info["commit"] = None
+    """Hardware, versions and date: the head of every result file (the commit, where the caller sets
+    DDTREE_COMMIT: a copy of the source tree may not carry its git history)."""
+    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
+            "commit": os.environ.get("DDTREE_COMMIT")}  # fmt: skip
     if smoke or not torch.cuda.is_available():
         return {**info, "gpu": "cpu (smoke)"}
     import triton

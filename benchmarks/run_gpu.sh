@@ -11,6 +11,7 @@
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
+export DDTREE_COMMIT=${DDTREE_COMMIT:-}  # recorded in the result files: DDTREE_COMMIT=$(git rev-parse --short HEAD)
 STEPS=${STEPS:-tiny lossless cli e2e}
 mkdir -p "$OUT"
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')

@@ -71,7 +71,9 @@ class Generator:
         allocations of the paths later requests take happen now; returns the seconds it took."""
         start = time.perf_counter()
         block = self.spec.block_size
-        prompt = list(range(1, block + 1))
+        # longer than a block, so the host loop's first draft takes the draft_prefill profile as a real prompt does
+        longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]
+        prompt = list(range(1, min(4 * block, longest) + 1))
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
         for params in requests:
             self.generate(prompt, tokens, params)
