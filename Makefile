@@ -41,8 +41,8 @@ test: lint $(TRITON_STAMP)
 
 # Serve the demo engines with a real tritonserver on 127.0.0.1:8000 (HTTP) / 8001 (gRPC); Ctrl-C stops everything.
 serve: $(STAMP) $(TRITON_STAMP)
-	$(PY) -m runner.triton_repo --engine_dir $(ENGINE) --output_dir out/triton/repo --force
-	$(PY) -m runner.triton_server --triton_venv $(TRITON_VENV) --model_repository out/triton/repo
+	$(PY) -m runner.serving.triton_repo --engine_dir $(ENGINE) --output_dir out/triton/repo --force
+	$(PY) -m runner.serving.triton_server --triton_venv $(TRITON_VENV) --model_repository out/triton/repo
 
 demo: $(STAMP)
 	$(PY) -m builder.demo_checkpoints $(DEMO)/hf --force

@@ -58,7 +58,7 @@ def graph_time_us(fn, device: torch.device, smoke: bool) -> float:
         return (time.perf_counter() - start) * 1e6
     import triton.testing
 
-    from runner.cuda_graphs import capture_graph
+    from runner.sessions.cuda_graphs import capture_graph
 
     graph, _ = capture_graph(fn, device, warmups=2)
     return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3

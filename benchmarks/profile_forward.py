@@ -55,7 +55,7 @@ def replay_profile(fn, device, repeats: int = 4) -> dict:
     """fn captured in a CUDA graph and replayed `repeats` times under the profiler (the kernels as the runtime
     launches them, not eagerly): per replay, the kernels by name and the GPU idle time between consecutive kernels,
     by the pair of kernels it falls between."""
-    from runner.cuda_graphs import capture_graph
+    from runner.sessions.cuda_graphs import capture_graph
 
     graph, _ = capture_graph(fn, device, warmups=2)
     return {**graph_replay_profile(graph.replay, repeats), "back_to_back_us": back_to_back_us(graph.replay)}
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
                   draft_cache, torch.tensor([length - block], device=device))  # fmt: skip
     calls["drafter (block 8)"] = lambda: drafter(*draft_args)
     # the device loop's tree phase (DDTree budget 32) and the walk, outside the forwards
-    from runner.device_tree import accept_greedy_device, tree_forms
+    from runner.device.tree import accept_greedy_device, tree_forms
 
     top_logprobs, build_tree_device = tree_forms(device)
 

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from builder import __version__
-from builder.output_dir import prepare_output_dir
 from engines.engine_dir import EngineDir, write_engine_dir_config
 from engines.io import ROLES, role_io
+from engines.output_dir import prepare_output_dir
 from engines.spec import BuildConfig, SpecConfig, derive_profiles
 from models.checkpoint import load_checkpoint_config
 
@@ -38,9 +38,9 @@ def build_engines(
     only (the ort and torch backends run from those; GPU machines without TensorRT). `onnx=False` (with "none")
     writes the checkpoint only: the torch backend's engine directory, without exporting large models."""
     from builder.export import custom_ops, export_rank
-    from builder.trt_backend import import_tensorrt
     from builder.trt_build import build_engine
-    from plugins.trt_base import register_plugins
+    from plugins.registry import register_plugins
+    from plugins.tensorrt import import_tensorrt
 
     start = time.perf_counter()
     checkpoint = load_checkpoint_config(checkpoint_dir)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from builder.hf_checkpoint import DrafterCheckpoint, TargetCheckpoint
-from builder.output_dir import prepare_output_dir
+from engines.output_dir import prepare_output_dir
 from models.checkpoint import DTYPES, CheckpointConfig, rank_file
 from models.layout import (
     EXPERT_PROJECTIONS,

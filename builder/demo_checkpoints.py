@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 
 from builder import int4
-from builder.output_dir import prepare_output_dir
 from builder.tokenizer import SPECIAL_TOKENS, write_tokenizer
+from engines.output_dir import prepare_output_dir
 from models.config import DrafterConfig, TargetConfig
 from models.layout import hf_drafter_specs, hf_target_specs
 from models.random_weights import random_state

@@ -24,7 +24,6 @@ from plugins.tree_attention.onnx_op import export_tree_attention
 log = logging.getLogger("ddtree.builder")
 
 OPSET = 18
-ROLES = ("target", "draft")
 TRACE_PROFILE = {"target": "verify_chain", "draft": "draft"}
 
 

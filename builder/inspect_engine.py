@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engines.engine_dir import ROLES, load_engine_dir
+from engines.engine_dir import load_engine_dir
+from engines.io import ROLES
 
 
 def _bounds(shapes: list[list[int]]) -> str:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from builder.trt_backend import TensorRT
 from engines.io import TensorIO
 from engines.spec import Profile
+from plugins.tensorrt import TensorRT
 
 
 class BuildError(RuntimeError):
@@ -43,7 +43,7 @@ def check_plugin_creators(trt: TensorRT, onnx_path: Path) -> None:
         if registry.get_creator(op[1], "1", op[0]) is None:
             raise BuildError(
                 f"no TensorRT plugin creator is registered for {op[0]}::{op[1]} (version 1), used by {onnx_path}; "
-                "plugins.trt_base.register_plugins() registers the ddtree ops"
+                "plugins.registry.register_plugins() registers the ddtree ops"
             )
 
 

@@ -3,7 +3,7 @@ IPluginCreatorV3One), for full TensorRT and TensorRT-RTX alike. Classes are made
 two have different base classes; each plugin folder's `trt_plugin.py` supplies what is specific to its op.
 
 Only the plugin's name, version, namespace and fields go into the engine plan, not its code: the process that
-deserializes an engine must register the same creators (`register_plugins`).
+deserializes an engine must register the same creators (`plugins.registry.register_plugins`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import numpy as np
 
 from plugins import DOMAIN
-
-_REGISTERED: dict[int, list] = {}
 
 
 def make_plugin_class(trt, op_name: str, field_types: dict[str, str], spec) -> tuple[type, type]:
@@ -93,19 +91,3 @@ def make_plugin_class(trt, op_name: str, field_types: dict[str, str], spec) -> t
             return Plugin(fields)
 
     return Plugin, Creator
-
-
-def register_plugins(trt) -> list:
-    """Registers every ddtree plugin creator with `trt`'s registry (once per process); returns the creators."""
-    key = id(trt)
-    if key not in _REGISTERED:
-        from plugins.collectives.trt_plugin import creators as collective_creators
-        from plugins.tree_attention.trt_plugin import creator as tree_attention_creator
-
-        made = [tree_attention_creator(trt), *collective_creators(trt)]
-        registry = trt.get_plugin_registry()
-        for creator in made:
-            if not registry.register_creator(creator, DOMAIN):
-                raise RuntimeError(f"TensorRT refused to register plugin creator {DOMAIN}::{creator.name}")
-        _REGISTERED[key] = made
-    return _REGISTERED[key]

@@ -221,7 +221,7 @@ def main_on_rank(comm, argv=None) -> int:
         warm = generator.warm_up(requests)
         startup = {"build_seconds": built, "warm_up_seconds": warm, "ranks": worker.description}
         if args.serve:
-            from runner.serve import serve
+            from runner.serving.serve import serve
 
             serve(generator, tokenizer, engine, spec, args.backend, startup)
             return 0

@@ -5,7 +5,7 @@ The hardware choices are made here, once:
 - torch backend on CUDA: the GPU form of every operator (`gpu_ops`: the TreeAttention and drafter attention kernels,
   grouped-GEMM MoE in bf16, fused RMSNorm and rotary, the in-place absorbed MLA, q/k/v and gate/up as one GEMM
   each), NCCL between ranks, one CUDA graph per fixed-shape profile (`CudaGraphSession`) and the device loop (a
-  greedy step as one CUDA graph, `device_loop.py`);
+  greedy step as one CUDA graph, `runner/device/loop.py`);
 - torch backend on CPUs: the reference forms, MPI (or threads of one process) between ranks, eager sessions;
 - ort / trt: the engine directory's ONNX graphs under ONNX Runtime, or its TensorRT engines.
 
@@ -208,13 +208,13 @@ def build_rank(model, rank: int, options: RankOptions = RankOptions(), spec: Spe
     device = rank_device(options, rank)
     forms = options.backend
     if options.backend == "ort":
-        from runner.ort_session import OrtSession
+        from runner.sessions.ort import OrtSession
 
         if dtype != torch.float32:
             raise ValueError(f"the ort backend runs float32 engines on the CPU; this one is {checkpoint.dtype}")
         session = OrtSession(model.rank_dir(rank), profiles, io)
     elif options.backend == "trt":
-        from runner.trt_session import TrtSession
+        from runner.sessions.trt import TrtSession
 
         session = TrtSession(model, rank, profiles, io, device)
     else:
@@ -222,13 +222,13 @@ def build_rank(model, rank: int, options: RankOptions = RankOptions(), spec: Spe
         target, drafter = weights.models(rank, ops, device)
         forms = describe_ops(ops)
         if device.type == "cuda":
-            from runner.cuda_graphs import CudaGraphSession
+            from runner.sessions.cuda_graphs import CudaGraphSession
 
             record = options.probes is not None and options.probes.record_events
             session = CudaGraphSession(target, drafter, profiles, io, device, record_events=record)
             forms += ", a CUDA graph per fixed-shape profile"
         else:
-            from runner.session import TorchSession
+            from runner.sessions.base import TorchSession
 
             session = TorchSession(target, drafter, profiles, io)
     worker = RankWorker(session, spec, target_cfg, drafter_cfg, capacity, dtype, device)

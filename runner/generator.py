@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from runner.device_loop import generate_on_device
+from runner.device.loop import generate_on_device
 from runner.ranks import Ranks
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import GenerationResult, generate, generate_autoregressive

@@ -11,7 +11,7 @@ import torch
 
 from engines.spec import SpecConfig
 from runner.kv_cache import SequenceCache
-from runner.session import EngineSession
+from runner.sessions.base import EngineSession
 
 
 class RankWorker:
@@ -104,9 +104,9 @@ class RankWorker:
         return out["logits"]
 
     def enable_device_loop(self, autoregressive: bool = False, probes=None) -> None:
-        """Runs later greedy steps as one tensor program (a CUDA graph on GPUs): `runner/device_loop.py`. The rank
+        """Runs later greedy steps as one tensor program (a CUDA graph on GPUs): `runner/device/loop.py`. The rank
         factory calls it; `probes` are benchmarks' hooks (`runner/probes.py`)."""
-        from runner.device_loop import DeviceLoop
+        from runner.device.loop import DeviceLoop
 
         self.close()  # the previous loop's graphs and pinned slots go now, not whenever the garbage collector runs
         self.loop = DeviceLoop(self, self.spec, self.device.type == "cuda", autoregressive, probes)

@@ -8,11 +8,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from builder.cli import main as cli_main
-from builder.trt_backend import import_tensorrt
 from builder.trt_build import BuildError, build_engine
 from engines.engine_dir import load_engine_dir
 from engines.io import TensorIO
 from engines.spec import BuildConfig, Profile, SpecConfig, check_runtime_spec, derive_profiles
+from plugins.tensorrt import import_tensorrt
 from tests.conftest import mpirun
 
 
@@ -51,7 +51,7 @@ def test_inspect_shows_profiles_and_plugins(demo_engine, capsys):
 
 def test_onnx_matches_torch_in_process(demo_engine):
     """TP=1, one process: every output at every profile shape."""
-    from builder.check_onnx import check_rank
+    from runner.check_onnx import check_rank
     from runner.mpi import comm_world
 
     rows = check_rank(load_engine_dir(demo_engine(1)), 0, comm_world())
@@ -64,7 +64,7 @@ def test_onnx_matches_torch_in_process(demo_engine):
 @pytest.mark.mpi
 @pytest.mark.parametrize("tp_size", [2, 8])
 def test_onnx_matches_torch_under_mpirun(demo_engine, tp_size):
-    done = mpirun(tp_size, "-m", "builder.check_onnx", str(demo_engine(tp_size)))
+    done = mpirun(tp_size, "-m", "runner.check_onnx", str(demo_engine(tp_size)))
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"verify_tree +33 tokens +logits", done.stdout) and "OK: 26/26" in done.stdout
 

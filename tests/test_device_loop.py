@@ -1,4 +1,4 @@
-"""The device-resident greedy step (runner/device_loop.py) is lossless too: equal to autoregressive decoding.
+"""The device-resident greedy step (runner/device/loop.py) is lossless too: equal to autoregressive decoding.
 
 Run eagerly on the CPU here (the same tensor program a CUDA graph captures on a GPU), with the same run-ahead: one
 step launched behind the one collected, discarded when the request ends first."""
@@ -6,7 +6,7 @@ step launched behind the one collected, discarded when the request ends first.""
 import pytest
 
 from engines.spec import BuildConfig, SpecConfig
-from runner.device_loop import generate_on_device
+from runner.device.loop import generate_on_device
 from runner.probes import Probes
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate_autoregressive

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner.device_tree import accept_greedy_device, build_tree_device
+from runner.device.tree import accept_greedy_device, build_tree_device
 from runner.tree import build_tree, follow_tree
 from tests.interpreter import run_interpreted
 
@@ -94,12 +94,12 @@ def _index(tokens, parents, host, host_node):
 
 
 def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
-    """runner/device_tree_kernel.py (the one-program Triton build used on GPUs) gives the tensor-op build's outputs."""
+    """runner/device/tree_kernel.py (the one-program Triton build used on GPUs) gives the tensor-op build's outputs."""
     pytest.importorskip("triton")
     done = run_interpreted("""
         import numpy as np, torch
-        from runner.device_tree import build_tree_device
-        from runner.device_tree_kernel import build_tree_kernel
+        from runner.device.tree import build_tree_device
+        from runner.device.tree_kernel import build_tree_kernel
         cases = [(int(d), int(b), int(k)) for d, b, k in np.random.default_rng(7).integers(1, [9, 34, 9], size=(20, 3))]
         cases += [(7, 32, 32), (15, 16, 4), (1, 1, 1), (7, 7, 1), (8, 64, 16), (3, 40, 40)]
         for seed, (depth, budget, k) in enumerate(cases):
@@ -127,7 +127,7 @@ def test_top_logprobs_kernel_equals_log_softmax_topk_under_the_interpreter():
     pytest.importorskip("triton")
     done = run_interpreted("""
         import torch
-        from runner.device_tree_kernel import top_logprobs_kernel
+        from runner.device.tree_kernel import top_logprobs_kernel
         gen = torch.Generator().manual_seed(0)
         cases = ((7, 2500, 32, 512), (3, 777, 8, 256), (1, 64, 64, 2048), (2, 100, 5, 16), (7, 300, 1, 64))
         for rows, vocab, k, chunk in cases:

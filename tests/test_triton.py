@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.triton_repo import write_repository
-from runner.triton_server import start_server, stop_server, wait_ready
+from runner.serving.triton_repo import write_repository
+from runner.serving.triton_server import start_server, stop_server, wait_ready
 from tests.conftest import mpirun
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,8 @@ import pytest
 from engines.io import draft_io, target_io
 from engines.spec import BuildConfig, SpecConfig, derive_profiles
 from models.checkpoint import load_checkpoint_config
-from runner.session import EngineSession
-from runner.trt_session import graph_capturable, plan_buffers
+from runner.sessions.base import EngineSession
+from runner.sessions.trt import graph_capturable, plan_buffers
 
 
 @pytest.fixture(scope="module")

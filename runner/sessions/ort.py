@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from runner.session import EngineSession
+from engines.io import ROLES
+from runner.sessions.base import EngineSession
 
 
 class OrtSession(EngineSession):
@@ -28,7 +29,7 @@ class OrtSession(EngineSession):
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # custom ops (MPI) on the calling thread
         options.register_custom_ops_library(get_library_path())
         self.sessions = {}
-        for role in ("target", "draft"):
+        for role in ROLES:
             path = Path(rank_dir) / f"{role}.onnx"
             if not path.is_file():
                 raise FileNotFoundError(f"engine directory lacks {path}")

@@ -1,6 +1,6 @@
 """Writes a Triton model repository that serves an engine directory.
 
-    python -m runner.triton_repo --engine_dir ENGINE_DIR --output_dir REPO [--model_name ddtree] [--backend ort]
+    python -m runner.serving.triton_repo --engine_dir ENGINE_DIR --output_dir REPO [--model_name ddtree] [--backend ort]
 
 REPO/<model_name>/config.pbtxt + REPO/<model_name>/1/model.py (the Python-backend model in `triton_model.py`).
 The model starts `mpirun -np <tp_size>` with this environment's Python and MPI launcher, so tritonserver itself may
@@ -54,7 +54,7 @@ parameters {{ key: "runner_log" value: {{ string_value: "{runner_log}" }} }}
 def write_repository(
     engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort", force: bool = False
 ) -> Path:
-    from builder.output_dir import prepare_output_dir
+    from engines.output_dir import prepare_output_dir
 
     engine = load_engine_dir(engine_dir)
     engine.check_files(backend)
@@ -85,7 +85,7 @@ def write_repository(
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.triton_repo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m runner.serving.triton_repo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine_dir", type=Path, required=True)
     parser.add_argument("--output_dir", type=Path, required=True)
     parser.add_argument("--model_name", default="ddtree")

@@ -1,6 +1,6 @@
 """Starts the tritonserver bundled in `nvidia-pytriton` (Triton 2.51, Python backend) on a model repository.
 
-    python -m runner.triton_server --triton_venv .venv-triton --model_repository REPO [--http_port 8000]
+    python -m runner.serving.triton_server --triton_venv .venv-triton --model_repository REPO [--http_port 8000]
 
 The wheel's binaries need three fixes to run from a venv (reference/ecosystem.md, section 6.3): a backend folder
 holding the Python backend and the stub matching the venv's Python; LD_LIBRARY_PATH with the interpreter's own
@@ -110,7 +110,9 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runner.triton_server", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m runner.serving.triton_server", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--triton_venv", type=Path, default=Path(".venv-triton"))
     parser.add_argument("--model_repository", type=Path, required=True)
     parser.add_argument("--http_port", type=int, default=8000)

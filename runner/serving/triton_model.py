@@ -1,8 +1,8 @@
 """Triton Inference Server Python-backend model (decoupled, streaming) that owns the `mpirun -np N` runner job.
 
-Copied as `<repository>/<model>/1/model.py` by `python -m runner.triton_repo`. Runs inside Triton's Python stub,
+Copied as `<repository>/<model>/1/model.py` by `python -m runner.serving.triton_repo`. Runs inside Triton's Python stub,
 so it uses only the standard library and numpy; the engines run in the MPI job (the project's own environment),
-which speaks JSON lines over its stdin/stdout (`runner/serve.py`).
+which speaks JSON lines over its stdin/stdout (`runner/serving/serve.py`).
 
 Tensor names follow TensorRT-LLM's Triton backend: text_input, max_tokens, temperature, top_k, top_p, seed,
 end_id, pad_id, stream, exclude_input_in_output, stop_words, bad_words -> text_output, plus accept_length.

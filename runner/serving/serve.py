@@ -1,7 +1,7 @@
 """Serving mode of the MPI runner: `mpirun -np N python -m runner --serve --engine_dir ...`.
 
 Rank 0 reads one JSON request per line on stdin and writes JSON events, one per line, on stdout; the Triton
-model (`runner/triton/model.py`) owns the job and speaks this protocol. Requests are served one at a time, in
+model (`runner/serving/triton_model.py`) owns the job and speaks this protocol. Requests are served one at a time, in
 arrival order (queued, not batched: the engines run batch 1). A bad request gets an error event and the loop goes
 on; end of stdin stops every rank.
 

@@ -14,11 +14,11 @@ import torch
 
 
 def tree_forms(device: torch.device):
-    """(top_logprobs, build_tree) for tensors on `device`: on GPUs the Triton kernels (`device_tree_kernel.py`: the
+    """(top_logprobs, build_tree) for tensors on `device`: on GPUs the Triton kernels (`tree_kernel.py`: the
     draft top-k as two kernels, the build as one; ties go to the lower index), elsewhere the tensor-op forms below."""
     if device.type != "cuda":
         return top_logprobs, build_tree_device
-    from runner.device_tree_kernel import build_tree_kernel, top_logprobs_kernel
+    from runner.device.tree_kernel import build_tree_kernel, top_logprobs_kernel
 
     return top_logprobs_kernel, build_tree_kernel
 

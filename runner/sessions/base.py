@@ -1,6 +1,6 @@
 """A thin engine session per rank: `run(profile, feeds) -> outputs`, every feed shape-checked against the named
-profile first. Backends: `TorchSession` (per-rank torch modules; CPU reference and CUDA), `runner.ort_session`
-(the engine dir's ONNX graphs under ONNX Runtime), `runner.trt_session` (TensorRT engines)."""
+profile first. Backends: `TorchSession` (per-rank torch modules; CPU reference and CUDA), `runner.sessions.ort`
+(the engine dir's ONNX graphs under ONNX Runtime), `runner.sessions.trt` (TensorRT engines)."""
 
 from __future__ import annotations
 

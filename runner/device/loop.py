@@ -27,9 +27,9 @@ from collections import deque
 import torch
 
 from engines.spec import SpecConfig
-from runner.cuda_graphs import capture_graph, timing_event, warm_up
-from runner.device_tree import accept_greedy_device, tree_forms
+from runner.device.tree import accept_greedy_device, tree_forms
 from runner.probes import Probes
+from runner.sessions.cuda_graphs import capture_graph, timing_event, warm_up
 from runner.speculate import GenerationResult, PhaseTimer, _emit
 
 SLOTS = 2  # steps in flight at most: the one running and the one queued behind it

@@ -1,4 +1,4 @@
-"""The DDTree build of `runner/device_tree.py` as one Triton kernel (one program), for CUDA tensors.
+"""The DDTree build of `runner/device/tree.py` as one Triton kernel (one program), for CUDA tensors.
 
 The tensor-op build launches ~90 small kernels (a top-k per depth, the global top-`budget`, the ordering, index
 arithmetic and the ancestor mask); inside a step graph each costs a few microseconds. Here one program does all of

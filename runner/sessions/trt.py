@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.io import TensorIO
+from engines.io import ROLES, TensorIO
 from engines.spec import Profile
-from runner.session import EngineSession
+from runner.sessions.base import EngineSession
 
 BOUND_IN_PLACE = ("latent_cache", "draft_cache")
 TORCH_DTYPES = {"int64": torch.int64, "bool": torch.bool, "float32": torch.float32}
@@ -52,8 +52,8 @@ class TrtSession(EngineSession):
     backend = "trt"
 
     def __init__(self, engine_dir, rank: int, profiles, io, device: torch.device, model_dtype: torch.dtype = None):
-        from builder.trt_backend import import_tensorrt
-        from plugins.trt_base import register_plugins
+        from plugins.registry import register_plugins
+        from plugins.tensorrt import import_tensorrt
 
         super().__init__(profiles, io)
         trt = import_tensorrt("tensorrt").module  # TensorRT-RTX cannot run on data-center GPUs
@@ -64,7 +64,7 @@ class TrtSession(EngineSession):
         logger = trt.Logger(trt.Logger.WARNING)
         runtime = trt.Runtime(logger)
         self.engines, self.contexts, self.buffers, self.graphs = {}, {}, {}, {}
-        for role in ("target", "draft"):
+        for role in ROLES:
             plan = engine_dir.engine_path(rank, role).read_bytes()
             self.engines[role] = runtime.deserialize_cuda_engine(plan)
             if self.engines[role] is None:

@@ -1,6 +1,6 @@
 """Checks an engine directory's ONNX graphs against the torch reference at every profile shape.
 
-    mpirun -np N python -m builder.check_onnx ENGINE_DIR      (N = the engine's tp_size; N = 1 runs in-process)
+    mpirun -np N python -m runner.check_onnx ENGINE_DIR      (N = the engine's tp_size; N = 1 runs in-process)
 
 Each rank runs its graphs under ONNX Runtime (custom ops, MPI collectives) and its torch modules (reference
 TreeAttention, MPI collectives) on the same inputs, at each profile's smallest and largest size (prefill also at an
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: mpirun -np N python -m builder.check_onnx ENGINE_DIR", file=sys.stderr)
+        print("usage: mpirun -np N python -m runner.check_onnx ENGINE_DIR", file=sys.stderr)
         return 2
 
     def run(comm) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from runner.session import TorchSession
-from runner.trt_session import BOUND_IN_PLACE, graph_capturable
+from runner.sessions.base import TorchSession
+from runner.sessions.trt import BOUND_IN_PLACE, graph_capturable
 
 
 class CudaGraphSession(TorchSession):
