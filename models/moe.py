@@ -107,5 +107,8 @@ class GroupedMoE(MoE):
         up = torch._grouped_mm(rows, self.experts["up_proj"].weight.transpose(1, 2), offs=offsets)
         down = torch._grouped_mm(F.silu(gate) * up, self.experts["down_proj"].weight.transpose(1, 2), offs=offsets)
         scaled = down * weights.reshape(-1).index_select(0, order).to(down.dtype)[:, None]
-        routed = torch.zeros_like(x).index_add_(0, token, scaled)
+        # back to [T, k] order and summed over k in a fixed order: an index_add_ into the tokens' rows adds with
+        # atomics on GPUs, in an order that changes between runs (greedy bf16 output did); this also rounds once
+        unsorted = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
+        routed = scaled.index_select(0, unsorted).view(*ids.shape, -1).sum(dim=1)
         return routed + self.shared_experts(x)

@@ -132,3 +132,22 @@ def test_gpu_forms_equal_the_reference_forms_under_the_interpreter(demo_ckpt):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split()[-1]) < 1e-5
+
+
+def test_grouped_moe_equals_the_gathered_moe_in_bf16():
+    """The GPU MoE (tokens sorted by expert, one grouped GEMM a projection, the top-k outputs summed per token in a
+    fixed order) against the gathered (exported) form on the same bf16 weights; torch._grouped_mm runs on the CPU."""
+    from models.layout import rank_target_shapes
+    from models.random_weights import random_state, router_in_fp32
+
+    config = preset("moe", smoke=True).target
+    prefix = "model.layers.1.mlp."
+    shapes = {k[len(prefix) :]: v for k, v in rank_target_shapes(config).items() if k.startswith(prefix)}
+    state = router_in_fp32(random_state(shapes, seed=4, dtype=torch.bfloat16))
+    with torch.device("meta"):
+        grouped = GroupedMoE(config, 1, cpu_ops(SingleRank()))
+    grouped.load_state_dict(state, strict=True, assign=True)
+    x = torch.randn(33, config.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        got, want = grouped(x).float(), MoE.forward(grouped, x).float()
+    assert float((got - want).norm() / want.norm()) < 1e-2
