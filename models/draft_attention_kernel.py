@@ -48,9 +48,9 @@ def _draft_attention_split(
     new_k_stride,
     new_v_stride,
     num_splits,
+    context_rows,
+    new_rows,
     ROWS: tl.constexpr,
-    CONTEXT: tl.constexpr,
-    NEW: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -59,7 +59,8 @@ def _draft_attention_split(
     PRECISION: tl.constexpr,
 ):
     # program (row tile, split, KV head): splits 0 .. num_splits - 1 take slices of the cached rows, split num_splits
-    # the NEW new rows (CONTEXT context rows, of which the first `count` are valid, then the block)
+    # the new_rows new rows (context_rows context rows, of which the first `count` are valid, then the block); the
+    # row counts are run-time values, so a prompt of a new length does not compile another kernel
     tile, split, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
     count = tl.sum(tl.load(count_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
@@ -105,9 +106,9 @@ def _draft_attention_split(
             True,
         )
     if is_new:  # the new rows: valid context rows and the whole block
-        for block in range(0, NEW, BLOCK_N):
+        for block in range(0, new_rows, BLOCK_N):
             keys = block + offs_n
-            key_ok = (keys < NEW) & ((keys >= CONTEXT) | (keys < count))
+            key_ok = (keys < new_rows) & ((keys >= context_rows) | (keys < count))
             acc, m_i, l_i = _attend_block(
                 acc,
                 m_i,
@@ -179,9 +180,9 @@ def draft_attention_cuda(q, cache, cache_length, k_new, v_new, context_rows: int
         k_new.stride(0),
         v_new.stride(0),
         splits,
+        context_rows,
+        new,
         ROWS=rows,
-        CONTEXT=context_rows,
-        NEW=new,
         D=dim,
         BLOCK_D=block_d,
         BLOCK_M=block_m,
