@@ -252,11 +252,11 @@ def shared_bytes(config: dict, width: int, element_size: int) -> int:
 
 
 def default_config(rows: int, width: int = 576, element_size: int = 2, capacity: int = 0) -> dict:
-    """Tile shapes measured on the H200 (benchmarks/tree_attention_gpu.py, tree_attention_short_cache.py): 16-row
-    query tiles when at most 16 rows exist (T = 1 decode) or the cache can never be long (capacity <=
-    SMALL_TILE_CAPACITY: more programs, and a key block re-read by more tiles costs little); otherwise 64-row tiles
-    (the wgmma M) with 64-key blocks, which read a long cache fewer times. Wider or fp32 rows fall back to smaller
-    tiles until the shared memory fits."""
+    """Tile shapes measured on the H200 (benchmarks/tree_attention_gpu.py; the short-cache sweep in
+    benchmarks/results/HISTORY.md): 16-row query tiles when at most 16 rows exist (T = 1 decode) or the cache can
+    never be long (capacity <= SMALL_TILE_CAPACITY: more programs, and a key block re-read by more tiles costs
+    little); otherwise 64-row tiles (the wgmma M) with 64-key blocks, which read a long cache fewer times. Wider or
+    fp32 rows fall back to smaller tiles until the shared memory fits."""
     small = rows <= 16 or capacity <= SMALL_TILE_CAPACITY
     preferred = [{"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}] if small else []
     preferred += [{"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
@@ -271,8 +271,9 @@ def default_config(rows: int, width: int = 576, element_size: int = 2, capacity:
 
 
 def default_min_blocks(rows: int, capacity: int) -> int:
-    """Key blocks a split takes at least (measured, benchmarks/tree_attention_short_cache.py): 1 for a decode's few
-    rows over a cache that is never long (most parallel), else 2 (fewer partial results to write and merge)."""
+    """Key blocks a split takes at least (measured: the short-cache sweep in benchmarks/results/HISTORY.md): 1 for a
+    decode's few rows over a cache that is never long (most parallel), else 2 (fewer partial results to write and
+    merge)."""
     return 1 if rows <= 16 and capacity <= SMALL_TILE_CAPACITY else 2
 
 
