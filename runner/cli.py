@@ -53,14 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_prompts(args, parser) -> list[str]:
+def load_prompts(args) -> list[str]:
+    """The prompts, or a ValueError (every rank learns of it, so none waits in a collective for rank 0)."""
     prompts = list(args.input_text)
     if args.input_file is not None:
         if not args.input_file.is_file():
-            parser.error(f"--input_file {args.input_file} does not exist")
+            raise ValueError(f"--input_file {args.input_file} does not exist")
         prompts += [line for line in args.input_file.read_text().splitlines() if line.strip()]
     if not prompts:
-        parser.error("give at least one prompt with --input_text or --input_file")
+        raise ValueError("give at least one prompt with --input_text or --input_file (a non-empty one)")
     return prompts
 
 
@@ -94,7 +95,7 @@ class TextStream:
         self.printed = len(text)
 
 
-def prepare(args, parser, comm):
+def prepare(args, comm):
     """Every check that needs no collective, on every rank; returns (engine, prompts, tokenizer or None, spec)."""
     from engines.engine_dir import load_engine_dir
     from engines.spec import SpecConfig, check_runtime_spec
@@ -105,7 +106,8 @@ def prepare(args, parser, comm):
     args.backend = args.backend or default_backend()
     engine.check_files(args.backend)
     base = engine.spec
-    spec = SpecConfig(base.block_size, args.ddtree_budget or base.budget, args.max_topk or base.max_topk)
+    budget = args.ddtree_budget if args.ddtree_budget is not None else base.budget  # 0 is an error, not "default"
+    spec = SpecConfig(base.block_size, budget, args.max_topk if args.max_topk is not None else base.max_topk)
     check_runtime_spec(spec, engine.profiles)
     if args.loop == "device" and (args.backend != "torch" or args.temperature > 0):
         raise ValueError(
@@ -123,7 +125,7 @@ def prepare(args, parser, comm):
     build = engine.build_config
     if args.serve:
         return engine, [], tokenizer, spec
-    prompts = [tokenizer.encode(text).ids for text in load_prompts(args, parser)]
+    prompts = [tokenizer.encode(text).ids for text in load_prompts(args)]
     for i, ids in enumerate(prompts):
         try:
             check_request(len(ids), args.max_output_len, build.max_input_len, build.max_seq_len, spec.block_size)
@@ -188,7 +190,7 @@ def main_on_rank(comm, argv=None) -> int:
     rank = comm.Get_rank()
     setup_logging(rank, args.log_level)
     try:
-        engine, prompts, tokenizer, spec = prepare(args, parser, comm)
+        engine, prompts, tokenizer, spec = prepare(args, comm)
         problem = None
     except (ValueError, FileNotFoundError) as err:
         engine = prompts = tokenizer = spec = None

@@ -4,9 +4,12 @@ target sample (lossless)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+MIN_TEMPERATURE = 1e-5  # vLLM samples greedily below it; here it is refused (0 is greedy)
 
 
 @dataclass(frozen=True)
@@ -17,8 +20,12 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # NaN, infinities and temperatures so small that logits / temperature overflow would poison the sampler on
+        # every rank (a request's "probability tensor contains inf, nan" ended the whole job)
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: no cap), got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -151,3 +151,33 @@ def test_grouped_moe_equals_the_gathered_moe_in_bf16():
     with torch.no_grad():
         got, want = grouped(x).float(), MoE.forward(grouped, x).float()
     assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+def test_a_poison_request_fails_only_itself(demo_ckpt, demo_engine):
+    """`--serve` (the Triton model's runner): a request whose temperature would turn the sampler's probabilities into
+    NaN gets its own error between two good requests, which are served."""
+    import io
+    import json
+
+    from engines.engine_dir import load_engine_dir
+    from runner.cli import load_tokenizer
+    from runner.serving.serve import serve
+
+    engine = load_engine_dir(demo_engine(2))
+    generator = Generator(local_ranks(CheckpointWeights(demo_ckpt(1)), RankOptions(device="cpu"), engine.spec, BUILD))
+    tokenizer = load_tokenizer(engine.tokenizer_dir, 512)
+    good = {"text_input": "Hello", "max_tokens": 6}
+    requests = [{**good, "id": "a"}, {**good, "id": "b", "temperature": 1e-40}, {**good, "id": "c", "temperature": 0.7}]
+    lines = (
+        "\n".join(json.dumps(r) for r in requests) + '\n{"id": "d", "text_input": "x", "max_tokens": 2, "top_p": NaN}\n'
+    )
+    out = io.StringIO()
+    serve(generator, tokenizer, engine, engine.spec, "torch", inp=io.StringIO(lines), out=out)
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    finals = {e["id"]: e for e in events if e.get("event") in ("done", "error")}
+    assert finals["a"]["event"] == "done" and finals["c"]["event"] == "done" and len(finals["c"]["output_ids"]) == 6
+    assert (
+        finals["b"]["event"] == "error" and "temperature must be 0 (greedy) or at least 1e-05" in finals["b"]["error"]
+    )
+    assert finals["d"]["event"] == "error" and "top_p must be in (0, 1]" in finals["d"]["error"]
+    generator.ranks.close()

@@ -104,6 +104,22 @@ def test_bad_requests_are_refused_before_any_output(demo_engine, tmp_path):
     assert done.returncode == 2 and "does not exist" in done.stderr
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "64")
     assert done.returncode == 2 and "budget=64 needs a 65-token verify_tree profile; got 33" in done.stderr
+    done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "0")  # 0 was taken as "the engine's budget"
+    assert done.returncode == 2 and "budget=0 must be >= 1 tree node" in done.stderr
+    for temperature in ("nan", "inf", "1e-40", "-1"):  # each crashed every rank inside the sampler
+        done, _ = run(2, demo_engine(2), tmp_path, "--temperature", temperature)
+        assert done.returncode == 2 and "temperature must be" in done.stderr, temperature
+
+
+def test_no_prompt_ends_every_rank_with_an_error(demo_engine, tmp_path):
+    """Rank 0 used to leave through parser.error while the other ranks waited in a collective for ever."""
+    done, out = run(2, demo_engine(2), tmp_path, prompts=[])
+    assert done.returncode == 2 and out is None and "give at least one prompt" in done.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    for path in (empty, tmp_path / "missing.txt"):
+        done, _ = run(2, demo_engine(2), tmp_path, "--input_file", str(path), prompts=[])
+        assert done.returncode == 2 and ("give at least one prompt" in done.stderr or "does not exist" in done.stderr)
 
 
 def test_tokenizer_larger_than_the_vocab_is_refused(demo_engine):
