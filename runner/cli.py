@@ -228,7 +228,8 @@ def main_on_rank(comm, argv=None) -> int:
             serve(generator, tokenizer, engine, spec, args.backend, startup)
             return 0
         print(f"mode: {generator.mode(params)}; rank 0: {worker.description}")
-        print(f"startup: ranks built in {built:.2f} s, warm-up (graph capture, compilation) {warm:.2f} s", flush=True)
+        print(f"startup: ranks built in {built:.2f} s, warm-up (a short request: graph capture, kernel compilation) "
+              f"{warm:.2f} s", flush=True)  # fmt: skip
         target = engine.config["pretrained_config"]["target"]
         end_id = args.end_id if args.end_id is not None else target.get("eos_token_id")
         end_ids = {end_id} if end_id is not None else set()

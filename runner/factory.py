@@ -206,7 +206,8 @@ def build_rank(model, rank: int, options: RankOptions = RankOptions(), spec: Spe
     target_cfg, drafter_cfg = weights.rank_configs(rank)
     io = engine_io(target_cfg, drafter_cfg)
     device = rank_device(options, rank)
-    forms = options.backend
+    forms = {"ort": "the engine directory's ONNX graphs under ONNX Runtime",
+             "trt": "the TensorRT engines, a CUDA graph per fixed-shape profile"}.get(options.backend)  # fmt: skip
     if options.backend == "ort":
         from runner.sessions.ort import OrtSession
 
