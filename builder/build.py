@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from builder import __version__
-from engines.engine_dir import EngineDir, write_engine_dir_config
+from engines.engine_dir import EngineDir, load_engine_dir, write_engine_dir_config
 from engines.io import ROLES, role_io
-from engines.output_dir import prepare_output_dir
+from engines.output_dir import staged_output_dir
 from engines.spec import BuildConfig, SpecConfig, derive_profiles
 from models.checkpoint import load_checkpoint_config
 
@@ -31,14 +31,15 @@ def build_engines(
     force: bool = False,
     tensorrt: str | None = None,
     onnx: bool = True,
+    protect: tuple[Path, ...] = (),
 ) -> EngineDir:
     """Exports and builds every rank's target and draft engines; config.json is written last.
 
     `tensorrt`: None picks full TensorRT, else TensorRT-RTX; "none" writes the ONNX graphs and the checkpoint
     only (the ort and torch backends run from those; GPU machines without TensorRT). `onnx=False` (with "none")
-    writes the checkpoint only: the torch backend's engine directory, without exporting large models."""
-    from builder.export import custom_ops, export_rank
-    from builder.trt_build import build_engine
+    writes the checkpoint only: the torch backend's engine directory, without exporting large models. Everything
+    is written beside `output_dir` first and moves into place when complete (`engines/output_dir.py`); `protect`:
+    more inputs the output must not replace (the HF checkpoints of the one-step command)."""
     from plugins.registry import register_plugins
     from plugins.tensorrt import import_tensorrt
 
@@ -70,14 +71,26 @@ def build_engines(
         build.to_dict(),
         f"{trt.flavor} {trt.version}" if trt else "no TensorRT (ONNX only)",
     )
-    prepare_output_dir(output_dir, force, protect=(Path(checkpoint_dir),))
-    _link_tree(Path(checkpoint_dir), output_dir / "checkpoint")
-    if (Path(checkpoint_dir) / "tokenizer").is_dir():
-        shutil.copytree(Path(checkpoint_dir) / "tokenizer", output_dir / "tokenizer")
+    with staged_output_dir(output_dir, force, protect=(Path(checkpoint_dir), *protect)) as staging:
+        _write_ranks(staging, Path(checkpoint_dir), checkpoint, profiles, trt, onnx)
+        engines = {"builder": trt.flavor if trt else "none", "builder_version": trt.version if trt else None,
+                   "onnx": onnx}  # fmt: skip
+        write_engine_dir_config(staging, __version__, checkpoint.to_dict(), spec, build, profiles, engines)
+    log.info("built %d ranks x %d roles in %.1f s", checkpoint.tp_size, len(ROLES), time.perf_counter() - start)
+    return load_engine_dir(output_dir)
 
+
+def _write_ranks(out: Path, checkpoint_dir: Path, checkpoint, profiles: dict, trt, onnx: bool) -> None:
+    """The checkpoint (hard links), the tokenizer, and every rank's ONNX graphs and TensorRT engines, into `out`."""
+    from builder.export import custom_ops, export_rank
+    from builder.trt_build import build_engine
+
+    _link_tree(checkpoint_dir, out / "checkpoint")
+    if (checkpoint_dir / "tokenizer").is_dir():
+        shutil.copytree(checkpoint_dir / "tokenizer", out / "tokenizer")
     for rank in range(checkpoint.tp_size if onnx else 0):
-        rank_dir = output_dir / f"rank{rank}"
-        graphs = export_rank(Path(checkpoint_dir), rank, profiles, rank_dir)
+        rank_dir = out / f"rank{rank}"
+        graphs = export_rank(checkpoint_dir, rank, profiles, rank_dir)
         target_cfg, drafter_cfg = checkpoint.rank_configs(rank)
         for role in ROLES if trt is not None else ():
             inputs, _ = role_io(role, target_cfg, drafter_cfg)
@@ -96,11 +109,6 @@ def build_engines(
                 len(record["plugin_layers"]),
                 record["build_seconds"],
             )
-
-    engines = {"builder": trt.flavor if trt else "none", "builder_version": trt.version if trt else None, "onnx": onnx}
-    engine = write_engine_dir_config(output_dir, __version__, checkpoint.to_dict(), spec, build, profiles, engines)
-    log.info("built %d ranks x %d roles in %.1f s", checkpoint.tp_size, len(ROLES), time.perf_counter() - start)
-    return engine
 
 
 def _link_tree(source: Path, destination: Path) -> None:
@@ -130,4 +138,6 @@ def build_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     )
     logging.getLogger("ddtree.builder").setLevel(args.log_level.upper() if args.log_level != "verbose" else "DEBUG")
     tensorrt = "none" if args.no_tensorrt or args.no_onnx else None
-    return build_engines(args.checkpoint_dir, args.output_dir, spec, build, args.force, tensorrt, not args.no_onnx)
+    inputs = tuple(Path(p) for p in (getattr(args, "model_dir", None), getattr(args, "draft_model_dir", None)) if p)
+    return build_engines(args.checkpoint_dir, args.output_dir, spec, build, args.force, tensorrt, not args.no_onnx,
+                         protect=inputs)  # fmt: skip

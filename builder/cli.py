@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from builder.build import build_from_args
             from builder.convert import convert
+            from engines.output_dir import check_output_dir
 
+            # before converting: the engine directory must not replace either HF checkpoint (with --force it did)
+            check_output_dir(args.output_dir, args.force, protect=(args.model_dir, args.draft_model_dir))
             with tempfile.TemporaryDirectory(prefix="ddtree-ckpt-") as ckpt:
                 convert(args.model_dir, args.draft_model_dir, Path(ckpt), args.tp_size, args.dtype, force=True)
                 args.checkpoint_dir = Path(ckpt)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from builder.hf_checkpoint import DrafterCheckpoint, TargetCheckpoint
-from engines.output_dir import prepare_output_dir
+from engines.output_dir import staged_output_dir
 from models.checkpoint import DTYPES, CheckpointConfig, rank_file
 from models.layout import (
     EXPERT_PROJECTIONS,
@@ -76,22 +76,20 @@ def convert(
     check_tensor_set(
         drafter.shapes(), {k: s.shape for k, s in drafter_specs.items()}, f"drafter checkpoint {draft_model_dir}"
     )
-    prepare_output_dir(output_dir, force, protect=(Path(model_dir), Path(draft_model_dir)))
     log.info("converting to tp_size=%d dtype=%s -> %s", tp_size, config.dtype, output_dir)
-
-    torch_dtype = getattr(torch, config.dtype)
-    ranks = _shard_target(target, config, torch_dtype)
-    for rank, tensors in enumerate(ranks):
-        _save(tensors, rank_file(output_dir, "target", rank))
-    ranks = [{} for _ in range(tp_size)]
-    for name, spec in drafter_specs.items():
-        for rank, piece in enumerate(shard(drafter.get(name).to(torch_dtype), spec.split_dim, tp_size)):
-            ranks[rank][name] = piece
-    for rank, tensors in enumerate(ranks):
-        _save(tensors, rank_file(output_dir, "drafter", rank))
-
-    (Path(output_dir) / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    _copy_tokenizer(Path(model_dir), Path(output_dir) / "tokenizer")
+    with staged_output_dir(output_dir, force, protect=(Path(model_dir), Path(draft_model_dir))) as staging:
+        torch_dtype = getattr(torch, config.dtype)
+        ranks = _shard_target(target, config, torch_dtype)
+        for rank, tensors in enumerate(ranks):
+            _save(tensors, rank_file(staging, "target", rank))
+        ranks = [{} for _ in range(tp_size)]
+        for name, spec in drafter_specs.items():
+            for rank, piece in enumerate(shard(drafter.get(name).to(torch_dtype), spec.split_dim, tp_size)):
+                ranks[rank][name] = piece
+        for rank, tensors in enumerate(ranks):
+            _save(tensors, rank_file(staging, "drafter", rank))
+        (staging / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+        _copy_tokenizer(Path(model_dir), staging / "tokenizer")
     log.info("converted %d ranks in %.2f s", tp_size, time.perf_counter() - start)
     return config
 

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from builder import int4
 from builder.tokenizer import SPECIAL_TOKENS, write_tokenizer
-from engines.output_dir import prepare_output_dir
+from engines.output_dir import check_output_dir, staged_output_dir
 from models.config import DrafterConfig, TargetConfig
 from models.layout import hf_drafter_specs, hf_target_specs
 from models.random_weights import random_state
@@ -170,21 +170,21 @@ def quantize_experts(tensors: dict[str, torch.Tensor], group_size: int) -> dict[
 
 
 def write_target(path: Path, int4_experts: bool, force: bool) -> Path:
-    prepare_output_dir(path, force)
     config = target_hf_config(int4_experts)
     tensors = random_tensors(hf_target_specs(TargetConfig.from_hf(config)), SEED)
     if int4_experts:
         tensors = quantize_experts(tensors, group_size=32)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"],
         "pad_token_id": config["pad_token_id"],
         "do_sample": False,
     }
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    write_tokenizer(path, SPECIAL_BASE, VOCAB_SIZE)
+    with staged_output_dir(path, force) as out:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        write_tokenizer(out, SPECIAL_BASE, VOCAB_SIZE)
     return path
 
 
@@ -195,9 +195,9 @@ def write_drafter(path: Path, force: bool) -> Path:
     if not force and _same_drafter(path, config_text, tensors):
         logging.info("drafter %s already holds these weights; kept", path)
         return path
-    prepare_output_dir(path, force)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(config_text)
+    with staged_output_dir(path, force) as out:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(config_text)
     return path
 
 
@@ -260,7 +260,7 @@ def write_preset(output_dir: Path, name: str, dtype: str, force: bool, device: s
     hf_target, hf_drafter = preset_hf_configs(name, dtype, smoke)
     paths = output_dir / f"kimi-{name}", output_dir / f"kimi-{name}-dflash"
     for path in paths:
-        prepare_output_dir(path, force)
+        check_output_dir(path, force)
     for path, config, specs, seed in (
         (paths[0], hf_target, hf_target_specs(TargetConfig.from_hf(hf_target)), SEED),
         (paths[1], hf_drafter, hf_drafter_specs(DrafterConfig.from_hf(hf_drafter)), SEED + 1),
@@ -268,9 +268,11 @@ def write_preset(output_dir: Path, name: str, dtype: str, force: bool, device: s
         shapes = {n: spec.shape for n, spec in specs.items()}
         tensors = random_state(shapes, seed, device=device, dtype=getattr(torch, dtype))
         tensors = {n: (t.float() if n.endswith("e_score_correction_bias") else t).cpu() for n, t in tensors.items()}
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_tokenizer(paths[0], SPECIAL_BASE, VOCAB_SIZE)
+        with staged_output_dir(path, force) as out:
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if path == paths[0]:
+                write_tokenizer(out, SPECIAL_BASE, VOCAB_SIZE)
     return paths
 
 

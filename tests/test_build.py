@@ -141,3 +141,43 @@ def test_exported_graphs_name_every_dynamic_dim(demo_engine):
     assert dims["latent_cache"] == [4, "cache_capacity", 40] and dims["logit_indices"] == ["logits"]
     record = json.loads((demo_engine(2) / "rank1" / "target.build.json").read_text())
     assert record["plan_records"]["TreeAttention"]
+
+
+def test_the_one_step_build_never_replaces_its_inputs(demo_hf, tmp_path, capsys):
+    """`build-engine --model_dir X ... --output_dir X --force` deleted the HF checkpoint X (and with X's parent as the
+    output, the drafter too): both are refused before anything is converted, and the inputs stay whole."""
+    import shutil
+
+    hf = shutil.copytree(demo_hf, tmp_path / "hf")
+    before = sorted(p.relative_to(hf) for p in hf.rglob("*"))
+    target, drafter = hf / "kimi-k2-tiny", hf / "kimi-k2-tiny-dflash"
+    for output in (target, hf, drafter):
+        args = ["--model_dir", str(target), "--draft_model_dir", str(drafter), "--output_dir", str(output)]
+        assert cli_main([*args, "--tp_size", "1", "--no_onnx", "--force"]) == 2
+        assert "would replace the input" in capsys.readouterr().err
+    assert sorted(p.relative_to(hf) for p in hf.rglob("*")) == before
+
+
+def test_a_failed_forced_build_leaves_the_previous_engine(demo_ckpt, tmp_path, monkeypatch):
+    """Everything is written beside the output and moved into place when complete: a --force rebuild that fails part
+    way (here: after the checkpoint is linked) leaves the previous engine directory as it was, and no partial folder."""
+    from builder import build
+
+    out = tmp_path / "engine"
+    spec, limits = SpecConfig(8, 32), BuildConfig(max_input_len=64, max_seq_len=512)
+    build.build_engines(demo_ckpt(1), out, spec, limits, tensorrt="none", onnx=False)
+    before = {p.relative_to(out): p.stat().st_size for p in out.rglob("*")}
+    write = build._write_ranks
+
+    def interrupted(staging, *args):
+        write(staging, *args)
+        raise KeyboardInterrupt  # Ctrl-C during the build
+
+    monkeypatch.setattr(build, "_write_ranks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build.build_engines(demo_ckpt(1), out, spec, limits, force=True, tensorrt="none", onnx=False)
+    assert {p.relative_to(out): p.stat().st_size for p in out.rglob("*")} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["engine"]  # no .engine.partial-* left behind
+    monkeypatch.setattr(build, "_write_ranks", write)
+    build.build_engines(demo_ckpt(1), out, SpecConfig(8, 16), limits, force=True, tensorrt="none", onnx=False)
+    assert load_engine_dir(out).spec.budget == 16 and [p.name for p in tmp_path.iterdir()] == ["engine"]

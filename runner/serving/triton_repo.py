@@ -54,16 +54,21 @@ parameters {{ key: "runner_log" value: {{ string_value: "{runner_log}" }} }}
 def write_repository(
     engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort", force: bool = False
 ) -> Path:
-    from engines.output_dir import prepare_output_dir
+    from engines.output_dir import staged_output_dir
 
     engine = load_engine_dir(engine_dir)
     engine.check_files(backend)
-    prepare_output_dir(output_dir, force)
     python = Path(sys.executable)
     mpirun = python.parent / "mpirun"
     if not mpirun.exists():
         mpirun = Path(shutil.which("mpirun") or "mpirun")
-    model_dir = output_dir / model_name
+    with staged_output_dir(output_dir, force) as staging:
+        _write_model(staging / model_name, engine, model_name, backend, python, mpirun, output_dir)
+    return output_dir / model_name
+
+
+def _write_model(model_dir: Path, engine, model_name: str, backend: str, python: Path, mpirun: Path,
+                 output_dir: Path) -> None:  # fmt: skip
     (model_dir / "1").mkdir(parents=True)
     build = engine.build_config
     (model_dir / "config.pbtxt").write_text(
@@ -81,7 +86,6 @@ def write_repository(
         )
     )
     shutil.copy2(Path(__file__).with_name("triton_model.py"), model_dir / "1" / "model.py")
-    return model_dir
 
 
 def main(argv=None) -> int:
