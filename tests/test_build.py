@@ -94,6 +94,27 @@ def test_profiles_must_hold_the_spec(demo_ckpt, tmp_path, capsys):
         BuildConfig(max_batch_size=4)
 
 
+@pytest.mark.parametrize(
+    ("block_size", "budget", "tree_tokens", "verify_tokens"),
+    [(8, 6, None, 8), (8, 7, None, 8), (8, 8, 9, 9), (8, 32, 33, 33), (2, 1, None, 2), (2, 2, 3, 3)],
+)
+def test_profiles_at_the_chain_and_tree_boundary(block_size, budget, tree_tokens, verify_tokens):
+    """budget + 1 <= block_size fits the chain profile (padded rows masked); one more node needs a tree profile."""
+    spec = SpecConfig(block_size, budget)
+    profiles = derive_profiles(spec, BuildConfig(max_input_len=64, max_seq_len=512))
+    assert spec.verify_tokens == verify_tokens
+    assert profiles["verify_chain"].fixed("tokens") == block_size == profiles["draft"].fixed("block")
+    assert (profiles["verify_tree"].fixed("tokens") if "verify_tree" in profiles else None) == tree_tokens
+    assert profiles[spec.verify_profile].fixed("tokens") == verify_tokens
+    check_runtime_spec(spec, profiles)
+
+
+def test_a_block_longer_than_the_prompt_limit_is_refused():
+    with pytest.raises(ValueError, match="block_size=16 must be <= max_input_len=8"):
+        derive_profiles(SpecConfig(16, 32), BuildConfig(max_input_len=8, max_seq_len=512))
+    derive_profiles(SpecConfig(8, 32), BuildConfig(max_input_len=8, max_seq_len=512))  # equal is allowed
+
+
 def test_one_shot_build_rejects_non_dividing_tp(demo_hf, tmp_path, capsys):
     args = [
         "--model_dir",

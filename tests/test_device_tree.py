@@ -95,7 +95,6 @@ def _index(tokens, parents, host, host_node):
 
 def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
     """runner/device/tree_kernel.py (the one-program Triton build used on GPUs) gives the tensor-op build's outputs."""
-    pytest.importorskip("triton")
     done = run_interpreted("""
         import numpy as np, torch
         from runner.device.tree import build_tree_device
@@ -124,7 +123,6 @@ def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
 def test_top_logprobs_kernel_equals_log_softmax_topk_under_the_interpreter():
     """The GPU draft top-k (two Triton kernels) equals torch's log_softmax + topk: values, indices and order; on
     ties the lower index comes first."""
-    pytest.importorskip("triton")
     done = run_interpreted("""
         import torch
         from runner.device.tree_kernel import top_logprobs_kernel

@@ -39,7 +39,6 @@ CASES = [
 
 
 def test_draft_attention_kernel_matches_reference_under_the_interpreter():
-    pytest.importorskip("triton")
     script = f"""
         import torch
         from models import draft_attention_kernel as dk
@@ -63,7 +62,6 @@ def test_draft_attention_kernel_matches_reference_under_the_interpreter():
 
 
 def test_draft_attention_refuses_mismatched_inputs():
-    pytest.importorskip("triton")
     from models.draft_attention_kernel import draft_attention_cuda
 
     q, cache, k_new, v_new = random_case(1, 8, 8, 8, 64, 32, seed=0)
@@ -79,7 +77,6 @@ def test_draft_attention_refuses_mismatched_inputs():
 def test_drafter_with_the_kernel_equals_the_torch_form_under_the_interpreter(demo_ckpt):
     """The whole drafter with its attention through the kernel (as on GPUs: heads folded, kernel, unfolded) gives the
     torch form's logits and context K/V: a draft after earlier ones (cached rows) with 3 of 8 context rows valid."""
-    pytest.importorskip("triton")
     script = f"""
         import torch
         from models.dflash import DraftAttention

@@ -90,7 +90,6 @@ def test_gpu_forms_equal_the_reference_forms_under_the_interpreter(demo_ckpt):
     """The forms `gpu_ops` picks (TreeAttention and drafter kernels, in-place MLA, fused norm / rotary / projections),
     run on the CPU by the Triton interpreter, give the reference forms' logits, latent rows and draft K/V on the tiny
     checkpoint in float32: a prefill, a tree verify and a draft."""
-    pytest.importorskip("triton")
     done = run_interpreted(
         f"""
         import torch

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import transformers  # a test dependency: missing, these tests fail (not skip)
 
 from engines.spec import BuildConfig, SpecConfig
 from runner.sampling import Sampler, SamplingParams, sampling_probs
@@ -10,7 +11,6 @@ from runner.speculate import check_request, generate, generate_autoregressive
 from tests.conftest import cpu_ranks
 from tests.oracle import TargetDraftRanks
 
-transformers = pytest.importorskip("transformers")
 PROMPTS = [[5, 77, 300, 12, 480, 33, 250], [1, 2, 3], [200, 201, 9, 88, 17, 400, 402, 300, 11, 63, 5]]
 BUILD = BuildConfig(max_input_len=64, max_seq_len=512)
 GREEDY = SamplingParams()

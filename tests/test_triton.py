@@ -29,6 +29,9 @@ pytestmark = [
 PROMPTS = ["Hello world! Speculative decoding", "The quick brown fox", "Numbers: 1 2 3", "Kimi is a large model"]
 
 
+MAX_QUEUE = 4
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -44,7 +47,7 @@ def runner_pids(engine_dir: Path) -> list[int]:
 def server(demo_engine, tmp_path_factory):
     engine = demo_engine(2)
     work = tmp_path_factory.mktemp("triton")
-    write_repository(engine, work / "repo")
+    write_repository(engine, work / "repo", max_queue=MAX_QUEUE)
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     process = start_server(
         TRITON_VENV, work / "repo", work, ports["http"], ports["grpc"], ports["metrics"], work / "server.log"
@@ -182,12 +185,47 @@ def test_concurrent_requests_all_complete(server, cli_outputs):
 
 
 def test_bad_requests_get_errors_and_the_server_keeps_serving(server, cli_outputs):
+    """Each bad request gets an error reply (not a 200 with an error text), and the requests around it are served:
+    one refused by Triton (a missing input), the rest by the runner's own validation behind the model."""
     status, text = post(server["http"], "generate", {"text_input": PROMPTS[0]})
     assert status == 400 and "missing required input(s) ['max_tokens']" in text
-    status, text = post(server["http"], "generate", {"text_input": "Hello world! " * 40, "max_tokens": 4})
-    assert "longer than the engine's max_input_len=64" in text
-    status, text = post(server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 4, "top_p": 0.0})
-    assert "top_p must be in (0, 1]" in text
+    bad = [
+        ({"text_input": "Hello world! " * 40, "max_tokens": 4}, "longer than the engine's max_input_len=64"),
+        ({"text_input": PROMPTS[0], "max_tokens": 4, "top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"text_input": PROMPTS[0], "max_tokens": 4, "temperature": 1e-40}, "temperature must be 0 (greedy) or at"),
+        ({"text_input": PROMPTS[0], "max_tokens": 0}, "max_output_len must be >= 1"),
+    ]
+    for body, message in bad:
+        status, text = post(server["http"], "generate", body)
+        assert status == 400 and message in text, (status, text)
+        status, text = post(
+            server["http"], "generate", {"text_input": PROMPTS[1], "max_tokens": 16, "exclude_input_in_output": True}
+        )
+        assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][1]
+    status, text = post(
+        server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
+    )
+    assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
+
+
+def test_a_full_queue_answers_busy_at_once(server, cli_outputs):
+    """At most MAX_QUEUE requests are queued or running; more get a "busy" error at once, the others complete."""
+    results = {}
+
+    def ask(i):
+        body = {"text_input": PROMPTS[i % len(PROMPTS)], "max_tokens": 48, "exclude_input_in_output": True}
+        started = time.monotonic()
+        results[i] = (*post(server["http"], "generate", body), time.monotonic() - started)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3 * MAX_QUEUE)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    busy = [r for r in results.values() if r[0] != 200]
+    served = [r for r in results.values() if r[0] == 200]
+    assert busy and all("busy: 4 requests are queued or running (max_queue=4)" in text for _, text, _ in busy), busy
+    assert len(served) >= MAX_QUEUE and max(seconds for _, _, seconds in busy) < min(s for _, _, s in served)
     status, text = post(
         server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
     )

@@ -2,13 +2,10 @@
 rope.apply_rotary), run here under the Triton interpreter: strided rows, 2-D and 3-D inputs, float32 and float16
 (whose per-operation rounding they reproduce)."""
 
-import pytest
-
 from tests.interpreter import run_interpreted
 
 
 def test_fused_norm_and_rotary_equal_the_torch_expressions():
-    pytest.importorskip("triton")
     done = run_interpreted("""
         import torch
         from models.layers import RMSNorm
@@ -61,7 +58,6 @@ def test_fused_norm_and_rotary_equal_the_torch_expressions():
 def test_in_place_absorbed_attention_equals_the_plain_expressions():
     """InPlaceAbsorbedMLA (the GPU form: results written into column ranges and the o_proj layout) equals
     forward's concatenations and einsums, at one token and at a tree of several."""
-    pytest.importorskip("triton")
     done = run_interpreted("""
         import torch
         from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA

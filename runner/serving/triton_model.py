@@ -6,7 +6,8 @@ which speaks JSON lines over its stdin/stdout (`runner/serving/serve.py`).
 
 Tensor names follow TensorRT-LLM's Triton backend: text_input, max_tokens, temperature, top_k, top_p, seed,
 end_id, pad_id, stream, exclude_input_in_output, stop_words, bad_words -> text_output, plus accept_length.
-Requests are queued: the runner serves one at a time. A malformed request gets its own error response; if the
+Requests are queued, at most `max_queue` (a parameter of config.pbtxt) at once; one more gets a "busy" error at
+once. The runner serves them one at a time. A malformed request gets its own error response; if the
 runner dies, every in-flight request gets an error and the runner is started again.
 """
 
@@ -125,6 +126,7 @@ class TritonPythonModel:
             PATH=os.path.dirname(params["python"]) + ":/usr/local/bin:/usr/bin:/bin",
         )
         self.log_path = params.get("runner_log", "/tmp/ddtree-runner.log")
+        self.max_queue = int(params.get("max_queue", "64"))
         self.pending: dict[str, dict] = {}
         self.lock = threading.Lock()
         self.shutting_down = False
@@ -216,7 +218,13 @@ class TritonPythonModel:
                 continue
             entry = {"sender": sender, "stream": stream, "exclude_input": exclude}
             with self.lock:
-                self.pending[payload["id"]] = entry
+                busy = len(self.pending) >= self.max_queue
+                if not busy:
+                    self.pending[payload["id"]] = entry
+            if busy:  # a bounded queue: a client learns at once instead of waiting behind every queued request
+                self._respond(entry, error=f"busy: {self.max_queue} requests are queued or running "
+                                           f"(max_queue={self.max_queue}); retry later")  # fmt: skip
+                continue
             try:
                 self.job.send(payload)
             except (OSError, AttributeError) as err:

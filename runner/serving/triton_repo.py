@@ -48,12 +48,15 @@ parameters {{ key: "max_seq_len" value: {{ string_value: "{max_seq_len}" }} }}
 parameters {{ key: "python" value: {{ string_value: "{python}" }} }}
 parameters {{ key: "mpirun" value: {{ string_value: "{mpirun}" }} }}
 parameters {{ key: "runner_log" value: {{ string_value: "{runner_log}" }} }}
+parameters {{ key: "max_queue" value: {{ string_value: "{max_queue}" }} }}
 """
 
 
-def write_repository(
-    engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort", force: bool = False
-) -> Path:
+def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort",
+                     force: bool = False, max_queue: int = 64) -> Path:  # fmt: skip
+    """max_queue: requests queued or running at once; one more gets a "busy" error at once."""
+    if max_queue < 1:
+        raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     from engines.output_dir import staged_output_dir
 
     engine = load_engine_dir(engine_dir)
@@ -63,12 +66,12 @@ def write_repository(
     if not mpirun.exists():
         mpirun = Path(shutil.which("mpirun") or "mpirun")
     with staged_output_dir(output_dir, force) as staging:
-        _write_model(staging / model_name, engine, model_name, backend, python, mpirun, output_dir)
+        _write_model(staging / model_name, engine, model_name, backend, python, mpirun, output_dir, max_queue)
     return output_dir / model_name
 
 
 def _write_model(model_dir: Path, engine, model_name: str, backend: str, python: Path, mpirun: Path,
-                 output_dir: Path) -> None:  # fmt: skip
+                 output_dir: Path, max_queue: int) -> None:  # fmt: skip
     (model_dir / "1").mkdir(parents=True)
     build = engine.build_config
     (model_dir / "config.pbtxt").write_text(
@@ -83,6 +86,7 @@ def _write_model(model_dir: Path, engine, model_name: str, backend: str, python:
             python=python,
             mpirun=mpirun,
             runner_log=(output_dir / f"{model_name}-runner.log").resolve(),
+            max_queue=max_queue,
         )
     )
     shutil.copy2(Path(__file__).with_name("triton_model.py"), model_dir / "1" / "model.py")
@@ -95,9 +99,11 @@ def main(argv=None) -> int:
     parser.add_argument("--model_name", default="ddtree")
     parser.add_argument("--backend", choices=["trt", "ort", "torch"], default="ort")
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--max_queue", type=int, default=64, help="requests queued or running at once (then: busy)")
     args = parser.parse_args(argv)
     try:
-        path = write_repository(args.engine_dir, args.output_dir, args.model_name, args.backend, args.force)
+        path = write_repository(args.engine_dir, args.output_dir, args.model_name, args.backend, args.force,
+                                args.max_queue)  # fmt: skip
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
