@@ -1,7 +1,10 @@
 """MPI discipline: every rank runs the same entry point; rank 0 drives, the others execute what it broadcasts.
 
-- `MpiRanks` (rank 0): each call is broadcast, then run locally; the engines' own collectives pair the ranks up.
-- `worker_loop` (ranks > 0): receive a call, run it, until "stop".
+- `MpiRanks` (rank 0): each call is sent to every other rank, then run locally; the engines' own collectives pair
+  the ranks up.
+- `worker_loop` (ranks > 0): receive a call, run it, until "stop". A rank waiting for a call polls for it, and
+  sleeps between polls once it has waited longer than a step takes: an idle server's ranks use almost no CPU (a
+  blocking MPI receive busy-polls a core per rank), while calls during a request still arrive within microseconds.
 - `run_on_all_ranks`: an exception on any rank prints its traceback once, rank-prefixed, and aborts the whole job
   (`COMM_WORLD.Abort`), so mpirun exits non-zero promptly instead of hanging in a collective.
 - `MpiCollectives`: all-reduce / all-gather of CPU tensors through mpi4py (the torch backend on CPUs).
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -20,6 +24,9 @@ import torch
 from runner.ranks import Ranks
 
 STOP = "stop"
+CALL_TAG = 17
+SPIN_SECONDS = 0.02  # poll without sleeping this long after the last call (a step is 1 to 10 ms)
+SLEEP_SECONDS = 0.002  # then sleep this long between polls: an idle rank's cost, and the first call's extra latency
 
 
 def comm_world():
@@ -37,17 +44,31 @@ class MpiRanks(Ranks):
         self.worker, self.comm, self.lead = worker, comm, worker
 
     def call(self, method: str, *args):
-        self.comm.bcast((method, args), root=0)
+        _send_all(self.comm, (method, args))
         return getattr(self.worker, method)(*args)
 
     def close(self) -> None:
-        self.comm.bcast((STOP, ()), root=0)
+        _send_all(self.comm, (STOP, ()))
         _close(self.worker, self.comm)
+
+
+def _send_all(comm, message) -> None:
+    for rank in range(1, comm.Get_size()):
+        comm.send(message, dest=rank, tag=CALL_TAG)
+
+
+def receive_call(comm):
+    """The next call from rank 0: polled, then polled with sleeps once no call has come for SPIN_SECONDS."""
+    started = time.monotonic()
+    while not comm.iprobe(source=0, tag=CALL_TAG):
+        if time.monotonic() - started > SPIN_SECONDS:
+            time.sleep(SLEEP_SECONDS)
+    return comm.recv(source=0, tag=CALL_TAG)
 
 
 def worker_loop(worker, comm) -> None:
     while True:
-        method, args = comm.bcast(None, root=0)
+        method, args = receive_call(comm)
         if method == STOP:
             _close(worker, comm)
             return

@@ -1,7 +1,12 @@
 """`mpirun -np N python -m runner` end to end with the ort backend: equal to the single-process reference."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +147,40 @@ def test_device_loop_under_mpirun_equals_the_reference(demo_engine, reference, t
     refused = mpirun(2, "-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "ort", "--loop", "device",
                      "--input_text", "x")  # fmt: skip
     assert refused.returncode == 2 and "--loop device runs greedy steps on the torch backend" in refused.stderr
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_an_idle_server_does_not_spin(demo_engine):
+    """`--serve` waiting for requests: rank 0 blocks on its input and the other ranks sleep between polls for the
+    next call (a blocking MPI receive kept one core per rank busy)."""
+    engine = demo_engine(2)
+    launcher = Path(sys.executable).parent / "mpirun"
+    command = [str(launcher), "-np", "2", sys.executable, "-m", "runner", "--serve", "--engine_dir", str(engine),
+               "--backend", "ort"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    job = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                           cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    try:
+        assert json.loads(job.stdout.readline())["event"] == "ready"
+        time.sleep(1.0)
+        found = subprocess.run(["pgrep", "-f", f"python.* -m runner --serve --engine_dir {engine}"], capture_output=True,
+                               text=True).stdout.split()  # fmt: skip
+        ranks = [int(p) for p in found if int(p) != job.pid]
+        assert len(ranks) == 2, found
+        before = sum(_cpu_seconds(p) for p in ranks)
+        time.sleep(3.0)
+        idle = sum(_cpu_seconds(p) for p in ranks) - before
+        assert idle < 0.3, f"two idle ranks used {idle:.2f} s of CPU in 3 s"
+        job.stdin.write(json.dumps({"id": "after", "text_input": PROMPTS[0], "max_tokens": 4}) + "\n")
+        job.stdin.flush()
+        event = {}
+        while event.get("event") not in ("done", "error"):  # the request after the idle time is served
+            event = json.loads(job.stdout.readline())
+        assert event["event"] == "done" and event["id"] == "after", event
+    finally:
+        job.stdin.close()
+        assert job.wait(60) == 0
