@@ -59,7 +59,10 @@ class SafetensorsDir:
         return name in self._shapes
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self._where[name]].get_tensor(name)
+        tensor = self._handles[self._where[name]].get_tensor(name)
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"tensor {name} in {self._where[name]} holds NaN or Inf values; weights must be finite")
+        return tensor
 
 
 class TargetCheckpoint:

@@ -7,7 +7,7 @@ Both are read from Hugging Face `config.json` dicts (`from_hf`) and written back
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from models.mapping import Mapping, check_divides
 
@@ -73,6 +73,19 @@ class RopeConfig:
         if self.attention_factor is not None:
             scaling["attention_factor"] = self.attention_factor
         return {"rope_theta": self.theta, "rope_scaling": scaling}
+
+
+def check_field_types(config, what: str) -> None:
+    """Every `int` field holds an int (not a bool, not 64.0) and every `float` field a finite number: a config.json
+    with a value of the wrong type is an error that names it, not a traceback from a shape computation later."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{what} {f.name} must be an integer, got {value!r} ({type(value).__name__})")
+        if f.type == "float" and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        ):
+            raise ValueError(f"{what} {f.name} must be a finite number, got {value!r} ({type(value).__name__})")
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -143,6 +156,7 @@ class TargetConfig:
     mapping: Mapping = field(default_factory=Mapping)
 
     def __post_init__(self) -> None:
+        check_field_types(self, "target config")
         if self.model_type not in TARGET_MODEL_TYPES:
             raise ValueError(f"model_type must be one of {TARGET_MODEL_TYPES}, got {self.model_type!r}")
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
@@ -293,6 +307,7 @@ class DrafterConfig:
     mapping: Mapping = field(default_factory=Mapping)
 
     def __post_init__(self) -> None:
+        check_field_types(self, "drafter config")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (one bonus + at least one mask token), got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -171,3 +172,31 @@ def test_rank_file_errors(demo_ckpt, tmp_path):
         load_rank_weights(ckpt, 1)
     with pytest.raises(ValueError, match=r"rank must be in \[0, tp_size=2\), got 5"):
         load_rank_weights(ckpt, 5)
+
+
+def test_config_values_of_the_wrong_type_are_named(demo_hf, tmp_path):
+    """`hidden_size: 64.0` gave a traceback from a shape computation (and a half-written output folder)."""
+    target, drafter = demo_hf / "kimi-k2-tiny", demo_hf / "kimi-k2-tiny-dflash"
+    cases = [
+        ("hidden_size", 64.0, "must be an integer, got 64.0 (float)"),
+        ("num_hidden_layers", True, "must be an integer, got True (bool)"),
+        ("routed_scaling_factor", "2.8", "must be a finite number, got '2.8' (str)"),
+    ]
+    for name, value, message in cases:
+        bad = copy_checkpoint(target, tmp_path / name, {name: value})
+        with pytest.raises(ValueError, match=f"target config {name} {re.escape(message)}"):
+            convert(bad, drafter, tmp_path / f"out-{name}", 1)
+        assert not (tmp_path / f"out-{name}").exists()
+    bad = copy_checkpoint(drafter, tmp_path / "d", {"num_attention_heads": 16.0})
+    with pytest.raises(ValueError, match=r"drafter config num_attention_heads must be an integer, got 16.0 \(float\)"):
+        convert(target, bad, tmp_path / "out-d", 1)
+
+
+def test_weights_with_nan_or_inf_are_refused(demo_hf, tmp_path):
+    bad = copy_checkpoint(demo_hf / "kimi-k2-tiny", tmp_path / "nan")
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.layers.2.self_attn.o_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.2.self_attn.o_proj.weight in .* holds NaN or Inf values"):
+        convert(bad, demo_hf / "kimi-k2-tiny-dflash", tmp_path / "out", 1)
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["nan"]

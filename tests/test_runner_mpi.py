@@ -167,8 +167,8 @@ def test_an_idle_server_does_not_spin(demo_engine):
     try:
         assert json.loads(job.stdout.readline())["event"] == "ready"
         time.sleep(1.0)
-        found = subprocess.run(["pgrep", "-f", f"python.* -m runner --serve --engine_dir {engine}"], capture_output=True,
-                               text=True).stdout.split()  # fmt: skip
+        pattern = f"python.* -m runner --serve --engine_dir {engine}"
+        found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         ranks = [int(p) for p in found if int(p) != job.pid]
         assert len(ranks) == 2, found
         before = sum(_cpu_seconds(p) for p in ranks)
