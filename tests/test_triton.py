@@ -232,6 +232,34 @@ def test_a_full_queue_answers_busy_at_once(server, cli_outputs):
     assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
 
 
+def test_a_client_that_goes_away_does_not_hold_up_the_next(server, cli_outputs):
+    """Two clients start long streams and disconnect after the first event: their requests are cancelled in the
+    runner, so the next request waits for neither (compared with one such request served whole, in the same run;
+    seen on the CI machine kind: 2.95 s without cancellation, 0.33 s with it)."""
+    import http.client
+
+    long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1}  # no early end token
+    started = time.monotonic()
+    status, _ = post(server["http"], "generate", long)
+    whole = time.monotonic() - started
+    assert status == 200
+    for _ in range(2):
+        connection = http.client.HTTPConnection("127.0.0.1", server["http"], timeout=120)
+        connection.request("POST", "/v2/models/ddtree/generate_stream", json.dumps({**long, "stream": True}),
+                           {"Content-Type": "application/json"})  # fmt: skip
+        reply = connection.getresponse()
+        assert reply.status == 200 and reply.readline().startswith(b"data: ")
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+    started = time.monotonic()
+    status, text = post(
+        server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
+    )
+    waited = time.monotonic() - started
+    assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
+    assert waited < whole / 2, f"the next request waited {waited:.2f} s; a whole abandoned one takes {whole:.2f} s"
+
+
 def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs):
     reply = {}
     asker = threading.Thread(

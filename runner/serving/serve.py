@@ -3,7 +3,9 @@
 Rank 0 reads one JSON request per line on stdin and writes JSON events, one per line, on stdout; the Triton
 model (`runner/serving/triton_model.py`) owns the job and speaks this protocol. Requests are served one at a time, in
 arrival order (queued, not batched: the engines run batch 1). A bad request gets an error event and the loop goes
-on; end of stdin stops every rank.
+on; end of stdin stops every rank. `{"cancel": "r1"}` cancels a request, queued or running (the Triton model sends it
+when its client goes away): a running one stops at its next step and gets a "cancelled" event. A reader thread takes
+the input while a request runs, so a cancellation is seen at once.
 
     request  {"id": "r1", "text_input": "...", "max_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
               "seed": 0, "end_id": 481, "stop_words": ["..."], "bad_words": ["..."]}
@@ -11,12 +13,15 @@ on; end of stdin stops every rank.
              {"id": "r1", "event": "tokens", "text": "new text", "output_ids": [...], "accept_length": 3}
              {"id": "r1", "event": "done", "text": "all new text", "output_ids": [...], "accept_lengths": [...], ...}
              {"id": "r1", "event": "error", "error": "prompt of 300 tokens is longer than ..."}
+             {"id": "r1", "event": "cancelled", "output_ids": [...]}
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import sys
+import threading
 
 from runner.sampling import SamplingParams
 from runner.speculate import check_request
@@ -70,6 +75,36 @@ class Request:
         self.banned = tuple(banned)
 
 
+class RequestCancelled(Exception):
+    """Raised from a request's token callback when its client cancelled it: the generation stops there."""
+
+
+class Inbox:
+    """The input lines, read by a thread: requests in arrival order, cancellations applied as soon as they arrive."""
+
+    def __init__(self, inp):
+        self.requests: queue.Queue = queue.Queue()
+        self.cancelled: set[str] = set()
+        threading.Thread(target=self._read, args=(inp,), daemon=True).start()
+
+    def _read(self, inp) -> None:
+        for line in inp:
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError:
+                raw = None
+            if isinstance(raw, dict) and set(raw) == {"cancel"}:
+                self.cancelled.add(str(raw["cancel"]))
+            else:
+                self.requests.put(line)
+        self.requests.put(None)  # end of input
+
+    def __iter__(self):
+        return iter(self.requests.get, None)
+
+
 def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None = None, inp=None, out=None) -> None:
     """generator: rank 0's `runner.generator.Generator` (it picks the device loop for greedy requests on GPUs)."""
     inp, out = inp or sys.stdin, out or sys.stdout
@@ -92,9 +127,8 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
             "startup": startup or {},
         }
     )
-    for line in inp:
-        if not line.strip():
-            continue
+    inbox = Inbox(inp)
+    for line in inbox:
         request_id = None
         try:
             raw = json.loads(line)
@@ -107,23 +141,32 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
             continue
         emitted: list[int] = []
         printed = [0]
+        if request.id in inbox.cancelled:  # cancelled while it waited in the queue
+            send({"id": request.id, "event": "cancelled", "output_ids": []})
+            continue
 
         def on_tokens(new: list[int], request=request, emitted=emitted, printed=printed) -> None:
+            if request.id in inbox.cancelled:
+                raise RequestCancelled(request.id)
             emitted.extend(new)
             text = tokenizer.decode(emitted, skip_special_tokens=True)
             delta = "" if text.endswith("\ufffd") else text[printed[0] :]
             printed[0] += len(delta)
             send({"id": request.id, "event": "tokens", "text": delta, "output_ids": new, "accept_length": len(new)})
 
-        result = generator.generate(
-            request.prompt,
-            request.max_tokens,
-            request.params,
-            request.end_ids,
-            on_tokens,
-            request.stop_sequences,
-            request.banned,
-        )
+        try:
+            result = generator.generate(
+                request.prompt,
+                request.max_tokens,
+                request.params,
+                request.end_ids,
+                on_tokens,
+                request.stop_sequences,
+                request.banned,
+            )
+        except RequestCancelled:  # the next request's reset discards any step still in flight, on every rank
+            send({"id": request.id, "event": "cancelled", "output_ids": emitted})
+            continue
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
         if len(text) > printed[0]:  # text held back for a partial character
             send(

@@ -7,8 +7,9 @@ which speaks JSON lines over its stdin/stdout (`runner/serving/serve.py`).
 Tensor names follow TensorRT-LLM's Triton backend: text_input, max_tokens, temperature, top_k, top_p, seed,
 end_id, pad_id, stream, exclude_input_in_output, stop_words, bad_words -> text_output, plus accept_length.
 Requests are queued, at most `max_queue` (a parameter of config.pbtxt) at once; one more gets a "busy" error at
-once. The runner serves them one at a time. A malformed request gets its own error response; if the
-runner dies, every in-flight request gets an error and the runner is started again.
+once. The runner serves them one at a time. A request whose client goes away (Triton marks it cancelled) is cancelled
+in the runner too, queued or running, so it does not hold up the requests behind it. A malformed request gets its own
+error response; if the runner dies, every in-flight request gets an error and the runner is started again.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 READY_TIMEOUT_S = 300
+CANCEL_POLL_S = 0.25  # how often queued and running requests are checked for a client that went away
 
 
 class RunnerJob:
@@ -132,6 +134,27 @@ class TritonPythonModel:
         self.shutting_down = False
         self.job = None
         self._start_job()
+        threading.Thread(target=self._watch_cancellations, daemon=True).start()
+
+    def _watch_cancellations(self):
+        while not self.shutting_down:
+            time.sleep(CANCEL_POLL_S)
+            with self.lock:
+                entries = list(self.pending.items())
+            for request_id, entry in entries:
+                if entry["sender"].is_cancelled():
+                    self._cancel(request_id)
+
+    def _cancel(self, request_id: str):
+        with self.lock:
+            entry = self.pending.pop(request_id, None)
+        if entry is None:
+            return
+        try:
+            self.job.send({"cancel": request_id})
+        except (OSError, AttributeError):
+            pass  # the runner is gone: nothing runs the request any more
+        self._respond(entry, error="cancelled: the client went away")
 
     def _start_job(self):
         job = RunnerJob(self.command, self.env, self.log_path, self._on_event, self._on_exit)
@@ -168,6 +191,8 @@ class TritonPythonModel:
                 del self.pending[event["id"]]
         if event["event"] == "error":
             self._respond(entry, error=event["error"])
+        elif event["event"] == "cancelled":
+            self._respond(entry, error="cancelled")
         elif event["event"] == "tokens" and entry["stream"] and (event["text"] or event["accept_length"]):
             self._respond(entry, text=event["text"], accept=[event["accept_length"]])
         elif event["event"] == "done":
