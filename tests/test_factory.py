@@ -180,3 +180,30 @@ def test_a_poison_request_fails_only_itself(demo_ckpt, demo_engine):
     )
     assert finals["d"]["event"] == "error" and "top_p must be in (0, 1]" in finals["d"]["error"]
     generator.ranks.close()
+
+
+def test_serve_cancels_a_request_and_serves_the_next(demo_ckpt, demo_engine):
+    """`{"cancel": id}` (what the Triton model sends when a client goes away) stops that request, queued or running,
+    and the request after it is served."""
+    import io
+    import json
+
+    from engines.engine_dir import load_engine_dir
+    from runner.cli import load_tokenizer
+    from runner.serving.serve import serve
+
+    engine = load_engine_dir(demo_engine(2))
+    generator = Generator(local_ranks(CheckpointWeights(demo_ckpt(1)), RankOptions(device="cpu"), engine.spec, BUILD))
+    tokenizer = load_tokenizer(engine.tokenizer_dir, 512)
+    lines = [
+        {"id": "long", "text_input": "Hello", "max_tokens": 400, "end_id": -1},
+        {"cancel": "long"},
+        {"id": "next", "text_input": "Hello", "max_tokens": 5},
+    ]
+    inp, out = io.StringIO("\n".join(map(json.dumps, lines))), io.StringIO()
+    serve(generator, tokenizer, engine, engine.spec, "torch", inp=inp, out=out)
+    events = [json.loads(line) for line in out.getvalue().splitlines()][1:]
+    finals = {e["id"]: e for e in events if e["event"] not in ("tokens",)}
+    assert finals["long"]["event"] == "cancelled" and len(finals["long"]["output_ids"]) < 400
+    assert finals["next"]["event"] == "done" and len(finals["next"]["output_ids"]) == 5
+    generator.ranks.close()
