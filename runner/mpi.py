@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import traceback
@@ -30,9 +31,34 @@ SLEEP_SECONDS = 0.002  # then sleep this long between polls: an idle rank's cost
 
 
 def comm_world():
+    """MPI's world communicator, once every rank has attached MPI's shared memory (see `release_shared_memory`)."""
     from mpi4py import MPI
 
-    return MPI.COMM_WORLD
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() > 1:
+        comm.Barrier()
+        release_shared_memory()
+    return comm
+
+
+def release_shared_memory() -> list[str]:
+    """Unlinks the names of the shared-memory segments this process has mapped from MPICH (/dev/shm/mpich_shm_*).
+
+    Every rank of a node attaches them during MPI's start-up, so after a barrier the names are no longer needed: the
+    mappings stay valid until the processes exit. MPICH removes them at a clean finalize, but a job that aborts or is
+    killed left one behind for good (2 MB at np 2, 8.5 MB at np 8) every time."""
+    names = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if path.startswith("/dev/shm/mpich_shm_"):
+                names.add(path)
+    for name in names:
+        try:
+            os.unlink(name)
+        except FileNotFoundError:  # another rank of the node got there first
+            pass
+    return sorted(names)
 
 
 def setup_logging(rank: int, level: str = "INFO") -> None:

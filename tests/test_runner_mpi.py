@@ -184,3 +184,21 @@ def test_an_idle_server_does_not_spin(demo_engine):
     finally:
         job.stdin.close()
         assert job.wait(60) == 0
+
+
+def test_an_aborted_job_leaves_no_shared_memory():
+    """A rank that fails aborts the whole job (`run_on_all_ranks`); MPICH's shared-memory segment used to stay in
+    /dev/shm after every such job."""
+    script = (
+        "from runner.mpi import run_on_all_ranks\n"
+        "def main(comm):\n"
+        "    if comm.Get_rank() == 1:\n"
+        "        raise RuntimeError('rank 1 fails')\n"
+        "    comm.Barrier()\n"
+        "run_on_all_ranks(main)\n"
+    )
+    before = set(os.listdir("/dev/shm"))
+    done = mpirun(2, "-c", script, timeout=120)
+    assert done.returncode != 0 and "[rank 1] RuntimeError: rank 1 fails" in done.stderr
+    assert "aborting all 2 ranks" in done.stderr
+    assert {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("mpich_shm_")} == set()
