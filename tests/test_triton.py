@@ -43,6 +43,29 @@ def runner_pids(engine_dir: Path) -> list[int]:
     return [int(p) for p in found.stdout.split()]
 
 
+def listening_addresses(pids: list[int]) -> list[str]:
+    """The local addresses of the TCP sockets the processes listen on (from /proc: no tool needed)."""
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, port = fields[1].split(":")
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                raw = bytes.fromhex(address)
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # words are little-endian
+                found.append(f"{socket.inet_ntop(family, raw)}:{int(port, 16)}")
+    return found
+
+
 @pytest.fixture(scope="module")
 def server(demo_engine, tmp_path_factory):
     engine = demo_engine(2)
@@ -206,6 +229,15 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, cli_output
         server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
     )
     assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
+
+
+def test_the_runner_job_listens_on_loopback_only(server):
+    """Triton listens on 127.0.0.1; the MPI job it starts listened on 0.0.0.0 (hydra's port) and each rank on the
+    external interface (UCX). Now every socket of the job, launcher and ranks, is a loopback one, if any."""
+    pids = runner_pids(server["engine"])
+    assert len(pids) >= 3, pids  # the launcher and two ranks
+    addresses = listening_addresses(pids)
+    assert all(a.startswith(("127.", "::1:")) for a in addresses), addresses
 
 
 def test_a_full_queue_answers_busy_at_once(server, cli_outputs):

@@ -26,6 +26,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 READY_TIMEOUT_S = 300
+# The runner job is local to the server's node: MPI may use shared memory and loopback only, so no rank listens on an
+# external interface (UCX for MPICH's ch4:ucx and Open MPI's pml/ucx; Open MPI's own TCP paths on loopback).
+LOCAL_ONLY = {"UCX_TLS": "self,sm", "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_btl_tcp_if_include": "lo"}
 CANCEL_POLL_S = 0.25  # how often queued and running requests are checked for a client that went away
 
 
@@ -126,6 +129,7 @@ class TritonPythonModel:
             OPENBLAS_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
             PATH=os.path.dirname(params["python"]) + ":/usr/local/bin:/usr/bin:/bin",
+            **LOCAL_ONLY,
         )
         self.log_path = params.get("runner_log", "/tmp/ddtree-runner.log")
         self.max_queue = int(params.get("max_queue", "64"))

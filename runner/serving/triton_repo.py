@@ -4,7 +4,9 @@
 
 REPO/<model_name>/config.pbtxt + REPO/<model_name>/1/model.py (the Python-backend model in `triton_model.py`).
 The model starts `mpirun -np <tp_size>` with this environment's Python and MPI launcher, so tritonserver itself may
-run from another environment (nvidia-pytriton pins numpy < 2).
+run from another environment (nvidia-pytriton pins numpy < 2). The job runs on the server's node only: with MPICH the
+launcher is `mpiexec.gforker` (it forks the ranks and talks to them over pipes: hydra's `mpirun` listens on every
+interface), and the model keeps MPI's transports to shared memory and loopback (`triton_model.LOCAL_ONLY`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtr
     engine = load_engine_dir(engine_dir)
     engine.check_files(backend)
     python = Path(sys.executable)
-    mpirun = python.parent / "mpirun"
+    mpirun = python.parent / "mpiexec.gforker"  # MPICH's local launcher: no listening socket
+    if not mpirun.exists():
+        mpirun = python.parent / "mpirun"
     if not mpirun.exists():
         mpirun = Path(shutil.which("mpirun") or "mpirun")
     with staged_output_dir(output_dir, force) as staging:
