@@ -112,9 +112,9 @@ def run_cli(engine: Path, tp: int, flags: list[str], repeats: int, new_tokens: i
 
 def run_in_process(engine: Path, loop, autoregressive: bool, repeats: int, new_tokens: int, device: str) -> dict:
     from engines.engine_dir import load_engine_dir
-    from runner.cli import load_tokenizer
     from runner.factory import RankOptions, local_ranks
     from runner.generator import Generator
+    from runner.tokenizer import load_tokenizer
 
     engine_dir = load_engine_dir(engine)
     vocab = engine_dir.config["pretrained_config"]["target"]["vocab_size"]

@@ -65,36 +65,6 @@ def load_prompts(args) -> list[str]:
     return prompts
 
 
-def load_tokenizer(path: Path, vocab_size: int):
-    from tokenizers import Tokenizer
-
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"tokenizer_dir {path} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(file))
-    if tokenizer.get_vocab_size() > vocab_size:
-        raise ValueError(
-            f"the tokenizer in {path} has {tokenizer.get_vocab_size()} ids but the engine's vocab_size is {vocab_size}"
-        )
-    return tokenizer
-
-
-class TextStream:
-    """Incremental detokenisation: prints the new text of the growing token list (holds back a partial char)."""
-
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out, self.tokens, self.printed = tokenizer, out, [], 0
-
-    def __call__(self, new_tokens: list[int]) -> None:
-        self.tokens.extend(new_tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.printed :])
-        self.out.flush()
-        self.printed = len(text)
-
-
 def prepare(args, comm):
     """Every check that needs no collective, on every rank; returns (engine, prompts, tokenizer or None, spec)."""
     from engines.engine_dir import load_engine_dir
@@ -121,14 +91,18 @@ def prepare(args, comm):
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validates
     target = engine.config["pretrained_config"]["target"]
+    from runner.tokenizer import encode_prompt, load_tokenizer
+
     tokenizer = load_tokenizer(args.tokenizer_dir or engine.tokenizer_dir, target["vocab_size"])
     build = engine.build_config
     if args.serve:
         return engine, [], tokenizer, spec
-    prompts = [tokenizer.encode(text).ids for text in load_prompts(args)]
-    for i, ids in enumerate(prompts):
+    prompts = []
+    for i, text in enumerate(load_prompts(args)):
         try:
-            check_request(len(ids), args.max_output_len, build.max_input_len, build.max_seq_len, spec.block_size)
+            prompts.append(encode_prompt(tokenizer, text, build.max_input_len))
+            check_request(len(prompts[-1]), args.max_output_len, build.max_input_len, build.max_seq_len,
+                          spec.block_size)  # fmt: skip
         except ValueError as err:
             raise ValueError(f"prompt {i}: {err}") from None
     return engine, prompts, tokenizer, spec
@@ -136,6 +110,7 @@ def prepare(args, comm):
 
 def generate_all(args, generator, prompts, tokenizer, end_ids) -> list[dict]:
     from runner.sampling import SamplingParams
+    from runner.tokenizer import TextStream
 
     results = []
     for i, prompt in enumerate(prompts):

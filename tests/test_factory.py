@@ -159,8 +159,8 @@ def test_a_poison_request_fails_only_itself(demo_ckpt, demo_engine):
     import json
 
     from engines.engine_dir import load_engine_dir
-    from runner.cli import load_tokenizer
     from runner.serving.serve import serve
+    from runner.tokenizer import load_tokenizer
 
     engine = load_engine_dir(demo_engine(2))
     generator = Generator(local_ranks(CheckpointWeights(demo_ckpt(1)), RankOptions(device="cpu"), engine.spec, BUILD))
@@ -189,8 +189,8 @@ def test_serve_cancels_a_request_and_serves_the_next(demo_ckpt, demo_engine):
     import json
 
     from engines.engine_dir import load_engine_dir
-    from runner.cli import load_tokenizer
     from runner.serving.serve import serve
+    from runner.tokenizer import load_tokenizer
 
     engine = load_engine_dir(demo_engine(2))
     generator = Generator(local_ranks(CheckpointWeights(demo_ckpt(1)), RankOptions(device="cpu"), engine.spec, BUILD))
@@ -207,3 +207,27 @@ def test_serve_cancels_a_request_and_serves_the_next(demo_ckpt, demo_engine):
     assert finals["long"]["event"] == "cancelled" and len(finals["long"]["output_ids"]) < 400
     assert finals["next"]["event"] == "done" and len(finals["next"]["output_ids"]) == 5
     generator.ranks.close()
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(demo_engine):
+    import time
+
+    from engines.engine_dir import load_engine_dir
+    from runner.tokenizer import encode_prompt, load_tokenizer
+
+    engine = load_engine_dir(demo_engine(2))
+    tokenizer = load_tokenizer(engine.tokenizer_dir, 512)
+    assert encode_prompt(tokenizer, "Hello world", 64) == tokenizer.encode("Hello world").ids
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"prompt of 67108864 bytes is at least \d+ tokens, longer than the engine's"):
+        encode_prompt(tokenizer, "x" * (64 << 20), 64)  # tokenizing it took tens of seconds
+    assert time.perf_counter() - started < tokenizer_seconds(tokenizer, "x" * (1 << 20))
+
+
+def tokenizer_seconds(tokenizer, text: str) -> float:
+    """How long tokenizing `text` takes here: the refusal of a 64x longer text must take less."""
+    import time
+
+    started = time.perf_counter()
+    tokenizer.encode(text)
+    return time.perf_counter() - started

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from engines.spec import BuildConfig, SpecConfig
-from runner.cli import load_tokenizer
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate_autoregressive
+from runner.tokenizer import load_tokenizer
 from tests.conftest import ENGINE_LIMITS, cpu_ranks, mpirun
 
 PROMPTS = ["Hello world! Speculative decoding", "The quick brown fox jumps"]

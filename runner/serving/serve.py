@@ -25,6 +25,7 @@ import threading
 
 from runner.sampling import SamplingParams
 from runner.speculate import check_request
+from runner.tokenizer import encode_prompt
 
 REQUEST_FIELDS = {
     "id",
@@ -53,8 +54,8 @@ class Request:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
             raise ValueError(f"max_tokens must be an integer, got {max_tokens!r}")
         self.id = str(raw.get("id", ""))
-        self.prompt = tokenizer.encode(raw["text_input"]).ids
         build = engine.build_config
+        self.prompt = encode_prompt(tokenizer, raw["text_input"], build.max_input_len)
         check_request(len(self.prompt), max_tokens, build.max_input_len, build.max_seq_len, spec.block_size)
         self.max_tokens = max_tokens
         self.params = SamplingParams(
