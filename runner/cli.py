@@ -49,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve JSON requests from stdin, one per line (the Triton model's protocol)",
     )
+    parser.add_argument(
+        "--serve_parent_pid",
+        type=int,
+        default=None,
+        help="--serve: end the job when this process ends (the Triton model passes the server's pid)",
+    )
     parser.add_argument("--log_level", default="warning", choices=["error", "warning", "info", "debug"])
     return parser
 
@@ -200,7 +206,7 @@ def main_on_rank(comm, argv=None) -> int:
         if args.serve:
             from runner.serving.serve import serve
 
-            serve(generator, tokenizer, engine, spec, args.backend, startup)
+            serve(generator, tokenizer, engine, spec, args.backend, startup, parent_pid=args.serve_parent_pid)
             return 0
         print(f"mode: {generator.mode(params)}; rank 0: {worker.description}")
         print(f"startup: ranks built in {built:.2f} s, warm-up (a short request: graph capture, kernel compilation) "

@@ -202,3 +202,38 @@ def test_an_aborted_job_leaves_no_shared_memory():
     assert done.returncode != 0 and "[rank 1] RuntimeError: rank 1 fails" in done.stderr
     assert "aborting all 2 ranks" in done.stderr
     assert {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("mpich_shm_")} == set()
+
+
+def test_a_job_whose_server_is_gone_ends_at_once(demo_engine):
+    """`--serve_parent_pid` (the Triton model passes the server's pid): when that process ends, the job ends within
+    a poll instead of finishing its request orphaned. Compared with one whole request of the same job."""
+    engine = demo_engine(2)
+    parent = subprocess.Popen(["sleep", "600"])
+    launcher = Path(sys.executable).parent / "mpirun"
+    command = [str(launcher), "-np", "2", sys.executable, "-m", "runner", "--serve", "--engine_dir", str(engine),
+               "--backend", "ort", "--serve_parent_pid", str(parent.pid)]  # fmt: skip
+    root, env = Path(__file__).resolve().parents[1], dict(os.environ, OMP_NUM_THREADS="1")
+    job = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env, cwd=root)  # fmt: skip
+    try:
+        assert json.loads(job.stdout.readline())["event"] == "ready"
+        long = {"text_input": PROMPTS[1], "max_tokens": 400, "end_id": -1}
+        started = time.monotonic()
+        job.stdin.write(json.dumps({**long, "id": "whole"}) + "\n")
+        job.stdin.flush()
+        while json.loads(job.stdout.readline())["event"] != "done":
+            pass
+        whole = time.monotonic() - started
+        job.stdin.write(json.dumps({**long, "id": "orphaned"}) + "\n")
+        job.stdin.flush()
+        assert json.loads(job.stdout.readline())["event"] == "tokens"
+        parent.kill()  # a zombie until reaped: it counts as ended
+        started = time.monotonic()
+        code = job.wait(120)
+        ended = time.monotonic() - started
+    finally:
+        parent.kill()
+        if job.poll() is None:
+            job.kill()
+    assert code != 0 and "has ended; ending the runner job" in job.stderr.read()
+    assert ended < max(whole / 2, 1.0), f"the job ran {ended:.2f} s after its server; a whole request takes {whole:.2f}"

@@ -22,6 +22,7 @@ import json
 import queue
 import sys
 import threading
+import time
 
 from runner.sampling import SamplingParams
 from runner.speculate import check_request
@@ -76,6 +77,30 @@ class Request:
         self.banned = tuple(banned)
 
 
+PARENT_POLL_S = 0.5
+
+
+def _end_with(pid: int) -> None:
+    """Ends every rank once `pid` has exited: a crashed server's stub holds the job's pipes open for seconds, and the
+    job went on with its request, orphaned. MPI's abort takes the other ranks down with rank 0."""
+    while _alive(pid):
+        time.sleep(PARENT_POLL_S)
+    sys.stderr.write(f"the serving process {pid} has ended; ending the runner job\n")
+    sys.stderr.flush()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(3)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs: it exists and is not a zombie (an ended process its parent has not reaped yet)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
 class RequestCancelled(Exception):
     """Raised from a request's token callback when its client cancelled it: the generation stops there."""
 
@@ -106,9 +131,13 @@ class Inbox:
         return iter(self.requests.get, None)
 
 
-def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None = None, inp=None, out=None) -> None:
-    """generator: rank 0's `runner.generator.Generator` (it picks the device loop for greedy requests on GPUs)."""
+def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None = None, inp=None, out=None,
+          parent_pid: int | None = None) -> None:  # fmt: skip
+    """generator: rank 0's `runner.generator.Generator` (it picks the device loop for greedy requests on GPUs).
+    parent_pid: the process this job serves (the Triton server); when it is gone, the job ends at once."""
     inp, out = inp or sys.stdin, out or sys.stdout
+    if parent_pid is not None:
+        threading.Thread(target=_end_with, args=(parent_pid,), daemon=True).start()
 
     def send(event: dict) -> None:
         out.write(json.dumps(event) + "\n")

@@ -122,6 +122,8 @@ class TritonPythonModel:
             params["engine_dir"],
             "--backend",
             params["backend"],
+            "--serve_parent_pid",
+            str(os.getppid()),  # the server: a job whose server has crashed ends at once
         ]
         self.env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONHOME", "PYTHONPATH")}
         self.env.update(
