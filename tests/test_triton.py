@@ -293,18 +293,25 @@ def test_a_client_that_goes_away_does_not_hold_up_the_next(server, cli_outputs):
 
 
 def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs):
+    """A rank dies mid-request: that request fails; the one queued behind it is served by the new runner."""
     reply = {}
-    asker = threading.Thread(
-        target=lambda: reply.update(r=post(server["http"], "generate", {"text_input": PROMPTS[2], "max_tokens": 400}))
-    )
+    long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1}
+    queued = {"text_input": PROMPTS[1], "max_tokens": 16, "exclude_input_in_output": True}
+    asker = threading.Thread(target=lambda: reply.update(r=post(server["http"], "generate", long)))
     asker.start()
-    time.sleep(1.5)
+    time.sleep(0.5)
+    waiter = threading.Thread(target=lambda: reply.update(q=post(server["http"], "generate", queued)))
+    waiter.start()
+    time.sleep(0.5)
     pids = runner_pids(server["engine"])
     assert pids
     os.kill(pids[-1], 9)  # a rank dies mid-request
     asker.join(120)
+    waiter.join(180)
     status, text = reply["r"]
-    assert "the ddtree runner exited" in text
+    assert status == 400 and "the ddtree runner exited" in text
+    status, text = reply["q"]
+    assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][1]
     deadline, last = time.monotonic() + 120, None
     while time.monotonic() < deadline:  # the model starts a new runner
         last = post(

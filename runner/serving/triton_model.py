@@ -193,6 +193,7 @@ class TritonPythonModel:
             entry = self.pending.get(event.get("id"))
             if entry is None:
                 return
+            entry["started"] = True  # the runner has taken it up: a runner crash from now on fails it
             if event["event"] != "tokens":
                 del self.pending[event["id"]]
         if event["event"] == "error":
@@ -209,17 +210,30 @@ class TritonPythonModel:
                 self._respond(entry, text=prefix + event["text"], accept=event["accept_lengths"], final=True)
 
     def _on_exit(self, job, code):
+        """The running request fails; requests still queued (no output yet, not sent before) go to the new runner."""
+        restart = not self.shutting_down and job is self.job
         with self.lock:
-            orphans, self.pending = list(self.pending.values()), {}
-        for entry in orphans:
-            self._respond(entry, error=f"the ddtree runner exited (code {code}) during this request")
-        if not self.shutting_down and job is self.job:
-            pb_utils.Logger.log_warn(f"ddtree runner exited with code {code}; restarting it")
-            time.sleep(1.0)
-            try:
-                self._start_job()
-            except pb_utils.TritonModelException as err:
-                pb_utils.Logger.log_error(str(err))
+            orphans, self.pending = self.pending, {}
+        queued = {i: e for i, e in orphans.items() if restart and not e["started"] and not e["resent"]}
+        for request_id, entry in orphans.items():
+            if request_id not in queued:
+                self._respond(entry, error=f"the ddtree runner exited (code {code}) during this request")
+        if not restart:
+            return
+        pb_utils.Logger.log_warn(f"ddtree runner exited with code {code}; restarting it")
+        time.sleep(1.0)
+        try:
+            self._start_job()
+        except pb_utils.TritonModelException as err:
+            pb_utils.Logger.log_error(str(err))
+            for entry in queued.values():
+                self._respond(entry, error=f"the ddtree runner exited (code {code}) and did not restart")
+            return
+        for request_id, entry in queued.items():
+            entry["resent"] = True
+            with self.lock:
+                self.pending[request_id] = entry
+            self.job.send(entry["payload"])
 
     def execute(self, requests):
         for request in requests:
@@ -247,7 +261,8 @@ class TritonPythonModel:
                     flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
                 )
                 continue
-            entry = {"sender": sender, "stream": stream, "exclude_input": exclude}
+            entry = {"sender": sender, "stream": stream, "exclude_input": exclude, "payload": payload,
+                     "started": False, "resent": False}  # fmt: skip
             with self.lock:
                 busy = len(self.pending) >= self.max_queue
                 if not busy:
