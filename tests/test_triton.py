@@ -188,6 +188,40 @@ def test_stock_grpc_client_streams_sampled_tokens(server, cli_outputs):
     assert len(chunks) > 3 and "".join(chunks) == cli_outputs["sampled"]
 
 
+def test_the_models_own_validation_answers_what_triton_lets_through(server, cli_outputs):
+    """Triton checks names, types and shapes; text that is not UTF-8 passes it and is refused by the model itself
+    (\"bad request\"), and the next request is served."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    def tensor(name, value, dtype, triton_type):
+        t = grpcclient.InferInput(name, [1], triton_type)
+        t.set_data_from_numpy(np.array([value], dtype=dtype))
+        return t
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server['grpc']}")
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    inputs = [
+        tensor("text_input", b"\xff\xfe not UTF-8", np.object_, "BYTES"),
+        tensor("max_tokens", 4, np.int32, "INT32"),
+    ]
+    client.async_stream_infer("ddtree", inputs)
+    deadline = time.monotonic() + 60
+    while not results and time.monotonic() < deadline:
+        time.sleep(0.1)
+    client.stop_stream()
+    client.close()
+    assert results, "no reply"
+    error = results[0][1]
+    assert isinstance(error, InferenceServerException) and "bad request" in str(error), results
+    status, text = post(
+        server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
+    )
+    assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
+
+
 def test_concurrent_requests_all_complete(server, cli_outputs):
     results = {}
 
