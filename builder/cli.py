@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"build-engine: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"build-engine: interrupted; {getattr(args, 'output_dir', 'the output')} is as it was", file=sys.stderr)
+        return 130
     except RuntimeError as err:
         from builder.trt_build import BuildError
 

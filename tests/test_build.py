@@ -202,3 +202,24 @@ def test_a_failed_forced_build_leaves_the_previous_engine(demo_ckpt, tmp_path, m
     monkeypatch.setattr(build, "_write_ranks", write)
     build.build_engines(demo_ckpt(1), out, SpecConfig(8, 16), limits, force=True, tensorrt="none", onnx=False)
     assert load_engine_dir(out).spec.budget == 16 and [p.name for p in tmp_path.iterdir()] == ["engine"]
+
+
+def test_ctrl_c_during_a_build_leaves_the_output_as_it_was(demo_hf, tmp_path):
+    """SIGINT while the engines are being built: build-engine exits with 130 and says so, and leaves no output and no
+    partial folder (a previous engine there would stay: `test_a_failed_forced_build_leaves_the_previous_engine`)."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "engine"
+    command = [sys.executable, "-m", "builder.cli", "--model_dir", str(demo_hf / "kimi-k2-tiny"), "--draft_model_dir",
+               str(demo_hf / "kimi-k2-tiny-dflash"), "--tp_size", "2", "--output_dir", str(out)]  # fmt: skip
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    for line in job.stdout:
+        if "engine:" in line:  # the first engine is built: the build is under way
+            break
+    job.send_signal(signal.SIGINT)
+    rest = job.stdout.read()
+    assert job.wait(60) == 130 and f"build-engine: interrupted; {out} is as it was" in rest
+    assert list(tmp_path.iterdir()) == []
