@@ -235,5 +235,5 @@ def test_a_job_whose_server_is_gone_ends_at_once(demo_engine):
         parent.kill()
         if job.poll() is None:
             job.kill()
-    assert code != 0 and "has ended; ending the runner job" in job.stderr.read()
+    assert code == 3  # the job's own abort (its message may be lost with the aborted ranks' output)
     assert ended < max(whole / 2, 1.0), f"the job ran {ended:.2f} s after its server; a whole request takes {whole:.2f}"
