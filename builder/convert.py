@@ -84,8 +84,9 @@ def convert(
             _save(tensors, rank_file(staging, "target", rank))
         ranks = [{} for _ in range(tp_size)]
         for name, spec in drafter_specs.items():
-            for rank, piece in enumerate(shard(drafter.get(name).to(torch_dtype), spec.split_dim, tp_size)):
-                ranks[rank][name] = piece
+            pieces = shard(drafter.get(name).to(torch_dtype), spec.split_dim, spec.pieces(tp_size))
+            for rank in range(tp_size):
+                ranks[rank][name] = pieces[spec.rank_piece(rank, tp_size) if spec.split_dim is not None else 0]
         for rank, tensors in enumerate(ranks):
             _save(tensors, rank_file(staging, "drafter", rank))
         (staging / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")

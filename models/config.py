@@ -319,9 +319,15 @@ class DrafterConfig:
                 f"num_key_value_heads={self.num_key_value_heads} must divide "
                 f"num_attention_heads={self.num_attention_heads}"
             )
-        tp = self.mapping.tp_size
+        tp, kv = self.mapping.tp_size, self.num_key_value_heads
         check_divides(tp, self.num_attention_heads, "drafter num_attention_heads")
-        check_divides(tp, self.num_key_value_heads, "drafter num_key_value_heads")
+        if tp > kv and tp % kv:
+            raise ValueError(
+                f"tp_size={tp} must divide drafter num_key_value_heads={kv}, or be a multiple of it (each K/V head "
+                f"then replicated on tp_size / num_key_value_heads ranks)"
+            )
+        if tp <= kv:
+            check_divides(tp, kv, "drafter num_key_value_heads")
         check_divides(tp, self.intermediate_size, "drafter intermediate_size")
         check_divides(tp, self.vocab_size, "vocab_size")
 
@@ -335,7 +341,8 @@ class DrafterConfig:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        return self.num_key_value_heads // self.mapping.tp_size
+        """K/V heads a rank holds: its share, or one (replicated) when there are fewer heads than ranks."""
+        return max(1, self.num_key_value_heads // self.mapping.tp_size)
 
     def for_rank(self, mapping: Mapping) -> DrafterConfig:
         return replace(self, mapping=mapping)

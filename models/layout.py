@@ -7,8 +7,9 @@ Two views of the same weights:
 
 A spec's `split_dim` is the dimension cut into tp_size equal contiguous pieces (None: replicated on every rank).
 Column-parallel (split_dim 0): q_b_proj / kv_b_proj by head, gate/up by intermediate row, embedding and lm_head by
-vocab row, drafter q/k/v by head. Row-parallel (split_dim 1): o_proj and down projections, followed by an
-all-reduce. Everything else (q_a / kv_a projections, norms, router, drafter fc) is replicated.
+vocab row, drafter q/k/v by head (K/V heads replicated when there are fewer than ranks). Row-parallel (split_dim 1):
+o_proj and down projections, followed by an all-reduce. Everything else (q_a / kv_a projections, norms, router,
+drafter fc) is replicated.
 """
 
 from __future__ import annotations
@@ -22,15 +23,27 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """heads: the heads along split_dim, for a split that replicates them when tp_size exceeds them (the drafter's
+    K/V heads: rank r holds head r // (tp_size // heads), as TensorRT-LLM and vLLM lay out GQA)."""
+
     shape: tuple[int, ...]
     split_dim: int | None = None
+    heads: int | None = None
+
+    def pieces(self, tp_size: int) -> int:
+        """Distinct pieces split_dim is cut into: tp_size, or the heads when there are fewer."""
+        return min(tp_size, self.heads) if self.heads else tp_size
 
     def shard_shape(self, tp_size: int) -> tuple[int, ...]:
         if self.split_dim is None:
             return self.shape
         shape = list(self.shape)
-        shape[self.split_dim] //= tp_size
+        shape[self.split_dim] //= self.pieces(tp_size)
         return tuple(shape)
+
+    def rank_piece(self, rank: int, tp_size: int) -> int:
+        """Which of the `pieces` rank `rank` holds."""
+        return rank // (tp_size // self.pieces(tp_size))
 
 
 def _mlp(prefix: str, hidden: int, width: int) -> dict[str, TensorSpec]:
@@ -92,7 +105,7 @@ def expert_spec(cfg: TargetConfig, projection: str) -> TensorSpec:
 
 def hf_drafter_specs(cfg: DrafterConfig) -> dict[str, TensorSpec]:
     """The drafter's own tensors (it borrows the target's embedding and lm_head)."""
-    h, hd = cfg.hidden_size, cfg.head_dim
+    h, hd, kv = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads
     specs = {
         "fc.weight": TensorSpec((h, cfg.num_taps * h)),
         "hidden_norm.weight": TensorSpec((h,)),
@@ -105,8 +118,8 @@ def hf_drafter_specs(cfg: DrafterConfig) -> dict[str, TensorSpec]:
                 f"{p}.input_layernorm.weight": TensorSpec((h,)),
                 f"{p}.post_attention_layernorm.weight": TensorSpec((h,)),
                 f"{p}.self_attn.q_proj.weight": TensorSpec((cfg.num_attention_heads * hd, h), 0),
-                f"{p}.self_attn.k_proj.weight": TensorSpec((cfg.num_key_value_heads * hd, h), 0),
-                f"{p}.self_attn.v_proj.weight": TensorSpec((cfg.num_key_value_heads * hd, h), 0),
+                f"{p}.self_attn.k_proj.weight": TensorSpec((kv * hd, h), 0, kv),
+                f"{p}.self_attn.v_proj.weight": TensorSpec((kv * hd, h), 0, kv),
                 f"{p}.self_attn.o_proj.weight": TensorSpec((h, cfg.num_attention_heads * hd), 1),
                 f"{p}.self_attn.q_norm.weight": TensorSpec((hd,)),
                 f"{p}.self_attn.k_norm.weight": TensorSpec((hd,)),

@@ -7,6 +7,7 @@ import torch
 import transformers  # a test dependency: missing, these tests fail (not skip)
 
 from models.loader import load_rank_models
+from models.mapping import Mapping
 from models.mla import AbsorbedMLA, ExpandedMLA
 from models.ops import ModelOps
 from models.parallel import SingleRank, ThreadGroup
@@ -238,3 +239,43 @@ def test_yarn_rope_matches_transformers(demo_hf):
     cos, sin = theirs(torch.zeros(1), positions[None])
     assert torch.allclose(ours(positions, torch.float32)[0], cos[0], atol=1e-6)
     assert torch.allclose(ours(positions, torch.float32)[1], sin[0], atol=1e-6)
+
+
+def test_a_drafter_with_fewer_kv_heads_than_ranks_runs_replicated(demo_hf, tmp_path):
+    """A 2-KV-head drafter at TP-8 (was refused: "tp_size=8 must divide num_key_value_heads=2"): each K/V head lives
+    on 4 ranks, and every rank's draft logits and context K/V equal TP-1's."""
+    from safetensors.torch import save_file
+
+    from builder.convert import convert
+    from builder.demo_checkpoints import drafter_hf_config, random_tensors
+    from models.config import DrafterConfig
+    from models.layout import hf_drafter_specs
+
+    hf = tmp_path / "drafter-2kv"
+    hf.mkdir()
+    raw = {**drafter_hf_config(), "num_key_value_heads": 2}
+    (hf / "config.json").write_text(json.dumps(raw))
+    save_file(random_tensors(hf_drafter_specs(DrafterConfig.from_hf(raw)), seed=11), str(hf / "model.safetensors"))
+    ckpts = {tp: tmp_path / f"tp{tp}" for tp in (1, 8)}
+    for tp, out in ckpts.items():
+        convert(demo_hf / "kimi-k2-tiny", hf, out, tp)
+    config, _, drafter = _target(ckpts[1])
+    make = _draft_inputs(config, seed=3)
+    full = make(2)
+    with torch.no_grad():
+        want_logits, want_kv = drafter(*full)
+
+    def rank(r, collectives):
+        cfg, _, d = _target(ckpts[8], r, collectives)
+        assert cfg.drafter.kv_heads_per_rank == 1
+        head = r // 4
+        inputs = list(full)
+        inputs[5] = full[5][:, :, :, head : head + 1].contiguous()  # the rank's K/V head of the draft cache
+        with torch.no_grad():
+            return d(*inputs)
+
+    for r, (logits, kv) in enumerate(_run_ranks(ckpts[8], 8, rank)):
+        assert rel(logits, want_logits) < 1e-5
+        assert rel(kv, want_kv[:, :, :, r // 4 : r // 4 + 1]) < 1e-5
+    with pytest.raises(ValueError, match="tp_size=4 must divide drafter num_key_value_heads=3, or be a multiple of it"):
+        DrafterConfig.from_hf({**raw, "num_key_value_heads": 3, "num_attention_heads": 12}, Mapping(4, 0, 4))
