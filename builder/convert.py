@@ -42,6 +42,9 @@ TOKENIZER_FILES = (
 )
 
 
+ROUTER_BIAS = "mlp.gate.e_score_correction_bias"
+
+
 def shard(tensor: torch.Tensor, split_dim: int | None, tp_size: int) -> list[torch.Tensor]:
     if split_dim is None:
         return [tensor] * tp_size
@@ -99,7 +102,9 @@ def _shard_target(target: TargetCheckpoint, config: CheckpointConfig, dtype: tor
     tp = config.tp_size
     ranks: list[dict] = [{} for _ in range(tp)]
     for name, spec in hf_target_specs(config.target, include_experts=False).items():
-        for rank, piece in enumerate(shard(target.get(name).to(dtype), spec.split_dim, tp)):
+        # the routing bias stays float32 whatever the dtype (Kimi ships it so; bf16 can flip near-tied expert choices)
+        kept = torch.float32 if name.endswith(ROUTER_BIAS) else dtype
+        for rank, piece in enumerate(shard(target.get(name).to(kept), spec.split_dim, tp)):
             ranks[rank][name] = piece
     for layer in range(config.target.num_hidden_layers):
         if not config.target.is_moe_layer(layer):

@@ -200,3 +200,12 @@ def test_weights_with_nan_or_inf_are_refused(demo_hf, tmp_path):
     with pytest.raises(ValueError, match=r"model.layers.2.self_attn.o_proj.weight in .* holds NaN or Inf values"):
         convert(bad, demo_hf / "kimi-k2-tiny-dflash", tmp_path / "out", 1)
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["nan"]
+
+
+def test_the_router_bias_stays_float32_whatever_the_dtype(demo_hf, tmp_path):
+    source = TargetCheckpoint(demo_hf / "kimi-k2-tiny")
+    convert(demo_hf / "kimi-k2-tiny", demo_hf / "kimi-k2-tiny-dflash", tmp_path / "bf16", 2, dtype="bfloat16")
+    _, weights, _ = load_rank_weights(tmp_path / "bf16", 1)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert weights[bias].dtype == torch.float32 and torch.equal(weights[bias], source.get(bias).float())
+    assert weights["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
