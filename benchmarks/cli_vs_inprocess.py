@@ -118,7 +118,7 @@ def run_in_process(engine: Path, loop, autoregressive: bool, repeats: int, new_t
 
     engine_dir = load_engine_dir(engine)
     vocab = engine_dir.config["pretrained_config"]["target"]["vocab_size"]
-    prompt = load_tokenizer(engine_dir.tokenizer_dir, vocab).encode(PROMPT).ids
+    prompt = load_tokenizer(engine_dir.tokenizer_dir, vocab).encode(PROMPT)
     options = RankOptions("torch", device, device_loop=loop, autoregressive=autoregressive)
     generator = Generator(local_ranks(engine_dir, options), autoregressive)
     warm = generator.warm_up()

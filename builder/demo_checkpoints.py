@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from builder import int4
-from builder.tokenizer import SPECIAL_TOKENS, write_tokenizer
+from builder.tokenizer import SPECIAL_TOKENS, write_tiktoken_tokenizer, write_tokenizer
 from engines.output_dir import check_output_dir, staged_output_dir
 from models.config import DrafterConfig, TargetConfig
 from models.layout import hf_drafter_specs, hf_target_specs
@@ -169,7 +169,9 @@ def quantize_experts(tensors: dict[str, torch.Tensor], group_size: int) -> dict[
     return out
 
 
-def write_target(path: Path, int4_experts: bool, force: bool) -> Path:
+def write_target(path: Path, int4_experts: bool, force: bool, tiktoken: bool = False) -> Path:
+    """tiktoken: the tokenizer in Kimi K2.x's release layout (tiktoken.model + tokenizer_config.json), not
+    tokenizer.json; the same weights either way."""
     config = target_hf_config(int4_experts)
     tensors = random_tensors(hf_target_specs(TargetConfig.from_hf(config)), SEED)
     if int4_experts:
@@ -184,7 +186,7 @@ def write_target(path: Path, int4_experts: bool, force: bool) -> Path:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        write_tokenizer(out, SPECIAL_BASE, VOCAB_SIZE)
+        (write_tiktoken_tokenizer if tiktoken else write_tokenizer)(out, SPECIAL_BASE, VOCAB_SIZE)
     return path
 
 
@@ -280,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--int4", action="store_true", help="store routed experts as INT4 pack-quantized")
+    parser.add_argument("--tiktoken", action="store_true", help="the tokenizer in Kimi K2.x's release layout")
     parser.add_argument("--preset", default=None, help="write a model preset's dimensions instead (moe or dense)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="--preset weights")
     parser.add_argument("--device", default="cpu", help="--preset: where to draw the random weights (cpu, cuda)")
@@ -288,12 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.preset is not None and args.int4:
         parser.error("--int4 writes the tiny checkpoint; it does not combine with --preset")
-    name = "kimi-k2-tiny-int4" if args.int4 else "kimi-k2-tiny"
+    name = "kimi-k2-tiny" + ("-int4" if args.int4 else "") + ("-tiktoken" if args.tiktoken else "")
     try:
         if args.preset is not None:
             target, drafter = write_preset(args.output_dir, args.preset, args.dtype, args.force, args.device)
         else:
-            target = write_target(args.output_dir / name, args.int4, args.force)
+            target = write_target(args.output_dir / name, args.int4, args.force, args.tiktoken)
             drafter = write_drafter(args.output_dir / "kimi-k2-tiny-dflash", args.force)
     except (FileExistsError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -105,3 +105,48 @@ def write_tokenizer(model_dir: Path, special_base: int, vocab_size: int) -> None
         "chat_template": CHAT_TEMPLATE,
     }
     (Path(model_dir) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's bytes_to_unicode): char -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def write_tiktoken_tokenizer(model_dir: Path, special_base: int, vocab_size: int) -> None:
+    """The same tokenizer in Kimi K2.x's release layout: `tiktoken.model` (base64 token bytes and rank, one per
+    line, ranks [0, special_base)) and `tokenizer_config.json` naming the special block in `added_tokens_decoder`."""
+    import base64
+
+    tokenizer = train_tokenizer(special_base)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} ids, the model {vocab_size}")
+    to_byte = byte_level_alphabet()
+    lines = []
+    for token, rank in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
+        if rank < special_base:
+            data = bytes(to_byte[c] for c in token)
+            lines.append(f"{base64.b64encode(data).decode()} {rank}")
+    (Path(model_dir) / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": {
+            str(special_base + i): {"content": name, "special": True} for i, name in enumerate(SPECIAL_TOKENS)
+        },
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "model_max_length": 2048,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (Path(model_dir) / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -16,12 +16,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def demo_hf(tmp_path_factory) -> Path:
-    """OUT/{kimi-k2-tiny, kimi-k2-tiny-int4, kimi-k2-tiny-dflash}."""
+    """OUT/{kimi-k2-tiny, kimi-k2-tiny-int4, kimi-k2-tiny-tiktoken, kimi-k2-tiny-dflash}."""
     from builder.demo_checkpoints import write_drafter, write_target
 
     root = tmp_path_factory.mktemp("hf")
     write_target(root / "kimi-k2-tiny", int4_experts=False, force=False)
     write_target(root / "kimi-k2-tiny-int4", int4_experts=True, force=False)
+    write_target(root / "kimi-k2-tiny-tiktoken", int4_experts=False, force=False, tiktoken=True)
     write_drafter(root / "kimi-k2-tiny-dflash", force=False)
     return root
 

@@ -48,7 +48,7 @@ def reference(demo_ckpt, demo_engine):
     engine = cpu_ranks(demo_ckpt(1), SpecConfig(8, 32), BuildConfig(**ENGINE_LIMITS))
     outputs = []
     for prompt in PROMPTS:
-        ids = tokenizer.encode(prompt).ids
+        ids = tokenizer.encode(prompt)
         result = generate_autoregressive(engine, ids, 48, Sampler(SamplingParams()), end_ids={481})
         outputs.append(result.tokens)
     engine.close()

@@ -67,10 +67,10 @@ class Request:
         )
         end_id = raw.get("end_id", default_end_id)
         self.end_ids = {int(end_id)} if end_id is not None and int(end_id) >= 0 else set()
-        self.stop_sequences = tuple(tuple(tokenizer.encode(w).ids) for w in raw.get("stop_words") or () if w)
+        self.stop_sequences = tuple(tuple(tokenizer.encode(w)) for w in raw.get("stop_words") or () if w)
         banned = []
         for word in raw.get("bad_words") or ():
-            ids = tokenizer.encode(word).ids if word else []
+            ids = tokenizer.encode(word) if word else []
             if len(ids) > 1:
                 raise ValueError(f"bad_words entries must be single tokens; {word!r} is {len(ids)} tokens")
             banned += ids
