@@ -182,6 +182,9 @@ def write_target(path: Path, int4_experts: bool, force: bool, tiktoken: bool = F
         "pad_token_id": config["pad_token_id"],
         "do_sample": False,
     }
+    if tiktoken:  # as a chat release ships it: turns end at <|im_end|>, sampled by default
+        eos = [special_id("<|im_end|>"), config["eos_token_id"]]
+        generation = {**generation, "eos_token_id": eos, "do_sample": True, "temperature": 0.6, "top_p": 0.95}
     with staged_output_dir(path, force) as out:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -53,7 +53,8 @@ CHAT_TEMPLATE = (
     "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
     "{{ message['content'] }}<|im_end|>"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- endif -%}{%- endif -%}"
 )
 
 CORPUS = """\

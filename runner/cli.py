@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("ddtree.runner")
@@ -22,11 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input_text", action="append", default=[], help="a prompt; repeat for several")
     parser.add_argument("--input_file", type=Path, default=None, help="a text file, one prompt per line")
     parser.add_argument("--max_output_len", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=0)
-    parser.add_argument("--top_p", type=float, default=1.0)
+    sampling = "default: the checkpoint's generation_config.json, else"
+    parser.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({sampling} 0)")
+    parser.add_argument("--top_k", type=int, default=None, help=f"0 = no cap ({sampling} 0)")
+    parser.add_argument("--top_p", type=float, default=None, help=f"({sampling} 1.0)")
     parser.add_argument("--seed", "--random_seed", dest="seed", type=int, default=0)
-    parser.add_argument("--end_id", type=int, default=None, help="default: the model's eos_token_id")
+    parser.add_argument("--end_id", type=int, default=None, help="default: generation_config.json's stop ids")
+    parser.add_argument("--chat", action="store_true", help="each prompt is a user turn, in the chat template")
+    parser.add_argument("--system", default=None, help="--chat: a system turn before each prompt")
+    parser.add_argument("--thinking", choices=["on", "off"], default="on", help="--chat: the template's thinking")
     parser.add_argument("--streaming", action="store_true", help="print text as tokens are accepted")
     parser.add_argument(
         "--backend", choices=["trt", "ort", "torch"], default=None, help="trt where TensorRT and a GPU exist, else ort"
@@ -71,10 +76,24 @@ def load_prompts(args) -> list[str]:
     return prompts
 
 
-def prepare(args, comm):
-    """Every check that needs no collective, on every rank; returns (engine, prompts, tokenizer or None, spec)."""
+@dataclass
+class Job:
+    """What every rank knows before the ranks are built (rank 0 alone: the tokenizer and the prompts)."""
+
+    engine: object
+    spec: object
+    params: object  # the sampling settings, generation_config.json's defaults filled in
+    defaults_applied: dict
+    end_ids: set
+    tokenizer: object = None
+    prompts: list = field(default_factory=list)
+
+
+def prepare(args, comm) -> Job:
+    """Every check that needs no collective, on every rank."""
     from engines.engine_dir import load_engine_dir
     from engines.spec import SpecConfig, check_runtime_spec
+    from runner.chat import GenerationDefaults
     from runner.factory import default_backend
 
     engine = load_engine_dir(args.engine_dir)
@@ -85,46 +104,55 @@ def prepare(args, comm):
     budget = args.ddtree_budget if args.ddtree_budget is not None else base.budget  # 0 is an error, not "default"
     spec = SpecConfig(base.block_size, budget, args.max_topk if args.max_topk is not None else base.max_topk)
     check_runtime_spec(spec, engine.profiles)
-    if args.loop == "device" and (args.backend != "torch" or args.temperature > 0):
+    target = engine.config["pretrained_config"]["target"]
+    tokenizer_dir = args.tokenizer_dir or engine.tokenizer_dir
+    defaults = GenerationDefaults.load(tokenizer_dir, target.get("eos_token_id"))
+    params, applied = defaults.sampling(args.temperature, args.top_k, args.top_p, args.seed)  # validates
+    end_ids = {args.end_id} if args.end_id is not None else set(defaults.end_ids)
+    end_ids.discard(-1)  # --end_id -1: no end token
+    if args.loop == "device" and (args.backend != "torch" or not params.greedy):
         raise ValueError(
             f"--loop device runs greedy steps on the torch backend; got --backend {args.backend}, "
-            f"--temperature {args.temperature}"
+            f"temperature {params.temperature}"
         )
+    job = Job(engine, spec, params, applied, end_ids)
     if comm.Get_rank() != 0:
-        return engine, [], None, spec
-    from runner.sampling import SamplingParams
+        return job
+    from runner.chat import render_chat
     from runner.speculate import check_request
-
-    SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)  # validates
-    target = engine.config["pretrained_config"]["target"]
     from runner.tokenizer import encode_prompt, load_tokenizer
 
-    tokenizer = load_tokenizer(args.tokenizer_dir or engine.tokenizer_dir, target["vocab_size"])
+    job.tokenizer = load_tokenizer(tokenizer_dir, target["vocab_size"])
     build = engine.build_config
     if args.serve:
-        return engine, [], tokenizer, spec
-    prompts = []
+        return job
     for i, text in enumerate(load_prompts(args)):
         try:
-            prompts.append(encode_prompt(tokenizer, text, build.max_input_len))
-            check_request(len(prompts[-1]), args.max_output_len, build.max_input_len, build.max_seq_len,
+            if args.chat:
+                turns = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                    {"role": "user", "content": text}
+                ]
+                text = render_chat(job.tokenizer.config.get("chat_template"), turns, args.thinking == "on")
+            job.prompts.append(encode_prompt(job.tokenizer, text, build.max_input_len))
+            check_request(len(job.prompts[-1]), args.max_output_len, build.max_input_len, build.max_seq_len,
                           spec.block_size)  # fmt: skip
         except ValueError as err:
             raise ValueError(f"prompt {i}: {err}") from None
-    return engine, prompts, tokenizer, spec
+    return job
 
 
-def generate_all(args, generator, prompts, tokenizer, end_ids) -> list[dict]:
-    from runner.sampling import SamplingParams
+def generate_all(args, generator, job: Job) -> list[dict]:
+    from dataclasses import replace
+
     from runner.tokenizer import TextStream
 
-    results = []
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed + i)
+    results, tokenizer = [], job.tokenizer
+    for i, prompt in enumerate(job.prompts):
+        params = replace(job.params, seed=args.seed + i)
         if args.streaming:
             print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n", end="", flush=True)
         stream = TextStream(tokenizer) if args.streaming else None
-        result = generator.generate(prompt, args.max_output_len, params, end_ids, stream)
+        result = generator.generate(prompt, args.max_output_len, params, job.end_ids, stream)
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
         if not args.streaming:
             print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n{text}")
@@ -171,11 +199,10 @@ def main_on_rank(comm, argv=None) -> int:
     rank = comm.Get_rank()
     setup_logging(rank, args.log_level)
     try:
-        engine, prompts, tokenizer, spec = prepare(args, comm)
+        job = prepare(args, comm)
         problem = None
     except (ValueError, FileNotFoundError) as err:
-        engine = prompts = tokenizer = spec = None
-        problem = str(err)
+        job, problem = None, str(err)
     problems = comm.allgather(problem)  # every rank learns whether any rank cannot start
     if any(problems):
         if rank == 0:
@@ -187,7 +214,7 @@ def main_on_rank(comm, argv=None) -> int:
     from runner.sampling import SamplingParams
 
     started = time.perf_counter()
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    params, engine, spec = job.params, job.engine, job.spec
     loop = {"device": True, "host": False, "auto": None if params.greedy or args.serve else False}[args.loop]
     options = RankOptions(args.backend, device_loop=loop, autoregressive=args.autoregressive)
     worker = build_rank(engine, rank, options, spec, comm=comm)
@@ -206,15 +233,15 @@ def main_on_rank(comm, argv=None) -> int:
         if args.serve:
             from runner.serving.serve import serve
 
-            serve(generator, tokenizer, engine, spec, args.backend, startup, parent_pid=args.serve_parent_pid)
+            serve(generator, job.tokenizer, engine, spec, args.backend, startup, parent_pid=args.serve_parent_pid)
             return 0
         print(f"mode: {generator.mode(params)}; rank 0: {worker.description}")
+        if job.defaults_applied:
+            chosen = ", ".join(f"{k} {v}" for k, v in job.defaults_applied.items())
+            print(f"sampling: {chosen} from the checkpoint's generation_config.json")
         print(f"startup: ranks built in {built:.2f} s, warm-up (a short request: graph capture, kernel compilation) "
               f"{warm:.2f} s", flush=True)  # fmt: skip
-        target = engine.config["pretrained_config"]["target"]
-        end_id = args.end_id if args.end_id is not None else target.get("eos_token_id")
-        end_ids = {end_id} if end_id is not None else set()
-        results = generate_all(args, generator, prompts, tokenizer, end_ids)
+        results = generate_all(args, generator, job)
     finally:
         ranks.close()
     if args.output_json:
@@ -224,6 +251,13 @@ def main_on_rank(comm, argv=None) -> int:
                     "backend": args.backend,
                     "world_size": comm.Get_size(),
                     "spec": spec.to_dict(),
+                    "sampling": {
+                        "temperature": params.temperature,
+                        "top_k": params.top_k,
+                        "top_p": params.top_p,
+                        "from_generation_config": job.defaults_applied,
+                    },  # fmt: skip
+                    "end_ids": sorted(job.end_ids),
                     "startup": startup,
                     "results": results,
                 },

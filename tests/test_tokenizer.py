@@ -104,7 +104,8 @@ def test_a_release_layout_engine_runs_under_mpirun(demo_hf, tmp_path):
         assert cli_main(args) == 0
         out = tmp_path / f"{name}.json"
         done = mpirun(2, "-m", "runner", "--engine_dir", str(engine), "--backend", "torch", "--input_text", prompt,
-                      "--max_output_len", "24", "--output_json", str(out))  # fmt: skip
+                      "--max_output_len", "24", "--output_json", str(out), "--temperature", "0",
+                      "--end_id", "-1")  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
         outputs[name] = json.loads(out.read_text())["results"][0]
     plain, release = outputs["kimi-k2-tiny"], outputs["kimi-k2-tiny-tiktoken"]

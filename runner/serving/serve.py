@@ -9,6 +9,8 @@ the input while a request runs, so a cancellation is seen at once.
 
     request  {"id": "r1", "text_input": "...", "max_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
               "seed": 0, "end_id": 481, "stop_words": ["..."], "bad_words": ["..."]}
+             or "messages": [{"role": "user", "content": "..."}] (+ "thinking": false) instead of text_input;
+             sampling settings left out take generation_config.json's (the done event says which)
     events   {"event": "ready", "tp_size": 2, "backend": "ort", ...}
              {"id": "r1", "event": "tokens", "text": "new text", "output_ids": [...], "accept_length": 3}
              {"id": "r1", "event": "done", "text": "all new text", "output_ids": [...], "accept_lengths": [...], ...}
@@ -31,6 +33,8 @@ from runner.tokenizer import encode_prompt
 REQUEST_FIELDS = {
     "id",
     "text_input",
+    "messages",
+    "thinking",
     "max_tokens",
     "temperature",
     "top_k",
@@ -45,28 +49,41 @@ REQUEST_FIELDS = {
 
 
 class Request:
-    def __init__(self, raw: dict, tokenizer, engine, spec, default_end_id):
+    """One request, validated: `text_input`, or `messages` in the checkpoint's chat template (`thinking`: the
+    template's switch); temperature / top_k / top_p not given come from generation_config.json (`defaults`, a
+    `runner.chat.GenerationDefaults`), as do the stop ids when `end_id` is not given."""
+
+    def __init__(self, raw: dict, tokenizer, engine, spec, defaults):
+        from runner.chat import render_chat
+
         unknown = sorted(set(raw) - REQUEST_FIELDS)
         if unknown:
             raise ValueError(f"unknown request fields {unknown}")
-        if not isinstance(raw.get("text_input"), str):
-            raise ValueError(f"text_input must be a string, got {type(raw.get('text_input')).__name__}")
+        if ("text_input" in raw) == ("messages" in raw):
+            raise ValueError("a request needs exactly one of text_input and messages")
+        if "messages" in raw:
+            text = render_chat(tokenizer.config.get("chat_template"), raw["messages"], raw.get("thinking"))
+        elif not isinstance(raw["text_input"], str):
+            raise ValueError(f"text_input must be a string, got {type(raw['text_input']).__name__}")
+        else:
+            text = raw["text_input"]
         max_tokens = raw.get("max_tokens")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
             raise ValueError(f"max_tokens must be an integer, got {max_tokens!r}")
         self.id = str(raw.get("id", ""))
         build = engine.build_config
-        self.prompt = encode_prompt(tokenizer, raw["text_input"], build.max_input_len)
+        self.prompt = encode_prompt(tokenizer, text, build.max_input_len)
         check_request(len(self.prompt), max_tokens, build.max_input_len, build.max_seq_len, spec.block_size)
         self.max_tokens = max_tokens
-        self.params = SamplingParams(
-            float(raw.get("temperature", 0.0)),
-            int(raw.get("top_k", 0)),
-            float(raw.get("top_p", 1.0)),
-            int(raw.get("seed", 0)),
+        number = lambda name, kind: None if raw.get(name) is None else kind(raw[name])  # noqa: E731
+        self.params, self.defaults_applied = defaults.sampling(
+            number("temperature", float), number("top_k", int), number("top_p", float), int(raw.get("seed", 0))
         )
-        end_id = raw.get("end_id", default_end_id)
-        self.end_ids = {int(end_id)} if end_id is not None and int(end_id) >= 0 else set()
+        end_id = raw.get("end_id")
+        if end_id is None:
+            self.end_ids = set(defaults.end_ids)
+        else:
+            self.end_ids = {int(end_id)} if int(end_id) >= 0 else set()
         self.stop_sequences = tuple(tuple(tokenizer.encode(w)) for w in raw.get("stop_words") or () if w)
         banned = []
         for word in raw.get("bad_words") or ():
@@ -143,7 +160,10 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
         out.write(json.dumps(event) + "\n")
         out.flush()
 
+    from runner.chat import GenerationDefaults
+
     target = engine.config["pretrained_config"]["target"]
+    defaults = GenerationDefaults.load(engine.tokenizer_dir, target.get("eos_token_id"))
     send(
         {
             "event": "ready",
@@ -165,7 +185,7 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
             request_id = raw.get("id") if isinstance(raw, dict) else None
             if not isinstance(raw, dict):
                 raise ValueError("a request must be a JSON object")
-            request = Request(raw, tokenizer, engine, spec, target.get("eos_token_id"))
+            request = Request(raw, tokenizer, engine, spec, defaults)
         except (ValueError, TypeError) as err:
             send({"id": request_id, "event": "error", "error": str(err)})
             continue
@@ -212,5 +232,11 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
                 "accept_lengths": result.accept_lengths,
                 "target_forwards": result.target_forwards,
                 "elapsed": result.elapsed,
-            }
+                "sampling": {
+                    "temperature": request.params.temperature,
+                    "top_k": request.params.top_k,
+                    "top_p": request.params.top_p,
+                    "from_generation_config": request.defaults_applied,
+                },
+            }  # fmt: skip
         )

@@ -5,7 +5,9 @@ so it uses only the standard library and numpy; the engines run in the MPI job (
 which speaks JSON lines over its stdin/stdout (`runner/serving/serve.py`).
 
 Tensor names follow TensorRT-LLM's Triton backend: text_input, max_tokens, temperature, top_k, top_p, seed,
-end_id, pad_id, stream, exclude_input_in_output, stop_words, bad_words -> text_output, plus accept_length.
+end_id, pad_id, stream, exclude_input_in_output, stop_words, bad_words -> text_output, plus accept_length; a chat
+comes as `messages` (a JSON list of {role, content}, rendered with the checkpoint's chat template; `thinking`: the
+template's switch) instead of text_input.
 Requests are queued, at most `max_queue` (a parameter of config.pbtxt) at once; one more gets a "busy" error at
 once. The runner serves them one at a time. A request whose client goes away (Triton marks it cancelled) is cancelled
 in the runner too, queued or running, so it does not hold up the requests behind it. A malformed request gets its own
@@ -239,20 +241,25 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
+                max_tokens = _scalar(request, "max_tokens")
+                if max_tokens is None:
+                    raise ValueError("max_tokens is required")
                 payload = {
                     "id": uuid.uuid4().hex,
-                    "text_input": _scalar(request, "text_input"),
-                    "max_tokens": int(_scalar(request, "max_tokens")),
-                    "temperature": float(_scalar(request, "temperature", 0.0)),
-                    "top_k": int(_scalar(request, "top_k", 0)),
-                    "top_p": float(_scalar(request, "top_p", 1.0)),
+                    "max_tokens": int(max_tokens),
                     "seed": int(_scalar(request, "seed", 0)),
                     "stop_words": _words(request, "stop_words"),
                     "bad_words": _words(request, "bad_words"),
                 }
-                end_id = _scalar(request, "end_id")
-                if end_id is not None:
-                    payload["end_id"] = int(end_id)
+                # what the client left out stays out: the runner applies generation_config.json's defaults
+                for name, kind in (("text_input", str), ("temperature", float), ("top_k", int), ("top_p", float),
+                                   ("end_id", int), ("thinking", bool)):  # fmt: skip
+                    value = _scalar(request, name)
+                    if value is not None:
+                        payload[name] = kind(value)
+                messages = _scalar(request, "messages")
+                if messages is not None:
+                    payload["messages"] = json.loads(messages)  # a JSON list of {role, content}
                 stream = bool(_scalar(request, "stream", False))
                 exclude = bool(_scalar(request, "exclude_input_in_output", False))
             except (ValueError, TypeError) as err:

@@ -24,7 +24,9 @@ backend: "python"
 max_batch_size: 0
 model_transaction_policy {{ decoupled: true }}
 input [
-  {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }},
+  {{ name: "text_input" data_type: TYPE_STRING dims: [ 1 ] optional: true }},
+  {{ name: "messages" data_type: TYPE_STRING dims: [ 1 ] optional: true }},
+  {{ name: "thinking" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
   {{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
   {{ name: "temperature" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
   {{ name: "top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
