@@ -1,0 +1,78 @@
+"""The device loop's sampler (runner/device/sampling.py) against an independent definition: transformers' temperature,
+top-k and top-p logits warpers on the same logits. Goodness of fit of 20000 draws (the counter-based noise makes one
+row of the batch one independent draw), each setting alone and combined; the same counts must reject deliberately
+broken samplers (the temperature applied twice, top-k + 1), so the test has power."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from runner.device.sampling import counter_uniform, sample_tokens
+
+DRAWS, VOCAB, LEVEL = 20000, 64, 1e-3
+LOGITS = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)) * 0.8
+
+
+def tensor(value, dtype=torch.float32):
+    return torch.tensor([value], dtype=dtype)
+
+
+def draw(temperature, top_k, top_p, seed=11, counter=0, logits=LOGITS):
+    tokens = sample_tokens(logits.expand(DRAWS, -1), tensor(temperature), tensor(top_k, torch.int64), tensor(top_p),
+                           tensor(seed, torch.int64), tensor(counter, torch.int64))  # fmt: skip
+    return torch.bincount(tokens, minlength=logits.shape[-1]).double()
+
+
+def warped(temperature, top_k, top_p):
+    """transformers' definition: temperature, then top-k, then top-p (the order its generate applies them)."""
+    scores = TemperatureLogitsWarper(temperature)(None, LOGITS.double())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)[0]
+
+
+def p_value(counts, probs) -> float:
+    """Pearson chi-square; bins expected below 5 merged; a draw outside the support is p = 0."""
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * counts.sum()
+    big = expected >= 5
+    observed = np.append(counts[big].numpy(), counts[~big].sum().item())
+    wanted = np.append(expected[big].numpy(), expected[~big].sum().item())
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    return float(chisquare(observed, wanted * observed.sum() / wanted.sum()).pvalue)
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 8, 1.0), (1.0, 0, 0.7), (0.8, 20, 0.9), (1.5, 12, 0.8)]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), SETTINGS)
+def test_draws_follow_the_warped_distribution(temperature, top_k, top_p):
+    counts = draw(temperature, top_k, top_p)
+    probs = warped(temperature, top_k, top_p)
+    assert (probs > 0).sum() > 3  # a distribution worth testing
+    assert p_value(counts, probs) > LEVEL
+    if temperature != 1.0:  # the temperature applied twice is rejected
+        assert p_value(counts, warped(temperature * temperature, top_k, top_p)) < LEVEL
+    if top_k and top_p == 1.0:  # one more token kept is rejected (where top-p does not cut first)
+        assert p_value(counts, warped(temperature, top_k + 1, top_p)) < LEVEL
+
+
+def test_draws_are_reproducible_and_fresh_per_counter():
+    assert torch.equal(draw(1.0, 0, 1.0, seed=5, counter=3), draw(1.0, 0, 1.0, seed=5, counter=3))
+    assert not torch.equal(draw(1.0, 0, 1.0, seed=5, counter=3), draw(1.0, 0, 1.0, seed=5, counter=4))
+    assert not torch.equal(draw(1.0, 0, 1.0, seed=5, counter=3), draw(1.0, 0, 1.0, seed=6, counter=3))
+
+
+def test_the_noise_is_uniform_and_uncorrelated():
+    from scipy.stats import kstest
+
+    a = counter_uniform(tensor(7, torch.int64), tensor(3, torch.int64), 100, 5000).flatten().numpy()
+    b = counter_uniform(tensor(7, torch.int64), tensor(4, torch.int64), 100, 5000).flatten().numpy()
+    assert 0 < a.min() and a.max() < 1 and kstest(a, "uniform").pvalue > LEVEL
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.01
