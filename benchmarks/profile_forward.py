@@ -236,8 +236,9 @@ def device_loop_steps(weights, setup, shard: int) -> dict:
                    "steps_sum_ms": sum(steps), "outside_steps_ms": after_prefill * 1e3 - sum(steps),
                    "first_launch_ms": (result.seconds.get("device_load", 0.0)) * 1e3}  # fmt: skip
         loop.events = None
-        prof = graph_replay_profile(loop.graphs[0].replay)
-        prof["back_to_back_us"] = back_to_back_us(loop.graphs[0].replay, 20)  # 8 rows a step at most: fits
+        step = loop.graphs[False][0]  # the greedy step's graph
+        prof = graph_replay_profile(step.replay)
+        prof["back_to_back_us"] = back_to_back_us(step.replay, 20)  # 8 rows a step at most: fits
         rows[name] = {"request": request, **prof}
         print(f"\n{name}: request {request}", flush=True)
         print_replay_profile(name, None, prof)

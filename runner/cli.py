@@ -43,10 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--loop",
         choices=["auto", "device", "host"],
         default="auto",
-        help="device: each greedy step (tree build, accept and commit included; or an --autoregressive decode) as one "
-        "tensor program on the device, one CUDA graph a step, the next queued behind it (torch backend); host: draft, "
-        "tree and acceptance on the host (any backend, sampling); auto (default): device for greedy requests on a "
-        "GPU with the torch backend, else host",
+        help="device: each step (tree build, target draws, accept and commit included; or an --autoregressive "
+        "decode) as one tensor program on the device, one CUDA graph a step, the next queued behind it (torch "
+        "backend; bad words take the host loop); host: draft, tree and acceptance on the host (any backend); auto "
+        "(default): device on a GPU with the torch backend, else host",
     )
     parser.add_argument("--output_json", type=Path, default=None, help="write token ids and stats (rank 0)")
     parser.add_argument(
@@ -110,11 +110,8 @@ def prepare(args, comm) -> Job:
     params, applied = defaults.sampling(args.temperature, args.top_k, args.top_p, args.seed)  # validates
     end_ids = {args.end_id} if args.end_id is not None else set(defaults.end_ids)
     end_ids.discard(-1)  # --end_id -1: no end token
-    if args.loop == "device" and (args.backend != "torch" or not params.greedy):
-        raise ValueError(
-            f"--loop device runs greedy steps on the torch backend; got --backend {args.backend}, "
-            f"temperature {params.temperature}"
-        )
+    if args.loop == "device" and args.backend != "torch":
+        raise ValueError(f"--loop device runs on the torch backend; got --backend {args.backend}")
     job = Job(engine, spec, params, applied, end_ids)
     if comm.Get_rank() != 0:
         return job
@@ -215,7 +212,7 @@ def main_on_rank(comm, argv=None) -> int:
 
     started = time.perf_counter()
     params, engine, spec = job.params, job.engine, job.spec
-    loop = {"device": True, "host": False, "auto": None if params.greedy or args.serve else False}[args.loop]
+    loop = {"device": True, "host": False, "auto": None}[args.loop]  # auto: the device loop where it is a graph
     options = RankOptions(args.backend, device_loop=loop, autoregressive=args.autoregressive)
     worker = build_rank(engine, rank, options, spec, comm=comm)
     if rank != 0:

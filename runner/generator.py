@@ -32,8 +32,9 @@ class Generator:
         self.rank_description = lead.description
 
     def on_device(self, params: SamplingParams, banned: tuple[int, ...] = ()) -> bool:
-        """Whether a request runs on the device loop: greedy (the device step has no sampler yet), no banned ids."""
-        return self.device_loop and params.greedy and not banned
+        """Whether a request runs on the device loop: where the ranks have one, greedy or sampled, unless it bans
+        tokens (bad_words: the host loop's sampler)."""
+        return self.device_loop and not banned
 
     def mode(self, params: SamplingParams = GREEDY, banned: tuple[int, ...] = ()) -> str:
         spec = self.spec
@@ -59,7 +60,7 @@ class Generator:
     ) -> GenerationResult:
         if self.on_device(params, banned):
             return generate_on_device(self.ranks, self.spec, prompt, max_new_tokens, self.capacity, end_ids, on_tokens,
-                                      self.autoregressive, stop_sequences)  # fmt: skip
+                                      self.autoregressive, stop_sequences, params)  # fmt: skip
         sampler = Sampler(params, banned)
         if self.autoregressive:
             return generate_autoregressive(self.ranks, prompt, max_new_tokens, sampler, end_ids, on_tokens,

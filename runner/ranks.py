@@ -39,8 +39,8 @@ class Ranks:
     def device_prefill_context(self) -> None:
         self.call("device_prefill_context")
 
-    def device_load(self, bonus: int, prompt_length: int) -> None:
-        self.call("device_load", bonus, prompt_length)
+    def device_load(self, bonus: int, prompt_length: int, params=None) -> None:
+        self.call("device_load", bonus, prompt_length, params)
 
     def device_launch(self) -> None:
         self.call("device_launch")

@@ -119,8 +119,8 @@ class RankWorker:
     def device_prefill_context(self) -> None:
         self.loop.prefill_context()
 
-    def device_load(self, bonus: int, prompt_length: int) -> None:
-        self.loop.load(bonus, prompt_length)
+    def device_load(self, bonus: int, prompt_length: int, params=None) -> None:
+        self.loop.load(bonus, prompt_length, params)
 
     def device_launch(self) -> None:
         self.loop.launch()

@@ -52,7 +52,7 @@ def test_autoregressive_device_loop_equals_host_decoding(demo_ckpt):
     # a new loop closes the old one at once (its graphs and pinned slots must not wait for the garbage collector,
     # which may run while the next graph is being captured)
     engine.workers[0].enable_device_loop(autoregressive=True)
-    assert first.host == [] and first.graphs is None and not first.in_flight
+    assert first.host == [] and first.graphs == {} and not first.in_flight
     for prompt in PROMPTS:
         expected = generate_autoregressive(engine, prompt, 50, Sampler(SamplingParams())).tokens
         result = generate_on_device(engine, spec, prompt, 50, capacity=512, autoregressive=True)

@@ -61,12 +61,12 @@ def test_local_ranks_on_the_cpu_run_every_rank_with_the_reference_forms(demo_ckp
     ranks.close()
 
 
-def test_generator_takes_the_device_loop_for_greedy_requests_only(demo_ckpt):
+def test_generator_takes_the_device_loop_unless_tokens_are_banned(demo_ckpt):
     ranks = local_ranks(CheckpointWeights(demo_ckpt(1)), RankOptions(device="cpu", device_loop=True),
                         SpecConfig(8, 7, 1), BUILD)  # fmt: skip
     generator = Generator(ranks)
     assert generator.mode() == "DFlash chain (block 8), device loop (eager tensor program)"
-    assert generator.mode(SamplingParams(0.7)) == "DFlash chain (block 8), host loop"
+    assert generator.mode(SamplingParams(0.7)) == "DFlash chain (block 8), device loop (eager tensor program)"
     assert generator.mode(banned=(3,)) == "DFlash chain (block 8), host loop"  # bad_words: the host loop's sampler
     greedy = generator.generate([5, 77, 300], 20)
     assert len(greedy.tokens) == 20 and greedy.decode_tokens_per_s > 0

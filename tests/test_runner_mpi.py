@@ -146,7 +146,28 @@ def test_device_loop_under_mpirun_equals_the_reference(demo_engine, reference, t
         assert [r["output_ids"] for r in json.loads(out.read_text())["results"]] == reference, extra
     refused = mpirun(2, "-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "ort", "--loop", "device",
                      "--input_text", "x")  # fmt: skip
-    assert refused.returncode == 2 and "--loop device runs greedy steps on the torch backend" in refused.stderr
+    assert refused.returncode == 2 and "--loop device runs on the torch backend; got --backend ort" in refused.stderr
+
+
+def test_sampled_device_steps_under_mpirun_equal_one_rank(demo_engine, demo_ckpt, tmp_path):
+    """A sampled request on the device loop: every rank draws the same tokens from the counter-based noise without
+    communicating (TP-2 under mpirun gives one in-process rank's tokens for the same seed), and the CLI's
+    mode is the device loop."""
+    from runner.device.loop import generate_on_device
+    from runner.tokenizer import load_tokenizer
+
+    out = tmp_path / "sampled.json"
+    done = mpirun(2, "-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "torch", "--loop", "device",
+                  "--temperature", "0.8", "--top_p", "0.95", "--seed", "7", "--max_output_len", "32",
+                  "--end_id", "-1", "--input_text", PROMPTS[0], "--output_json", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "mode: DDTree budget 32 (block 8), device loop" in done.stdout
+    spec = SpecConfig(8, 32)
+    engine = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True)
+    prompt = load_tokenizer(demo_engine(2) / "tokenizer", 512).encode(PROMPTS[0])
+    expected = generate_on_device(engine, spec, prompt, 32, 512, params=SamplingParams(0.8, 0, 0.95, 7)).tokens
+    engine.close()
+    assert json.loads(out.read_text())["results"][0]["output_ids"] == expected
 
 
 def _cpu_seconds(pid: int) -> float:

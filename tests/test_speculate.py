@@ -82,16 +82,28 @@ def test_exact_oracle_accepts_whole_blocks(engines, autoregressive, hf_model):
     assert result.tokens_per_target_forward > 6
 
 
+def _warped(logits, params):
+    """transformers' definition of the sampled distribution (not the project's `sampling_probs`)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = TemperatureLogitsWarper(params.temperature)(None, logits.double())
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(None, scores)
+    if params.top_p < 1:
+        scores = TopPLogitsWarper(params.top_p)(None, scores)
+    return torch.softmax(scores, dim=-1)
+
+
 def _exact_distributions(hf_model, prompt, params):
     """Exact p(t1, t2) and p(t3) of the target's own sampling."""
     with torch.no_grad():
-        p1 = sampling_probs(hf_model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        p1 = _warped(hf_model(torch.tensor([prompt])).logits[0, -1:], params)[0]
         joint, third = {}, torch.zeros_like(p1)
         for t1 in torch.nonzero(p1).flatten().tolist():
-            p2 = sampling_probs(hf_model(torch.tensor([prompt + [t1]])).logits[0, -1:], params)[0]
+            p2 = _warped(hf_model(torch.tensor([prompt + [t1]])).logits[0, -1:], params)[0]
             for t2 in torch.nonzero(p2).flatten().tolist():
                 joint[(t1, t2)] = float(p1[t1] * p2[t2])
-                p3 = sampling_probs(hf_model(torch.tensor([prompt + [t1, t2]])).logits[0, -1:], params)[0]
+                p3 = _warped(hf_model(torch.tensor([prompt + [t1, t2]])).logits[0, -1:], params)[0]
                 third += p1[t1] * p2[t2] * p3
     return joint, {t: float(p) for t, p in enumerate(third) if p > 0}
 

@@ -27,8 +27,10 @@ from collections import deque
 import torch
 
 from engines.spec import SpecConfig
+from runner.device.sampling import sample_tokens, sampling_tensors
 from runner.device.tree import accept_greedy_device, tree_forms
 from runner.probes import Probes
+from runner.sampling import SamplingParams
 from runner.sessions.cuda_graphs import capture_graph, timing_event, warm_up
 from runner.speculate import GenerationResult, PhaseTimer, _emit
 
@@ -63,6 +65,10 @@ class DeviceLoop:
         self.decode_mask = torch.ones(1, 1, dtype=torch.bool, device=device)
         self.emitted = torch.zeros(depth + 2, **long)  # tokens (depth + 1 at most), then the count
         self.prompt_length = torch.zeros(1, **long)
+        # a sampled request's settings and draw counter (`runner/device/sampling.py`), set by `load`
+        self.sampling = sampling_tensors(SamplingParams(1.0), device)
+        self.draws = torch.zeros(1, **long)
+        self.sampled = False  # the mode of the request loaded: greedy and sampled steps are graphs of their own
         # the phases, in groups: one graph a step holds them all; probes.split_phases captures a graph per group
         groups = [[self._decode]] if autoregressive else [[self._draft], [self._tree], [self._verify], [self._accept]]
         probes = probes or Probes()
@@ -71,7 +77,7 @@ class DeviceLoop:
             groups[0].append(self._oracle_draft)
             groups[2].append(self._oracle_choices)
         self.groups = groups if probes.split_phases else [[phase for group in groups for phase in group]]
-        self.use_graph, self.graphs = use_graph, None
+        self.use_graph, self.graphs = use_graph, {}
         pinned = device.type == "cuda"
         self.host = [torch.zeros(depth + 2, dtype=torch.long, pin_memory=pinned) for _ in range(SLOTS)]
         self.done = [torch.cuda.Event() for _ in range(SLOTS)] if pinned else None
@@ -92,9 +98,10 @@ class DeviceLoop:
             positions = torch.arange(start, start + taps.shape[0], device=self.device)
             self.cache.commit_draft(self.drafter.context_kv(taps, positions), taps.shape[0])
 
-    def load(self, bonus: int, prompt_length: int) -> None:
+    def load(self, bonus: int, prompt_length: int, params=None) -> None:
         """Takes over a prefilled sequence (or one the host loop has stepped); context still pending goes through
-        `prefill_context`, so the first step has no new context rows."""
+        `prefill_context`, so the first step has no new context rows. params: a sampled request's `SamplingParams`
+        (its draws continue the counter after the first token's, drawn by `first_token`); None: greedy."""
         if self.in_flight:
             raise RuntimeError(f"{len(self.in_flight)} device steps are still in flight: collect them first")
         if not self.autoregressive:
@@ -105,6 +112,11 @@ class DeviceLoop:
         self.num_drafted.fill_(self.cache.num_drafted)
         self.bonus.fill_(bonus)
         self.prompt_length.fill_(prompt_length)
+        self.sampled = params is not None and not params.greedy
+        if self.sampled:
+            for name, value in sampling_tensors(params, self.device).items():
+                self.sampling[name].copy_(value)
+            self.draws.fill_(1)
 
     # --- the phases (fixed shapes, device tensors only: each can be captured in a graph) ---
 
@@ -129,7 +141,7 @@ class DeviceLoop:
         tokens, _, depths, mask, _ = self.tree
         logits, self.new_kv, self.taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent,
                                                      self.num_cached, self.arange_rows)  # fmt: skip
-        self.choices = logits.argmax(dim=-1)
+        self.choices = self._choose(logits)
 
     def _accept(self) -> None:
         """The longest path of the target's own choices; its end's choice is the next bonus. Commits the path's rows
@@ -150,12 +162,21 @@ class DeviceLoop:
         """Autoregressive: the bonus token's forward, its KV committed, the greedy next token."""
         logits, new_kv, _ = self.target(self.bonus, self.num_cached, self.decode_mask, self.cache.latent,
                                         self.num_cached, self.arange_rows)  # fmt: skip
-        token = logits.argmax(dim=-1)
+        token = self._choose(logits)
         self.cache.latent.index_copy_(1, self.num_cached, new_kv)
         self.num_cached += 1
         self.emitted[:1].copy_(token)
         self.emitted[-1:].copy_(self.decode_mask.reshape(1))
         self.bonus.copy_(token)
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's token at each row: its argmax, or (a sampled request) one exact draw from its distribution
+        there, with fresh counter-based noise every step. Each node's draw is independent, so walking the tree by
+        them emits exactly the target's samples (lossless)."""
+        if not self.sampled:
+            return logits.argmax(dim=-1)
+        self.draws += 1
+        return sample_tokens(logits, **self.sampling, counter=self.draws)
 
     # --- benchmarks' oracle (probes.oracle): after the real forward, logits that follow the known continuation ---
 
@@ -183,10 +204,10 @@ class DeviceLoop:
                 _run(group)
             self.host[slot].copy_(self.emitted)
         else:
-            if self.graphs is None:
-                self._capture()
+            if self.sampled not in self.graphs:
+                self.graphs[self.sampled] = self._capture()
             marks = [] if self.events is not None else None
-            for graph in self.graphs:
+            for graph in self.graphs[self.sampled]:
                 if marks is not None:
                     marks.append(timing_event())
                 graph.replay()
@@ -212,15 +233,16 @@ class DeviceLoop:
         self.discard()
         if self.done is not None:
             torch.cuda.synchronize(self.device)
-        self.graphs, self.done, self.host, self.events = None, None, [], None
+        self.graphs, self.done, self.host, self.events = {}, None, [], None
 
     def discard(self) -> None:
         """Waits for the steps in flight and drops their tokens."""
         while self.in_flight:
             self.collect()
 
-    def _capture(self) -> None:
-        state = (self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context)
+    def _capture(self) -> list:
+        """The step's graphs in the current mode (greedy or sampled: `_choose` branches at capture time)."""
+        state = (self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context, self.draws)
         saved = [t.clone() for t in state]
         warm_up(lambda: [_run(group) for group in self.groups], self.device)
         for tensor, before in zip(state, saved):
@@ -229,7 +251,7 @@ class DeviceLoop:
         # collection that happens to run mid-capture invalidates the capture (torch no longer collects on entry)
         gc.collect()
         pool = torch.cuda.graph_pool_handle()
-        self.graphs = [capture_graph(lambda g=g: _run(g), self.device, warmups=0, pool=pool)[0] for g in self.groups]
+        return [capture_graph(lambda g=g: _run(g), self.device, warmups=0, pool=pool)[0] for g in self.groups]
 
 
 def _run(phases) -> None:
@@ -239,25 +261,29 @@ def _run(phases) -> None:
 
 def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_tokens: int, capacity: int,
                        end_ids: set[int] = frozenset(), on_tokens=None, autoregressive: bool = False,
-                       stop_sequences: tuple[tuple[int, ...], ...] = ()) -> GenerationResult:  # fmt: skip
-    """Greedy generation with device steps, one queued behind the one collected; the prefill runs on the host loop.
+                       stop_sequences: tuple[tuple[int, ...], ...] = (), params=None) -> GenerationResult:  # fmt: skip
+    """Generation with device steps, one queued behind the one collected; the prefill runs on the host loop. params:
+    a sampled request's `SamplingParams` (the first token is its draw 0, the steps draw on from 1); None: greedy.
     Every rank's worker must have called `enable_device_loop` (with the same `autoregressive`)."""
-    from runner.sampling import Sampler, SamplingParams
-
     timer, start = PhaseTimer(), time.perf_counter()
     result = GenerationResult(prompt=list(prompt), tokens=[])
-    greedy = Sampler(SamplingParams())
+    sampled = params is not None and not params.greedy
     engine.reset()
     with timer("prefill"):  # the target's prefill, then the drafter's (queued behind it: no wait in between)
         logits = engine.prefill(list(prompt))
         if not autoregressive:
             engine.device_prefill_context()
-        first = greedy.choose(logits)
+        if sampled:
+            draw = sampling_tensors(params, logits.device)
+            first = sample_tokens(logits, **draw, counter=torch.zeros(1, dtype=torch.long, device=logits.device))
+        else:
+            first = logits.argmax(dim=-1)
+        first = first.tolist()
     result.target_forwards = 1
     _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, stop_sequences, on_tokens)
     if not finished:
         with timer("device_load"):
-            engine.device_load(result.tokens[-1], len(prompt))
+            engine.device_load(result.tokens[-1], len(prompt), params if sampled else None)
     most = 1 if autoregressive else spec.draft_depth + 1  # tokens (and committed rows) a step adds at most
     spare = 1 if autoregressive else 2 * spec.block_size  # rows a step writes past the committed ones
     in_flight = 0

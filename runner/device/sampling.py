@@ -69,6 +69,7 @@ def sampling_tensors(params, device) -> dict[str, torch.Tensor]:
         "temperature": torch.tensor([float(params.temperature)], device=device),
         "top_k": torch.tensor([int(params.top_k)], dtype=torch.int64, device=device),
         "top_p": torch.tensor([float(params.top_p)], device=device),
-        "seed": torch.tensor([(int(params.seed) ^ (int(params.seed) >> 32)) & _MASK32], dtype=torch.int64,
-                             device=device),  # fmt: skip
+        "seed": torch.tensor(
+            [(int(params.seed) ^ (int(params.seed) >> 32)) & _MASK32], dtype=torch.int64, device=device
+        ),  # fmt: skip
     }

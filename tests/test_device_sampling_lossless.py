@@ -1,0 +1,142 @@
+"""Sampled speculative decoding on the device loop is lossless: the first tokens it emits are distributed as the
+target's own samples, by an independent definition (transformers' model and logits warpers, not the project's
+sampler), chi-square at level 0.001. A drafter that follows the target makes multi-node acceptance frequent, so
+the tree walk is exercised, not only the root's draw; deliberately broken variants are rejected by the same test.
+
+Run eagerly on the CPU (the tensor program a CUDA graph captures on a GPU)."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from scipy.stats import chisquare
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
+
+from engines.spec import BuildConfig, SpecConfig
+from runner.device.loop import generate_on_device
+from runner.sampling import SamplingParams
+from tests.conftest import cpu_ranks
+
+PROMPT = [5, 77, 300, 12, 480, 33, 250]
+SPEC = SpecConfig(4, 8)  # depth 3: three drafted levels, up to 8 nodes
+RUNS, LEVEL = 600, 1e-3
+PARAMS = dict(temperature=1.0, top_k=6)
+
+
+@pytest.fixture(scope="module")
+def hf_model(demo_hf):
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(demo_hf / "kimi-k2-tiny", dtype=torch.float32).eval()
+
+
+def warped_probs(hf_model, sequence: list[int], temperature: float, top_k: int) -> torch.Tensor:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([sequence])).logits[0, -1:].double()
+    return torch.softmax(TopKLogitsWarper(top_k)(None, TemperatureLogitsWarper(temperature)(None, logits)), -1)[0]
+
+
+def exact(hf_model, temperature: float, top_k: int):
+    """p(t1, t2) and p(t3) of the target's own sampling."""
+    p1 = warped_probs(hf_model, PROMPT, temperature, top_k)
+    joint, third = {}, torch.zeros_like(p1)
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = warped_probs(hf_model, PROMPT + [t1], temperature, top_k)
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            joint[(t1, t2)] = float(p1[t1] * p2[t2])
+            third += p1[t1] * p2[t2] * warped_probs(hf_model, PROMPT + [t1, t2], temperature, top_k)
+    return joint, {t: float(p) for t, p in enumerate(third) if p > 0}
+
+
+def p_value(observed: dict, expected: dict, runs: int) -> float:
+    if any(k not in expected for k in observed):
+        return 0.0  # a draw outside the support
+    big = [k for k, p in expected.items() if p * runs >= 5]
+    obs = [observed.get(k, 0) for k in big] + [runs - sum(observed.get(k, 0) for k in big)]
+    exp = [expected[k] * runs for k in big] + [runs * (1 - sum(expected[k] for k in big))]
+    return float(chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
+
+
+def follow_the_target(loop, hf_model):
+    """The loop's drafter still runs (its caches evolve as in production), then its logits are replaced by the
+    target's along its greedy continuation of the sequence so far, plus noise: drafts are often, not always, right."""
+    history = list(PROMPT)
+    noise = torch.Generator().manual_seed(0)
+
+    def draft():
+        real_draft()
+        sequence, rows = history + [int(loop.bonus)], []
+        with torch.no_grad():
+            for _ in range(SPEC.draft_depth):
+                logits = hf_model(torch.tensor([sequence])).logits[0, -1]
+                rows.append(logits)
+                sequence.append(int(logits.argmax()))
+        logits = torch.stack(rows)
+        loop.draft_logits = logits + torch.randn(logits.shape, generator=noise)
+
+    def accept():
+        real_accept()
+        count = int(loop.emitted[-1])
+        history.extend([int(loop.bonus_before)] + loop.emitted[: count - 1].tolist())
+
+    def remember_bonus():
+        loop.bonus_before = int(loop.bonus)
+
+    real_draft, real_accept = loop._draft, loop._accept
+    loop.groups = [[remember_bonus, draft, loop._tree, loop._verify, accept]]
+
+
+def sample_counts(ranks, hf_model, params, runs=RUNS):
+    loop = ranks.lead.loop
+    joint, third, accepted, groups = {}, {}, [], loop.groups
+    try:
+        for seed in range(runs):
+            follow_the_target(loop, hf_model)
+            result = generate_on_device(ranks, SPEC, PROMPT, 3, 512, params=SamplingParams(**params, seed=seed))
+            t1, t2, t3 = result.tokens
+            joint[(t1, t2)] = joint.get((t1, t2), 0) + 1
+            third[t3] = third.get(t3, 0) + 1
+            accepted.append(result.accept_lengths[0])
+    finally:
+        loop.groups = groups
+    return joint, third, float(np.mean(accepted))
+
+
+@pytest.fixture(scope="module")
+def ranks(demo_ckpt):
+    engine = cpu_ranks(demo_ckpt(1), SPEC, BuildConfig(max_input_len=64, max_seq_len=512), device_loop=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model):
+    return exact(hf_model, **PARAMS)
+
+
+@pytest.mark.slow
+def test_sampled_device_steps_are_lossless(ranks, hf_model, expected):
+    joint, third, accepted = sample_counts(ranks, hf_model, PARAMS)
+    assert accepted > 1.5  # drafted nodes were accepted: the walk, not only the root's draw, is tested
+    assert p_value(joint, expected[0], RUNS) > LEVEL and p_value(third, expected[1], RUNS) > LEVEL
+    colder = exact(hf_model, temperature=0.7, top_k=6)  # the test has power against a nearby distribution
+    assert p_value(joint, colder[0], RUNS) < LEVEL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", ["greedy acceptance", "temperature twice"])
+def test_broken_samplers_are_rejected(ranks, hf_model, expected, monkeypatch, broken):
+    loop = ranks.lead.loop
+    if broken == "greedy acceptance":  # the walk follows argmax choices at temperature 1
+        monkeypatch.setattr(loop, "_choose", lambda logits: logits.argmax(dim=-1))
+    else:  # the temperature divides the logits twice
+        real = loop._choose
+        monkeypatch.setattr(loop, "_choose", lambda logits: real(logits / loop.sampling["temperature"]))
+    params = dict(temperature=0.7, top_k=6) if broken == "temperature twice" else PARAMS
+    reference = exact(hf_model, **params) if broken == "temperature twice" else expected
+    joint, third, _ = sample_counts(ranks, hf_model, params, runs=300)
+    assert min(p_value(joint, reference[0], 300), p_value(third, reference[1], 300)) < LEVEL
+
+
+def test_a_seed_reproduces_its_tokens_and_seeds_differ(ranks):
+    sampled = [generate_on_device(ranks, SPEC, PROMPT, 12, 512, params=SamplingParams(1.0, 0, 1.0, s)).tokens
+               for s in (3, 3, 4)]  # fmt: skip
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
