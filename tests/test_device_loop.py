@@ -77,3 +77,24 @@ def test_steps_launched_past_the_end_are_discarded(demo_ckpt):
     with pytest.raises(ValueError, match=r"the sequence reached the cache capacity \(40 rows\)"):
         generate_on_device(engine, spec, PROMPTS[1], 80, capacity=40)
     engine.close()
+
+
+def test_stop_sequences_and_bad_words(demo_ckpt):
+    """A stop sequence ends a device-loop request right after it, as on the host loop; a request with bad words runs
+    on the host loop, and no banned token appears."""
+    from runner.generator import Generator
+
+    spec = SpecConfig(8, 32)
+    engine = cpu_ranks(demo_ckpt(1), spec, BUILD, device_loop=True)
+    generator = Generator(engine)
+    expected = generate_autoregressive(engine, PROMPTS[0], 40, Sampler(SamplingParams())).tokens
+    stop = tuple(expected[12:14])
+    first = next(i for i in range(len(expected) - 1) if tuple(expected[i : i + 2]) == stop)
+    greedy = SamplingParams()
+    result = generator.generate(PROMPTS[0], 40, greedy, stop_sequences=(stop,))
+    assert generator.on_device(greedy) and result.tokens == expected[: first + 2]
+    banned = tuple(sorted(set(expected[:10])))
+    assert not generator.on_device(greedy, banned)
+    result = generator.generate(PROMPTS[0], 40, greedy, banned=banned)
+    assert not set(result.tokens) & set(banned) and len(result.tokens) == 40
+    engine.close()
