@@ -10,11 +10,24 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import tempfile
 from pathlib import Path
 
 SUBCOMMANDS = ("convert", "build", "inspect")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '500MB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    size = (
+        int(float(match.group(1)) * _UNITS[match.group(2).upper()]) if match and match.group(2).upper() in _UNITS else 0
+    )
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive byte count such as 4GiB, 500MB or 1000000, got {text!r}")
+    return size
 
 
 def _add_convert_args(parser: argparse.ArgumentParser, output_help: str) -> None:
@@ -29,6 +42,13 @@ def _add_convert_args(parser: argparse.ArgumentParser, output_help: str) -> None
         help="weight dtype of the converted checkpoint (auto: the checkpoint's)",
     )
     parser.add_argument("--force", action="store_true", help="replace a non-empty output_dir")
+    parser.add_argument(
+        "--max_shard_size",
+        default="4GiB",
+        type=parse_size,
+        help="converted tensors held in memory before each rank's next shard file is written (default 4GiB); "
+        "peak memory is about one layer's weights plus this",
+    )
 
 
 def _add_build_args(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
         if command == "convert":
             from builder.convert import convert
 
-            convert(args.model_dir, args.draft_model_dir, args.output_dir, args.tp_size, args.dtype, args.force)
+            convert(
+                args.model_dir,
+                args.draft_model_dir,
+                args.output_dir,
+                args.tp_size,
+                args.dtype,
+                args.force,
+                args.max_shard_size,
+            )
         elif command == "build":
             from builder.build import build_from_args
 
@@ -104,7 +132,15 @@ def main(argv: list[str] | None = None) -> int:
             # before converting: the engine directory must not replace either HF checkpoint (with --force it did)
             check_output_dir(args.output_dir, args.force, protect=(args.model_dir, args.draft_model_dir))
             with tempfile.TemporaryDirectory(prefix="ddtree-ckpt-") as ckpt:
-                convert(args.model_dir, args.draft_model_dir, Path(ckpt), args.tp_size, args.dtype, force=True)
+                convert(
+                    args.model_dir,
+                    args.draft_model_dir,
+                    Path(ckpt),
+                    args.tp_size,
+                    args.dtype,
+                    force=True,
+                    max_shard_size=args.max_shard_size,
+                )
                 args.checkpoint_dir = Path(ckpt)
                 build_from_args(args, parser)
     except (ValueError, FileNotFoundError, FileExistsError) as err:

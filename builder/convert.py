@@ -11,14 +11,16 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from builder.hf_checkpoint import DrafterCheckpoint, TargetCheckpoint
+from builder.shard_writer import DEFAULT_MAX_BUFFER, ShardWriter
 from engines.output_dir import staged_output_dir
-from models.checkpoint import DTYPES, CheckpointConfig, rank_file
+from models.checkpoint import DTYPES, CheckpointConfig
 from models.layout import (
     EXPERT_PROJECTIONS,
     check_tensor_set,
@@ -59,9 +61,15 @@ def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
 
 
 def convert(
-    model_dir: Path, draft_model_dir: Path, output_dir: Path, tp_size: int, dtype: str = "auto", force: bool = False
+    model_dir: Path,
+    draft_model_dir: Path,
+    output_dir: Path,
+    tp_size: int,
+    dtype: str = "auto",
+    force: bool = False,
+    max_shard_size: int = DEFAULT_MAX_BUFFER,
 ) -> CheckpointConfig:
-    """Validates both checkpoints completely, then writes the TP-N checkpoint directory."""
+    """Validates both checkpoints completely, then writes the TP-N checkpoint directory a layer at a time."""
     start = time.perf_counter()
     target = TargetCheckpoint(model_dir)
     drafter = DrafterCheckpoint(draft_model_dir)
@@ -80,49 +88,123 @@ def convert(
         drafter.shapes(), {k: s.shape for k, s in drafter_specs.items()}, f"drafter checkpoint {draft_model_dir}"
     )
     log.info("converting to tp_size=%d dtype=%s -> %s", tp_size, config.dtype, output_dir)
+    groups = [*_target_groups(target, config), *_drafter_groups(drafter, config)]
+    total = sum(size for _, size, _ in groups)
     with staged_output_dir(output_dir, force, protect=(Path(model_dir), Path(draft_model_dir))) as staging:
-        torch_dtype = getattr(torch, config.dtype)
-        ranks = _shard_target(target, config, torch_dtype)
-        for rank, tensors in enumerate(ranks):
-            _save(tensors, rank_file(staging, "target", rank))
-        ranks = [{} for _ in range(tp_size)]
-        for name, spec in drafter_specs.items():
-            pieces = shard(drafter.get(name).to(torch_dtype), spec.split_dim, spec.pieces(tp_size))
-            for rank in range(tp_size):
-                ranks[rank][name] = pieces[spec.rank_piece(rank, tp_size) if spec.split_dim is not None else 0]
-        for rank, tensors in enumerate(ranks):
-            _save(tensors, rank_file(staging, "drafter", rank))
+        writer = ShardWriter(staging, max_shard_size)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None) as progress:
+            for label, size, write in groups:
+                progress.set_postfix_str(label, refresh=False)
+                write(writer)
+                writer.end_group()
+                progress.update(size)
+        totals = writer.close()
         (staging / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         _copy_tokenizer(Path(model_dir), staging / "tokenizer")
-    log.info("converted %d ranks in %.2f s", tp_size, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    for rank in range(tp_size):
+        log.info(
+            "rank %d: target %s in %d file(s), drafter %s in %d file(s)",
+            rank,
+            _human(totals.get(("target", rank), 0)),
+            writer.files("target", rank),
+            _human(totals.get(("drafter", rank), 0)),
+            writer.files("drafter", rank),
+        )
+    log.info(
+        "converted %d ranks in %.2f s: read %s (%.2f GB/s), at most %s of converted tensors held at once",
+        tp_size,
+        seconds,
+        _human(total),
+        total / seconds / 1e9,
+        _human(writer.peak_buffered),
+    )
     return config
 
 
-def _shard_target(target: TargetCheckpoint, config: CheckpointConfig, dtype: torch.dtype) -> list[dict]:
-    tp = config.tp_size
-    ranks: list[dict] = [{} for _ in range(tp)]
-    for name, spec in hf_target_specs(config.target, include_experts=False).items():
-        # the routing bias stays float32 whatever the dtype (Kimi ships it so; bf16 can flip near-tied expert choices)
-        kept = torch.float32 if name.endswith(ROUTER_BIAS) else dtype
-        for rank, piece in enumerate(shard(target.get(name).to(kept), spec.split_dim, tp)):
-            ranks[rank][name] = piece
+Group = tuple[str, int, Callable[[ShardWriter], None]]
+
+
+def _target_groups(target: TargetCheckpoint, config: CheckpointConfig) -> list[Group]:
+    """The target in write order: the tensors outside layers, then one group per layer (its experts included)."""
+    dtype = getattr(torch, config.dtype)
+    specs = hf_target_specs(config.target, include_experts=False)
+    by_layer: dict[int | None, list[str]] = {}
+    for name in specs:
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+        by_layer.setdefault(layer, []).append(name)
+
+    def dense(names: list[str]) -> Callable[[ShardWriter], None]:
+        def write(writer: ShardWriter) -> None:
+            for name in names:
+                # the routing bias stays float32 whatever the dtype (Kimi ships it so; bf16 can flip near-tied choices)
+                kept = torch.float32 if name.endswith(ROUTER_BIAS) else dtype
+                for rank, piece in enumerate(shard(target.get(name).to(kept), specs[name].split_dim, config.tp_size)):
+                    writer.add("target", rank, name, piece)
+
+        return write
+
+    def layer_group(layer: int) -> Callable[[ShardWriter], None]:
+        def write(writer: ShardWriter) -> None:
+            dense(by_layer[layer])(writer)
+            if config.target.is_moe_layer(layer):
+                for proj in EXPERT_PROJECTIONS:
+                    _write_experts(writer, target, config, layer, proj, dtype)
+
+        return write
+
+    groups: list[Group] = [("embeddings and head", _bytes(target, by_layer[None]), dense(by_layer[None]))]
     for layer in range(config.target.num_hidden_layers):
-        if not config.target.is_moe_layer(layer):
-            continue
-        for proj in EXPERT_PROJECTIONS:
-            split_dim = expert_spec(config.target, proj).split_dim
-            pieces = [
-                shard(target.get(hf_expert_name(layer, e, proj)).to(dtype), split_dim, tp)
+        names = list(by_layer[layer])
+        if config.target.is_moe_layer(layer):
+            names += [
+                hf_expert_name(layer, e, proj)
                 for e in range(config.target.n_routed_experts)
-            ]  # pieces[expert][rank]
+                for proj in EXPERT_PROJECTIONS
+            ]
+        groups.append((f"layer {layer}", _bytes(target, names), layer_group(layer)))
+    return groups
+
+
+def _write_experts(writer, target, config, layer: int, proj: str, dtype: torch.dtype) -> None:
+    """One projection of a layer's routed experts, stacked per rank [E, out, in] (filled in place: no copies)."""
+    tp, experts = config.tp_size, config.target.n_routed_experts
+    spec = expert_spec(config.target, proj)
+    stacked = [torch.empty((experts, *spec.shard_shape(tp)), dtype=dtype) for _ in range(tp)]
+    for e in range(experts):
+        for rank, piece in enumerate(torch.chunk(target.get(hf_expert_name(layer, e, proj)), tp, dim=spec.split_dim)):
+            stacked[rank][e].copy_(piece)
+    for rank in range(tp):
+        writer.add("target", rank, stacked_expert_name(layer, proj), stacked[rank])
+
+
+def _drafter_groups(drafter: DrafterCheckpoint, config: CheckpointConfig) -> list[Group]:
+    dtype = getattr(torch, config.dtype)
+    specs = hf_drafter_specs(config.drafter)
+    tp = config.tp_size
+
+    def write(writer: ShardWriter) -> None:
+        writer.flush()  # the target's last shards stay the target's
+        for name, spec in specs.items():
+            pieces = shard(drafter.get(name).to(dtype), spec.split_dim, spec.pieces(tp))
             for rank in range(tp):
-                ranks[rank][stacked_expert_name(layer, proj)] = torch.stack([p[rank] for p in pieces])
-    return ranks
+                writer.add(
+                    "drafter", rank, name, pieces[spec.rank_piece(rank, tp) if spec.split_dim is not None else 0]
+                )
+
+    return [("drafter", _bytes(drafter, list(specs)), write)]
 
 
-def _save(tensors: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+def _bytes(checkpoint, names: list[str]) -> int:
+    return sum(checkpoint.nbytes(name) for name in names)
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1000
+    raise AssertionError
 
 
 def _copy_tokenizer(model_dir: Path, destination: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ class SafetensorsDir:
             raise FileNotFoundError(f"checkpoint {model_dir} has no *.safetensors files")
         self._where: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         self._handles = {}
         for file in files:
             try:
@@ -50,13 +52,20 @@ class SafetensorsDir:
             self._handles[file] = handle
             for name in handle.keys():
                 self._where[name] = file
-                self._shapes[name] = tuple(handle.get_slice(name).get_shape())
+                view = handle.get_slice(name)
+                self._shapes[name] = tuple(view.get_shape())
+                self._dtypes[name] = view.get_dtype()
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self._shapes)
 
     def __contains__(self, name: str) -> bool:
         return name in self._shapes
+
+    def nbytes(self, name: str) -> int:
+        """Stored bytes of one tensor (from the header: nothing is read)."""
+        size = _DTYPE_BYTES[self._dtypes[name].upper()]
+        return size * math.prod(self._shapes[name])
 
     def get(self, name: str) -> torch.Tensor:
         tensor = self._handles[self._where[name]].get_tensor(name)
@@ -120,6 +129,12 @@ class TargetCheckpoint:
                 raise ValueError(f"INT4 tensor {base} is missing {base}{suffix}")
         return tuple(int(v) for v in self.files.get(base + ".weight_shape"))
 
+    def nbytes(self, name: str) -> int:
+        stored = self._names[name]
+        if name not in self._quantized:
+            return self.files.nbytes(stored)
+        return sum(self.files.nbytes(stored + suffix) for suffix in _INT4_SUFFIXES)
+
     def get(self, name: str) -> torch.Tensor:
         stored = self._names[name]
         if name not in self._quantized:
@@ -134,6 +149,8 @@ class TargetCheckpoint:
 
 
 _INT4_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+_DTYPE_BYTES.update({"I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1})
 
 
 class DrafterCheckpoint:
@@ -149,6 +166,9 @@ class DrafterCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         raw = self.files.shapes()
         return {name: raw[stored] for name, stored in self._names.items()}
+
+    def nbytes(self, name: str) -> int:
+        return self.files.nbytes(self._names[name])
 
     def get(self, name: str) -> torch.Tensor:
         return self.files.get(self._names[name])

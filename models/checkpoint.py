@@ -2,8 +2,10 @@
 
 ckpt/
   config.json                      architecture, dtype, mapping, target and drafter configs
-  target/rank{N}.safetensors       one rank's target weights (experts stacked per layer, dequantized)
-  drafter/rank{N}.safetensors      one rank's drafter weights (only its own tensors)
+  target/rank{N}.safetensors       one rank's target weights (experts stacked per layer), or, when convert wrote
+                                   several shards, rank{N}-00001-of-0000M.safetensors ... and
+                                   rank{N}.safetensors.index.json (HF's sharded-checkpoint index)
+  drafter/rank{N}.safetensors      one rank's drafter weights (only its own tensors), sharded the same way
   tokenizer/                       the target's tokenizer files, copied
 """
 
@@ -69,6 +71,34 @@ def rank_file(root: Path, role: str, rank: int) -> Path:
     return Path(root) / role / f"rank{rank}.safetensors"
 
 
+def index_file(root: Path, role: str, rank: int) -> Path:
+    return Path(root) / role / f"rank{rank}.safetensors.index.json"
+
+
+def rank_files(root: Path, role: str, rank: int, tp_size: int) -> dict[Path, list[str] | None]:
+    """One rank's safetensors files -> the tensors the index says each holds (None: a single file, all of them)."""
+    root = Path(root)
+    index = index_file(root, role, rank)
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{index} is not a safetensors index with a weight_map: {err}") from err
+        files: dict[Path, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(index.parent / file, []).append(name)
+        for path in files:
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint_dir {root} lacks {path.relative_to(root)}, listed in {index.name}")
+        return files
+    single = rank_file(root, role, rank)
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"checkpoint_dir {root} lacks {single.relative_to(root)} (or {index.relative_to(root)}) (tp_size={tp_size})"
+        )
+    return {single: None}
+
+
 def load_checkpoint_config(root: Path) -> CheckpointConfig:
     path = Path(root) / "config.json"
     if not path.is_file():
@@ -86,9 +116,12 @@ def load_rank_weights(root: Path, rank: int) -> tuple[CheckpointConfig, dict, di
     target_cfg, drafter_cfg = config.rank_configs(rank)
     tensors = {}
     for role, expected in (("target", rank_target_shapes(target_cfg)), ("drafter", rank_drafter_shapes(drafter_cfg))):
-        path = rank_file(root, role, rank)
-        if not path.is_file():
-            raise FileNotFoundError(f"checkpoint_dir {root} lacks {path.relative_to(root)} (tp_size={config.tp_size})")
-        tensors[role] = load_file(str(path))
-        check_tensor_set({k: tuple(v.shape) for k, v in tensors[role].items()}, expected, str(path))
+        tensors[role] = {}
+        for path, names in rank_files(root, role, rank, config.tp_size).items():
+            loaded = load_file(str(path))
+            if names is not None and sorted(loaded) != sorted(names):
+                raise ValueError(f"{path} holds {len(loaded)} tensors, its index lists {len(names)} others")
+            tensors[role].update(loaded)
+        where = f"{root / role} rank {rank}"
+        check_tensor_set({k: tuple(v.shape) for k, v in tensors[role].items()}, expected, where)
     return config, tensors["target"], tensors["drafter"]

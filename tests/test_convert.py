@@ -168,7 +168,10 @@ def test_rank_file_errors(demo_ckpt, tmp_path):
 
     ckpt = shutil.copytree(demo_ckpt(2), tmp_path / "c")
     (ckpt / "drafter" / "rank1.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"lacks drafter/rank1.safetensors \(tp_size=2\)"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"lacks drafter/rank1.safetensors \(or drafter/rank1.safetensors.index.json\) \(tp_size=2\)",
+    ):
         load_rank_weights(ckpt, 1)
     with pytest.raises(ValueError, match=r"rank must be in \[0, tp_size=2\), got 5"):
         load_rank_weights(ckpt, 5)
@@ -209,3 +212,47 @@ def test_the_router_bias_stays_float32_whatever_the_dtype(demo_hf, tmp_path):
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert weights[bias].dtype == torch.float32 and torch.equal(weights[bias], source.get(bias).float())
     assert weights["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def test_convert_streams_into_shards_with_an_index(demo_hf, demo_ckpt, tmp_path, caplog):
+    """A tiny shard limit writes each layer group to its own shard per rank; the loader reads them back through the
+    index, tensor for tensor equal to the single-file conversion."""
+    out = tmp_path / "sharded"
+    with caplog.at_level("INFO", logger="ddtree.builder"):
+        config = convert(demo_hf / "kimi-k2-tiny", demo_hf / "kimi-k2-tiny-dflash", out, 2, max_shard_size=1)
+    layers = config.target.num_hidden_layers
+    for rank in range(2):
+        index = json.loads((out / "target" / f"rank{rank}.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert files == [f"rank{rank}-{i:05d}-of-{layers + 1:05d}.safetensors" for i in range(1, layers + 2)]
+        assert index["weight_map"]["model.layers.1.mlp.experts.up_proj.weight"] == files[2]
+        assert not (out / "target" / f"rank{rank}.safetensors").exists()
+        assert (out / "drafter" / f"rank{rank}.safetensors").is_file()  # one group: one file, no index
+        _, target, drafter = load_rank_weights(out, rank)
+        _, ref_target, ref_drafter = load_rank_weights(demo_ckpt(2), rank)
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in target.values())
+        for got, want in ((target, ref_target), (drafter, ref_drafter)):
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert not list(out.rglob(".rank*"))  # no part files left behind
+    assert re.search(
+        rf"rank 1: target [\d.]+ [KM]B in {layers + 1} file\(s\), drafter [\d.]+ [KM]B in 1 file", caplog.text
+    )
+    assert re.search(r"converted 2 ranks in [\d.]+ s: read [\d.]+ [KM]B \([\d.]+ GB/s\)", caplog.text)
+
+
+def test_a_shard_missing_from_the_index_is_named(demo_hf, tmp_path):
+    out = tmp_path / "sharded"
+    config = convert(demo_hf / "kimi-k2-tiny", demo_hf / "kimi-k2-tiny-dflash", out, 1, max_shard_size=1)
+    second = f"rank0-00002-of-{config.target.num_hidden_layers + 1:05d}.safetensors"
+    (out / "target" / second).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"lacks target/{second}, listed in rank0.safetensors.index.json"):
+        load_rank_weights(out, 0)
+
+
+def test_max_shard_size_is_checked(demo_hf, tmp_path, capsys):
+    args = ["convert", "--model_dir", str(demo_hf / "kimi-k2-tiny"), "--draft_model_dir", str(tmp_path)]
+    with pytest.raises(SystemExit):
+        cli_main([*args, "--output_dir", str(tmp_path / "o"), "--max_shard_size", "0GB"])
+    assert "--max_shard_size: expected a positive byte count such as 4GiB, 500MB or 1000000, got '0GB'" in (
+        capsys.readouterr().err
+    )
