@@ -49,6 +49,11 @@ def _add_convert_args(parser: argparse.ArgumentParser, output_help: str) -> None
         help="converted tensors held in memory before each rank's next shard file is written (default 4GiB); "
         "peak memory is about one layer's weights plus this",
     )
+    parser.add_argument(
+        "--dequantize_experts",
+        action="store_true",
+        help="write INT4 routed experts dequantized in --dtype (4x the bytes) instead of packed, for comparisons",
+    )
 
 
 def _add_build_args(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.dtype,
                 args.force,
                 args.max_shard_size,
+                args.dequantize_experts,
             )
         elif command == "build":
             from builder.build import build_from_args
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.dtype,
                     force=True,
                     max_shard_size=args.max_shard_size,
+                    dequantize_experts=args.dequantize_experts,
                 )
                 args.checkpoint_dir = Path(ckpt)
                 build_from_args(args, parser)

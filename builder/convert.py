@@ -1,8 +1,10 @@
 """HF checkpoints (Kimi target + DFlash drafter) -> TP-N checkpoint directory (`models/checkpoint.py`).
 
-Splits follow `models/layout.py`. INT4 routed experts are dequantized here (value * group scale, exactly as
-compressed-tensors defines it) and written in the output dtype: engines carry plain bf16/fp32 expert weights.
-That costs 4x the expert storage of the INT4 original; keeping them packed needs a W4A16 MoE plugin (not built).
+Splits follow `models/layout.py`. INT4 routed experts stay packed as the checkpoint ships them (compressed-tensors
+pack-quantized int32 words and bf16 group scales), cut per rank along the expert width on group boundaries; the
+checkpoint's config records the quantization and every backend runs them through `ddtree::Int4MoE`
+(`plugins/int4_moe`). `dequantize_experts` writes them dequantized (value * group scale, exactly as
+compressed-tensors defines it) in the output dtype instead, at 4x the bytes (8x in float32).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +31,9 @@ from models.layout import (
     hf_drafter_specs,
     hf_expert_name,
     hf_target_specs,
+    packed_expert_names,
+    packed_expert_shapes,
+    rank_target_shapes,
     stacked_expert_name,
 )
 from models.mapping import Mapping
@@ -68,26 +74,38 @@ def convert(
     dtype: str = "auto",
     force: bool = False,
     max_shard_size: int = DEFAULT_MAX_BUFFER,
+    dequantize_experts: bool = False,
 ) -> CheckpointConfig:
     """Validates both checkpoints completely, then writes the TP-N checkpoint directory a layer at a time."""
     start = time.perf_counter()
     target = TargetCheckpoint(model_dir)
     drafter = DrafterCheckpoint(draft_model_dir)
     mapping = Mapping(tp_size, 0, tp_size)
+    packed = not dequantize_experts and _experts_are_int4(target)
+    source = None
+    if target.quant:
+        source = "int4-pack-quantized" if packed else "int4-pack-quantized-dequantized"
     config = CheckpointConfig(
-        target=target.config.for_rank(mapping),
+        target=replace(target.config.for_rank(mapping), quantization=target.quant if packed else None),
         drafter=drafter.config.for_rank(mapping),
         dtype=resolve_dtype(dtype, target.dtype),
         tp_size=tp_size,
-        source_quantization="int4-pack-quantized-dequantized" if target.quant else None,
+        source_quantization=source,
     )
+    rank_target_shapes(config.target)  # an INT4 split off group boundaries is refused before anything is written
     target_specs = hf_target_specs(config.target)
     drafter_specs = hf_drafter_specs(config.drafter)
     check_tensor_set(target.shapes(), {k: s.shape for k, s in target_specs.items()}, f"target checkpoint {model_dir}")
     check_tensor_set(
         drafter.shapes(), {k: s.shape for k, s in drafter_specs.items()}, f"drafter checkpoint {draft_model_dir}"
     )
-    log.info("converting to tp_size=%d dtype=%s -> %s", tp_size, config.dtype, output_dir)
+    log.info(
+        "converting to tp_size=%d dtype=%s%s -> %s",
+        tp_size,
+        config.dtype,
+        f", routed experts INT4 (W4A16, group {target.quant.group_size})" if packed else "",
+        output_dir,
+    )
     groups = [*_target_groups(target, config), *_drafter_groups(drafter, config)]
     total = sum(size for _, size, _ in groups)
     with staged_output_dir(output_dir, force, protect=(Path(model_dir), Path(draft_model_dir))) as staging:
@@ -166,10 +184,36 @@ def _target_groups(target: TargetCheckpoint, config: CheckpointConfig) -> list[G
     return groups
 
 
+def _experts_are_int4(target: TargetCheckpoint) -> bool:
+    cfg = target.config
+    return bool(target.quant) and all(
+        target.is_int4(hf_expert_name(layer, e, proj))
+        for layer in range(cfg.num_hidden_layers)
+        if cfg.is_moe_layer(layer)
+        for e in range(cfg.n_routed_experts)
+        for proj in EXPERT_PROJECTIONS
+    )
+
+
 def _write_experts(writer, target, config, layer: int, proj: str, dtype: torch.dtype) -> None:
-    """One projection of a layer's routed experts, stacked per rank [E, out, in] (filled in place: no copies)."""
+    """One projection of a layer's routed experts, stacked per rank [E, out, in] (filled in place: no copies); kept
+    INT4, the packed words and the scales are stacked and cut the same way (columns of down_proj: whole groups)."""
     tp, experts = config.tp_size, config.target.n_routed_experts
     spec = expert_spec(config.target, proj)
+    if config.target.quantization:
+        stacks = None  # [packed, scale][rank]: [E, out, in / 8] int32 and [E, out, in / group] as stored
+        for e in range(experts):
+            tensors = target.get_int4(hf_expert_name(layer, e, proj))
+            if stacks is None:
+                shapes = packed_expert_shapes(config.target, proj)
+                stacks = [[torch.empty(shape, dtype=t.dtype) for _ in range(tp)] for shape, t in zip(shapes, tensors)]
+            for stack, tensor in zip(stacks, tensors):
+                for rank, piece in enumerate(torch.chunk(tensor, tp, dim=spec.split_dim)):
+                    stack[rank][e].copy_(piece)
+        for name, stack in zip(packed_expert_names(layer, proj), stacks):
+            for rank in range(tp):
+                writer.add("target", rank, name, stack[rank])
+        return
     stacked = [torch.empty((experts, *spec.shard_shape(tp)), dtype=dtype) for _ in range(tp)]
     for e in range(experts):
         for rank, piece in enumerate(torch.chunk(target.get(hf_expert_name(layer, e, proj)), tp, dim=spec.split_dim)):

@@ -51,6 +51,11 @@ def special_id(token: str) -> int:
     return SPECIAL_BASE + SPECIAL_TOKENS.index(token)
 
 
+# Kimi K2.x uses groups of 32 inputs; the tiny model's experts are 32 wide, so groups of 8 let TP-2 and TP-4 cut
+# down_proj (16 and 8 columns a rank) on group boundaries with the experts kept INT4.
+INT4_GROUP_SIZE = 8
+
+
 def target_hf_config(int4_experts: bool) -> dict:
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -109,7 +114,7 @@ def target_hf_config(int4_experts: bool) -> dict:
                         "type": "int",
                         "symmetric": True,
                         "strategy": "group",
-                        "group_size": 32,
+                        "group_size": INT4_GROUP_SIZE,
                         "dynamic": False,
                         "observer": "minmax",
                         "actorder": None,
@@ -175,7 +180,7 @@ def write_target(path: Path, int4_experts: bool, force: bool, tiktoken: bool = F
     config = target_hf_config(int4_experts)
     tensors = random_tensors(hf_target_specs(TargetConfig.from_hf(config)), SEED)
     if int4_experts:
-        tensors = quantize_experts(tensors, group_size=32)
+        tensors = quantize_experts(tensors, group_size=INT4_GROUP_SIZE)
     generation = {
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"],

@@ -19,6 +19,7 @@ from engines.spec import Profile
 from models.loader import load_rank_models
 from models.ops import ModelOps
 from plugins.collectives.onnx_op import ExportCollectives
+from plugins.int4_moe.onnx_op import export_int4_moe
 from plugins.tree_attention.onnx_op import export_tree_attention
 
 log = logging.getLogger("ddtree.builder")
@@ -53,7 +54,7 @@ def export_rank(checkpoint_dir: Path, rank: int, profiles: dict[str, Profile], o
     from models.checkpoint import load_checkpoint_config
 
     tp_size = load_checkpoint_config(checkpoint_dir).tp_size
-    ops = ModelOps(export_tree_attention, ExportCollectives(tp_size))
+    ops = ModelOps(export_tree_attention, ExportCollectives(tp_size), int4_moe=export_int4_moe)
     config, target, drafter = load_rank_models(checkpoint_dir, rank, ops)
     target_cfg, drafter_cfg = config.rank_configs(rank)
     dtype = next(target.parameters()).dtype

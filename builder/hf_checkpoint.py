@@ -1,7 +1,7 @@
 """Reading Hugging Face checkpoints: Kimi K2.x target (plain or K2.5/K2.6 multimodal wrapper) and DFlash drafter.
 
 Tensors are read lazily, one at a time, through safetensors' `safe_open`, so a converter never holds more than
-the tensors it is working on. INT4 `pack-quantized` routed experts are dequantized on read.
+the tensors it is working on. INT4 `pack-quantized` weights are read packed or dequantized.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class SafetensorsDir:
 
 
 class TargetCheckpoint:
-    """A Kimi K2.x target checkpoint with canonical (text-model) tensor names and dequantized experts."""
+    """A Kimi K2.x target checkpoint with canonical (text-model) tensor names; `get` dequantizes INT4 weights,
+    `get_int4` returns them as stored."""
 
     def __init__(self, model_dir: Path):
         raw = read_config(model_dir)
@@ -134,6 +135,27 @@ class TargetCheckpoint:
         if name not in self._quantized:
             return self.files.nbytes(stored)
         return sum(self.files.nbytes(stored + suffix) for suffix in _INT4_SUFFIXES)
+
+    def is_int4(self, name: str) -> bool:
+        return name in self._quantized
+
+    def get_int4(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An INT4 weight as stored: (weight_packed [out, in / 8] int32, weight_scale [out, in / group_size])."""
+        stored = self._names[name]
+        out_features, in_features = self._int4_shape(stored)
+        packed, scale = self.files.get(stored + ".weight_packed"), self.files.get(stored + ".weight_scale")
+        group = self.quant.group_size
+        if packed.dtype != torch.int32 or tuple(packed.shape) != (out_features, -(-in_features // 8)):
+            raise ValueError(
+                f"{stored}.weight_packed must be int32 {(out_features, -(-in_features // 8))} for weight_shape "
+                f"{(out_features, in_features)}, got {packed.dtype} {tuple(packed.shape)}"
+            )
+        if tuple(scale.shape) != (out_features, in_features // group):
+            raise ValueError(
+                f"{stored}.weight_scale must be {(out_features, in_features // group)} (group_size={group}), "
+                f"got {tuple(scale.shape)}"
+            )
+        return packed, scale
 
     def get(self, name: str) -> torch.Tensor:
         stored = self._names[name]

@@ -2,9 +2,9 @@
 
 ckpt/
   config.json                      architecture, dtype, mapping, target and drafter configs
-  target/rank{N}.safetensors       one rank's target weights (experts stacked per layer), or, when convert wrote
-                                   several shards, rank{N}-00001-of-0000M.safetensors ... and
-                                   rank{N}.safetensors.index.json (HF's sharded-checkpoint index)
+  target/rank{N}.safetensors       one rank's target weights (experts stacked per layer; INT4 ones kept packed),
+                                   or, when convert wrote several shards, rank{N}-00001-of-0000M.safetensors ...
+                                   and rank{N}.safetensors.index.json (HF's sharded-checkpoint index)
   drafter/rank{N}.safetensors      one rank's drafter weights (only its own tensors), sharded the same way
   tokenizer/                       the target's tokenizer files, copied
 """
@@ -44,8 +44,22 @@ class CheckpointConfig:
             "dtype": self.dtype,
             "mapping": Mapping(self.tp_size, 0, self.tp_size).to_dict(),
             "source_quantization": self.source_quantization,
+            "quantization": self.quantization(),
             "target": self.target.to_dict(),
             "drafter": self.drafter.to_dict(),
+        }
+
+    def quantization(self) -> dict | None:
+        """What is quantized in this checkpoint, in TensorRT-LLM's quant_config terms (None: nothing)."""
+        quant = self.target.quantization
+        if quant is None:
+            return None
+        return {
+            "quant_algo": "W4A16",
+            "group_size": quant.group_size,
+            "has_zero_point": False,
+            "format": "compressed-tensors pack-quantized: int32 words of 8 int4 values (value + 8), group scales",
+            "quantized_tensors": "model.layers.*.mlp.experts.{gate,up,down}_proj.weight_{packed,scale}",
         }
 
     @classmethod

@@ -255,14 +255,16 @@ class TargetConfig:
     def to_dict(self) -> dict:
         out = asdict(self)
         out.pop("mapping")
-        out["quantization"] = None  # weights in a converted checkpoint are always dequantized
+        # a converted checkpoint keeps it only when its routed experts stayed INT4 (`models.moe.PackedMoE`)
+        out["quantization"] = asdict(self.quantization) if self.quantization else None
         return out
 
     @classmethod
     def from_dict(cls, data: dict, mapping: Mapping) -> TargetConfig:
         data = dict(data)
         data["rope"] = RopeConfig(**data["rope"])
-        data["quantization"] = QuantConfig(**data["quantization"]) if data.get("quantization") else None
+        quant = data.get("quantization")
+        data["quantization"] = QuantConfig(**{**quant, "ignore": tuple(quant.get("ignore", ()))}) if quant else None
         return cls(**data, mapping=mapping)
 
 

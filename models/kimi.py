@@ -17,6 +17,7 @@ from torch import nn
 
 from models.config import TargetConfig
 from models.layers import GatedMLP, VocabParallelEmbedding, VocabParallelHead
+from models.moe import PackedMoE
 from models.ops import ModelOps
 from models.rope import Rotary
 
@@ -29,7 +30,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = ops.mla(config, layer_idx, ops)
         self.post_attention_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer_idx):
-            self.mlp = ops.moe(config, layer_idx, ops)
+            # a checkpoint whose routed experts stayed INT4 runs them packed, through ops.int4_moe
+            self.mlp = (PackedMoE if config.quantization else ops.moe)(config, layer_idx, ops)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp, ops.fused_projections)
         self.collectives = ops.collectives

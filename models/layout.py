@@ -3,7 +3,8 @@
 Two views of the same weights:
 - `hf_*_specs`: the Hugging Face checkpoint (Kimi K2.x / DeepSeek-V3 names, one tensor per routed expert);
 - `rank_*_shapes`: one rank's converted checkpoint (`rank{N}.safetensors`), routed experts stacked per layer as
-  `...mlp.experts.{gate,up,down}_proj.weight` of shape [n_routed_experts, out, in].
+  `...mlp.experts.{gate,up,down}_proj.weight` of shape [n_routed_experts, out, in], or, kept INT4, as
+  `...weight_packed` [n_routed_experts, out, in / 8] int32 and `...weight_scale` [n_routed_experts, out, in / group].
 
 A spec's `split_dim` is the dimension cut into tp_size equal contiguous pieces (None: replicated on every rank).
 Column-parallel (split_dim 0): q_b_proj / kv_b_proj by head, gate/up by intermediate row, embedding and lm_head by
@@ -129,13 +130,44 @@ def hf_drafter_specs(cfg: DrafterConfig) -> dict[str, TensorSpec]:
     return specs
 
 
+def packed_expert_names(layer: int, projection: str) -> tuple[str, str]:
+    """A converted checkpoint's INT4 routed experts: (`...experts.{proj}.weight_packed`, `...weight_scale`)."""
+    base = stacked_expert_name(layer, projection).removesuffix(".weight")
+    return f"{base}.weight_packed", f"{base}.weight_scale"
+
+
+def packed_expert_shapes(cfg: TargetConfig, projection: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One rank's packed [E, out, in / 8] int32 and scale [E, out, in / group_size] shapes. The row-parallel down
+    projection is cut along its input width, which must hold whole groups on every rank."""
+    group = cfg.quantization.group_size
+    out_features, in_features = expert_spec(cfg, projection).shard_shape(cfg.mapping.tp_size)
+    if in_features % group or group % 8:
+        width = (
+            f"per-rank input width moe_intermediate_size / tp_size = {cfg.moe_intermediate_size} / "
+            f"{cfg.mapping.tp_size} = {in_features}"
+            if projection == "down_proj"
+            else f"input width {in_features}"
+        )
+        raise ValueError(
+            f"INT4 experts: {projection}'s {width} must be a multiple of the group size {group} (itself a multiple "
+            "of 8) so that every rank holds whole groups; choose another tp_size or convert with --dequantize_experts"
+        )
+    experts = cfg.n_routed_experts
+    return (experts, out_features, in_features // 8), (experts, out_features, in_features // group)
+
+
 def rank_target_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
-    """Names and shapes in one rank's converted target checkpoint."""
+    """Names and shapes in one rank's converted target checkpoint (routed experts packed when cfg.quantization)."""
     tp = cfg.mapping.tp_size
     shapes = {name: spec.shard_shape(tp) for name, spec in hf_target_specs(cfg, include_experts=False).items()}
     for i in range(cfg.num_hidden_layers):
-        if cfg.is_moe_layer(i):
-            for proj in EXPERT_PROJECTIONS:
+        if not cfg.is_moe_layer(i):
+            continue
+        for proj in EXPERT_PROJECTIONS:
+            if cfg.quantization:
+                names, packed_shapes = packed_expert_names(i, proj), packed_expert_shapes(cfg, proj)
+                shapes.update(zip(names, packed_shapes))
+            else:
                 shapes[stacked_expert_name(i, proj)] = (cfg.n_routed_experts, *expert_spec(cfg, proj).shard_shape(tp))
     return shapes
 

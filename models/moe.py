@@ -112,3 +112,49 @@ class GroupedMoE(MoE):
         unsorted = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
         routed = scaled.index_select(0, unsorted).view(*ids.shape, -1).sum(dim=1)
         return routed + self.shared_experts(x)
+
+
+class PackedExperts(nn.Module):
+    """One projection of all routed experts kept INT4 (compressed-tensors pack-quantized, W4A16): `weight_packed`
+    [n_experts, out, in / 8] int32 and `weight_scale` [n_experts, out, in / group_size] (bf16 in the checkpoint,
+    the model's dtype once loaded)."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, group_size: int):
+        super().__init__()
+        self.register_buffer("weight_packed", torch.empty(experts, out_features, in_features // 8, dtype=torch.int32))
+        self.register_buffer("weight_scale", torch.empty(experts, out_features, in_features // group_size))
+
+
+class PackedMoE(nn.Module):
+    """The MoE of a checkpoint whose routed experts stayed INT4: routing and the shared expert as in `MoE`, the
+    routed experts through `ops.int4_moe` (the `ddtree::Int4MoE` op: torch reference, ONNX op or GPU kernel), so the
+    packed weights go from the checkpoint to the kernel."""
+
+    def __init__(self, config: TargetConfig, layer_idx: int, ops):
+        super().__init__()
+        experts, hidden = config.n_routed_experts, config.hidden_size
+        width = config.moe_intermediate_size // config.mapping.tp_size
+        self.group_size = config.quantization.group_size
+        self.gate = Router(config)
+        self.experts = nn.ModuleDict(
+            {
+                "gate_proj": PackedExperts(experts, width, hidden, self.group_size),
+                "up_proj": PackedExperts(experts, width, hidden, self.group_size),
+                "down_proj": PackedExperts(experts, hidden, width, self.group_size),
+            }
+        )
+        width = config.shared_intermediate_size // config.mapping.tp_size
+        self.shared_experts = GatedMLP(hidden, width, ops.fused_projections)
+        self.int4_moe = ops.int4_moe
+
+    def prepare_weights(self) -> None:
+        dtype = self.shared_experts.down_proj.weight.dtype
+        for experts in self.experts.values():
+            experts.weight_scale = experts.weight_scale.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)  # [T, k]
+        packed = []
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            packed += [self.experts[name].weight_packed, self.experts[name].weight_scale]
+        return self.int4_moe(x, ids, weights, *packed, self.group_size) + self.shared_experts(x)

@@ -1,9 +1,10 @@
 """The operator forms a rank's modules are built with.
 
 Every choice that depends on the hardware is one field here: which tree attention (the reference, the ONNX op, the
-GPU kernel), which collectives, which MoE (gathered experts or a grouped GEMM), which MLA form, fused or plain
-RMSNorm and rotary, the drafter's attention, fused projections. The rank factory (`runner/factory.py`) makes the
-choices once; modules read them in `__init__`, so no `forward` branches on the device.
+GPU kernel), which collectives, which MoE (gathered experts or a grouped GEMM; for INT4 experts, which Int4MoE), which
+MLA form, fused or plain RMSNorm and rotary, the drafter's attention, fused projections. The rank factory
+(`runner/factory.py`) makes the choices once; modules read them in `__init__`, so no `forward` branches on the
+device.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from models.layers import RMSNorm
 from models.mla import AbsorbedMLA
 from models.moe import MoE
 from models.rope import apply_rotary
+from plugins.int4_moe.reference import int4_moe
 
 
 @dataclass(frozen=True)
@@ -28,3 +30,4 @@ class ModelOps:
     rotary: Callable = apply_rotary  # rope.apply_rotary or triton_ops.fused_rotary
     draft_attention: type = DraftAttention  # DraftAttention (concatenation + key bias) or KernelDraftAttention (GPUs)
     fused_projections: bool = False  # q/k/v and gate/up as one GEMM each (stacked weights)
+    int4_moe: Callable = int4_moe  # routed experts kept INT4 (plugins/int4_moe): reference, ONNX op or GPU kernel

@@ -127,12 +127,14 @@ def cpu_ops(collectives) -> ModelOps:
 
 def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
     """The GPU forms: the Triton TreeAttention and drafter kernels, grouped-GEMM MoE (bf16; the gathered experts
-    otherwise), fused RMSNorm and rotary, the in-place absorbed MLA, q/k/v and gate/up as one GEMM each."""
+    otherwise), the W4A16 grouped kernel for INT4 experts, fused RMSNorm and rotary, the in-place absorbed MLA,
+    q/k/v and gate/up as one GEMM each."""
     from models.dflash import KernelDraftAttention
     from models.layers import FusedRMSNorm
     from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
     from models.moe import GroupedMoE, MoE
     from models.triton_ops import fused_rotary
+    from plugins.int4_moe.kernel import int4_moe_cuda
     from plugins.tree_attention.kernel import tree_attention_cuda
 
     return ModelOps(
@@ -144,6 +146,7 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
         rotary=fused_rotary,
         draft_attention=KernelDraftAttention,
         fused_projections=True,
+        int4_moe=int4_moe_cuda,
     )
 
 
@@ -221,7 +224,7 @@ def build_rank(model, rank: int, options: RankOptions = RankOptions(), spec: Spe
     else:
         ops = model_ops(device, rank_collectives(device, weights, rank, comm, group), target_cfg, dtype)
         target, drafter = weights.models(rank, ops, device)
-        forms = describe_ops(ops)
+        forms = describe_ops(ops, int4_experts=target_cfg.quantization is not None)
         if device.type == "cuda":
             from runner.sessions.cuda_graphs import CudaGraphSession
 
@@ -256,12 +259,12 @@ def local_ranks(model, options: RankOptions = RankOptions(), spec: SpecConfig | 
     return LocalRanks([build_rank(model, rank, options, spec, build, group=group) for rank in range(tp_size)], group)
 
 
-def describe_ops(ops: ModelOps) -> str:
+def describe_ops(ops: ModelOps, int4_experts: bool = False) -> str:
     """The forms a rank runs, in words (printed by the CLI, logged by every rank)."""
     attention = getattr(ops.tree_attention, "__name__", type(ops.tree_attention).__name__)
-    return (
-        f"{attention}, {ops.mla.__name__}, {ops.moe.__name__}, {ops.norm.__name__}, {ops.draft_attention.__name__}"
-        + (", fused projections" if ops.fused_projections else "")
+    moe = f"INT4 experts by {ops.int4_moe.__name__}" if int4_experts else ops.moe.__name__
+    return f"{attention}, {ops.mla.__name__}, {moe}, {ops.norm.__name__}, {ops.draft_attention.__name__}" + (
+        ", fused projections" if ops.fused_projections else ""
     )
 
 

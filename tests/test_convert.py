@@ -38,7 +38,7 @@ def test_shards_concatenate_back(demo_hf, demo_ckpt, tp_size):
 
 
 def test_int4_experts_are_dequantized_exactly(demo_hf, tmp_path):
-    convert(demo_hf / "kimi-k2-tiny-int4", demo_hf / "kimi-k2-tiny-dflash", tmp_path / "c", tp_size=2)
+    convert(demo_hf / "kimi-k2-tiny-int4", demo_hf / "kimi-k2-tiny-dflash", tmp_path / "c", 2, dequantize_experts=True)
     quantized = TargetCheckpoint(demo_hf / "kimi-k2-tiny-int4")
     float_reference = load_file(str(demo_hf / "kimi-k2-tiny" / "model.safetensors"))
     _, rank0, _ = load_rank_weights(tmp_path / "c", 0)

@@ -20,6 +20,7 @@ class OrtSession(EngineSession):
         from onnxruntime_extensions import get_library_path
 
         import plugins.collectives.ort_op  # noqa: F401  (registers ddtree::AllReduce / AllGather)
+        import plugins.int4_moe.ort_op  # noqa: F401  (registers ddtree::Int4MoE)
         import plugins.tree_attention.ort_op  # noqa: F401  (registers ddtree::TreeAttention)
 
         super().__init__(profiles, io)

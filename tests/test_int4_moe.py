@@ -1,0 +1,248 @@
+"""Int4MoE (routed experts kept INT4 from the checkpoint to the kernel): the torch reference against the gathered MoE
+on dequantized weights, the ONNX Runtime op and the exported graph against the reference, the W4A16 Triton kernel
+under the Triton interpreter, convert keeping experts packed, and packed vs dequantized checkpoints end to end.
+
+Tolerances: float32 1e-5 relative; the reference on packed weights equals the dequantized checkpoint's forward
+exactly (the same float32 weights, the same operations).
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from builder import int4
+from builder.convert import convert
+from builder.hf_checkpoint import TargetCheckpoint
+from models.checkpoint import load_rank_weights
+from models.layout import hf_expert_name, packed_expert_names, stacked_expert_name
+from plugins.int4_moe.reference import dequantize_experts, int4_moe
+from tests.conftest import cpu_ranks, mpirun
+from tests.interpreter import run_interpreted
+
+TOLERANCE = 1e-5
+TOKENS = (1, 8, 16, 33, 128, 2048)  # decode, draft block, tree budgets, a prefill chunk, a long prefill
+
+
+def random_experts(experts: int, hidden: int, width: int, group: int, seed: int):
+    """(gate_p, gate_s, up_p, up_s, down_p, down_s) in compressed-tensors' packing, scales bf16 as Kimi ships them."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for out_features, in_features in ((width, hidden), (width, hidden), (hidden, width)):
+        packed, scales = [], []
+        for _ in range(experts):
+            values, scale = int4.quantize(torch.randn(out_features, in_features, generator=gen) * 0.1, group)
+            packed.append(int4.pack(values))
+            scales.append(scale.to(torch.bfloat16))
+        tensors += [torch.stack(packed), torch.stack(scales).float()]
+    return tensors
+
+
+def random_routing(tokens: int, experts: int, k: int, seed: int, everyone: int | None = None):
+    """Distinct experts per token (top-k of random scores), normalised weights; `everyone`: an expert every token
+    chooses."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    if everyone is not None:
+        scores[:, everyone] = 2.0
+    ids = scores.topk(k, dim=-1).indices
+    weights = torch.rand(tokens, k, generator=gen) + 0.1
+    return ids, weights / weights.sum(-1, keepdim=True)
+
+
+def rel(a, b) -> float:
+    a, b = torch.as_tensor(np.asarray(a)).double(), torch.as_tensor(np.asarray(b)).double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_dequantize_matches_compressed_tensors_definition():
+    weight = torch.randn(6, 64)
+    values, scale = int4.quantize(weight, 16)
+    packed = int4.pack(values)
+    expected = int4.dequantize(packed, scale, weight.shape, 16)
+    assert torch.equal(dequantize_experts(packed[None], scale[None], 16)[0], expected)
+
+
+def test_reference_equals_the_gathered_moe_on_dequantized_weights():
+    """The same numbers as `models.moe.MoE` run on the dequantized experts: a packed checkpoint is lossless."""
+    experts, hidden, width, k = 12, 64, 32, 4
+    tensors = random_experts(experts, hidden, width, 8, seed=1)
+    dense = [dequantize_experts(tensors[i], tensors[i + 1], 8) for i in (0, 2, 4)]
+    x = torch.randn(9, hidden)
+    ids, weights = random_routing(9, experts, k, seed=2)
+    gate, up, down = (w.index_select(0, ids.reshape(-1)).view(9, k, *w.shape[1:]) for w in dense)
+    act = torch.nn.functional.silu(torch.einsum("th,tkwh->tkw", x, gate)) * torch.einsum("th,tkwh->tkw", x, up)
+    expected = (torch.einsum("tkw,tkhw->tkh", act, down) * weights[..., None]).sum(1)
+    assert torch.equal(int4_moe(x, ids, weights, *tensors, 8), expected)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 33, 128])
+def test_onnx_runtime_op_matches_reference(tokens):
+    from plugins.int4_moe.ort_op import int4_moe_numpy
+
+    tensors = random_experts(16, 64, 32, 8, seed=tokens)
+    x = torch.randn(tokens, 64)
+    ids, weights = random_routing(tokens, 16, 4, seed=tokens, everyone=5 if tokens > 8 else None)
+    expected = int4_moe(x.double(), ids, weights.double(), *[t if t.dtype == torch.int32 else t.double()
+                                                             for t in tensors], 8)  # fmt: skip
+    got = int4_moe_numpy(x.numpy(), ids.numpy(), weights.numpy(), *[t.numpy() for t in tensors], 8)
+    assert got.dtype == np.float32 and rel(got, expected) < TOLERANCE
+
+
+def test_exported_graph_carries_packed_weights_and_runs_under_onnx_runtime(tmp_path):
+    """`ddtree::Int4MoE` in the graph with the packed experts as int32 initializers, run by ONNX Runtime with the
+    ddtree ops registered: the reference's output."""
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime_extensions import get_library_path
+
+    import plugins.int4_moe.ort_op  # noqa: F401
+    from plugins.int4_moe.onnx_op import export_int4_moe
+
+    tensors = random_experts(8, 64, 32, 8, seed=4)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for i, tensor in enumerate(tensors):
+                self.register_buffer(f"t{i}", tensor)
+
+        def forward(self, x, ids, weights):
+            return export_int4_moe(x, ids, weights, *[getattr(self, f"t{i}") for i in range(6)], 8)
+
+    path = tmp_path / "moe.onnx"
+    x, (ids, weights) = torch.randn(5, 64), random_routing(5, 8, 2, seed=5)
+    torch.onnx.export(Layer(), (x, ids, weights), str(path), dynamo=False, opset_version=18,
+                      input_names=["x", "ids", "weights"], dynamic_axes={"x": {0: "t"}, "ids": {0: "t"},
+                      "weights": {0: "t"}}, custom_opsets={"ddtree": 1})  # fmt: skip
+    graph = onnx.load(str(path)).graph
+    assert [n.op_type for n in graph.node if n.domain == "ddtree"] == ["Int4MoE"]
+    assert sorted(i.data_type for i in graph.initializer) == [onnx.TensorProto.FLOAT] * 3 + [onnx.TensorProto.INT32] * 3
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    for tokens in (1, 33):
+        x, (ids, weights) = torch.randn(tokens, 64), random_routing(tokens, 8, 2, seed=tokens)
+        (got,) = session.run(None, {"x": x.numpy(), "ids": ids.numpy(), "weights": weights.numpy()})
+        assert rel(got, int4_moe(x, ids, weights, *tensors, 8)) < TOLERANCE
+
+
+def test_w4a16_kernel_matches_reference_under_the_interpreter():
+    """The GPU kernel (Triton, run on the CPU by the interpreter) at T in {1, 8, 16, 33, 128, 2048}: random routing
+    with experts no token chose, one expert every token chose, group sizes 8 and 32, K split or not."""
+    script = f"""
+        import torch
+        from plugins.int4_moe import kernel
+        from plugins.int4_moe.kernel import int4_moe_cuda, route
+        from plugins.int4_moe.reference import int4_moe
+        from tests.test_int4_moe import random_experts, random_routing, rel
+        ids = torch.tensor([[3, 1], [3, 0], [3, 1]])
+        order, token, start, count, slot_expert = route(ids, 6)
+        assert count.tolist() == [1, 2, 0, 3, 0, 0] and start.tolist() == [0, 1, 3, 3, 6, 6]
+        assert slot_expert.tolist() == [0, 1, 3, -1, -1, -1] and token.tolist() == [1, 0, 2, 0, 1, 2]
+        worst = 0.0
+        for i, tokens in enumerate({TOKENS!r}):
+            group, hidden = (8, 64) if i % 2 else (32, 128)
+            experts = 24 if tokens > 1 else 64  # at T = 1 most experts go unchosen
+            tensors = random_experts(experts, hidden, 32, group, seed=i)
+            x = torch.randn(tokens, hidden)
+            ids, weights = random_routing(tokens, experts, 4, seed=i, everyone=7 if tokens >= 8 else None)
+            for split in (1, 2):
+                kernel._split_k = lambda programs, hidden, block_k, device, s=split: s
+                out = torch.full((tokens, hidden), float("nan"))
+                int4_moe_cuda(x, ids, weights, *tensors, group, out=out)
+                assert not out.isnan().any(), tokens
+                worst = max(worst, rel(out, int4_moe(x, ids, weights, *tensors, group)))
+        print("worst", worst)
+    """
+    done = run_interpreted(script, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < TOLERANCE
+
+
+def test_convert_keeps_int4_experts_packed(demo_hf, tmp_path):
+    """Each rank holds its slice of the packed words and scales as the checkpoint ships them (gate/up by row,
+    down by whole groups of columns), and the checkpoint's config records the quantization."""
+    source = TargetCheckpoint(demo_hf / "kimi-k2-tiny-int4")
+    config = convert(demo_hf / "kimi-k2-tiny-int4", demo_hf / "kimi-k2-tiny-dflash", tmp_path / "c", 2)
+    group = config.target.quantization.group_size
+    saved = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert saved["quantization"]["quant_algo"] == "W4A16" and saved["quantization"]["group_size"] == group
+    assert saved["source_quantization"] == "int4-pack-quantized"
+    ranks = [load_rank_weights(tmp_path / "c", r)[1] for r in range(2)]
+    for proj, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
+        packed_name, scale_name = packed_expert_names(1, proj)
+        assert stacked_expert_name(1, proj) not in ranks[0]
+        packed = torch.cat([r[packed_name] for r in ranks], dim=dim)
+        scale = torch.cat([r[scale_name] for r in ranks], dim=dim)
+        assert packed.dtype == torch.int32 and scale.dtype == torch.bfloat16
+        for e in range(config.target.n_routed_experts):
+            want_packed, want_scale = source.get_int4(hf_expert_name(1, e, proj))
+            assert torch.equal(packed[e], want_packed) and torch.equal(scale[e], want_scale)
+    dequantized = convert(
+        demo_hf / "kimi-k2-tiny-int4", demo_hf / "kimi-k2-tiny-dflash", tmp_path / "d", 2, dequantize_experts=True
+    )
+    assert dequantized.target.quantization is None
+    experts = [
+        sum(t.numel() * t.element_size() for n, t in load_file(str(root / "target/rank0.safetensors")).items()
+            if ".mlp.experts." in n)
+        for root in (tmp_path / "c", tmp_path / "d")
+    ]  # fmt: skip
+    # float32 experts: 32 bits a weight against 4 bits + a bf16 scale per group of 8 (6 bits a weight)
+    assert experts[0] * 5 < experts[1]
+
+
+def test_a_split_off_group_boundaries_is_refused(demo_hf, tmp_path):
+    with pytest.raises(ValueError, match=r"down_proj's per-rank input width moe_intermediate_size / tp_size = 32 / "
+                       r"8 = 4 must be a multiple of the group size 8 .* --dequantize_experts"):  # fmt: skip
+        convert(demo_hf / "kimi-k2-tiny-int4", demo_hf / "kimi-k2-tiny-dflash", tmp_path / "c", 8)
+    assert not (tmp_path / "c").exists()
+
+
+def test_packed_and_dequantized_checkpoints_generate_the_same_tokens(demo_hf, tmp_path):
+    """The torch reference ranks built from a packed TP-2 checkpoint (PackedMoE through ops.int4_moe) against the
+    same checkpoint dequantized: the same greedy tokens, speculative and autoregressive."""
+    from engines.spec import BuildConfig, SpecConfig
+    from runner.generator import Generator
+
+    packed = convert(demo_hf / "kimi-k2-tiny-int4", demo_hf / "kimi-k2-tiny-dflash", tmp_path / "p", 2)
+    convert(demo_hf / "kimi-k2-tiny-int4", demo_hf / "kimi-k2-tiny-dflash", tmp_path / "d", 2, dequantize_experts=True)
+    assert packed.target.quantization is not None
+    spec, build = SpecConfig(8, 32), BuildConfig(max_input_len=64, max_seq_len=256)
+    outputs = {}
+    for name in ("p", "d"):
+        ranks = cpu_ranks(tmp_path / name, spec, build)
+        if name == "p":
+            assert "INT4 experts by int4_moe" in ranks.lead.description
+        generator = Generator(ranks)
+        outputs[name] = [generator.generate([5, 9, 200, 31], 24).tokens for _ in range(1)]
+        ranks.close()
+    assert outputs["p"] == outputs["d"]
+
+
+def test_packed_engine_runs_under_mpirun_on_every_backend(demo_hf, tmp_path):
+    """A packed INT4 TP-2 checkpoint through build-engine (ONNX with ddtree::Int4MoE, TensorRT-RTX engines with the
+    Int4MoE plugin) and `mpirun -np 2 python -m runner`: ONNX Runtime equals the torch backend token for token, and
+    check_onnx finds ONNX Runtime and torch within tolerance at every profile shape."""
+    from builder.cli import main as build_main
+    from builder.export import custom_ops
+
+    engine, hf = tmp_path / "engine", demo_hf
+    args = ["--model_dir", str(hf / "kimi-k2-tiny-int4"), "--draft_model_dir", str(hf / "kimi-k2-tiny-dflash"),
+            "--tp_size", "2", "--output_dir", str(engine), "--max_input_len", "64", "--max_seq_len", "256"]  # fmt: skip
+    assert build_main(args) == 0
+    assert [op for _, op, attrs in custom_ops(engine / "rank0" / "target.onnx") if op == "Int4MoE"] == ["Int4MoE"] * 3
+    plan = json.loads((engine / "config.json").read_text())
+    assert plan["pretrained_config"]["quantization"]["quant_algo"] == "W4A16"
+    tokens = {}
+    for backend in ("ort", "torch"):
+        result = tmp_path / f"{backend}.json"
+        done = mpirun(2, "-m", "runner", "--engine_dir", str(engine), "--backend", backend, "--input_text",
+                      "Hello world", "--max_output_len", "20", "--output_json", str(result))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        tokens[backend] = json.loads(result.read_text())
+    assert tokens["ort"]["results"][0]["output_ids"] == tokens["torch"]["results"][0]["output_ids"]
+    done = mpirun(2, "-m", "runner.check_onnx", str(engine))
+    assert done.returncode == 0 and "OK:" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
