@@ -136,6 +136,6 @@ def load_rank_weights(root: Path, rank: int) -> tuple[CheckpointConfig, dict, di
             if names is not None and sorted(loaded) != sorted(names):
                 raise ValueError(f"{path} holds {len(loaded)} tensors, its index lists {len(names)} others")
             tensors[role].update(loaded)
-        where = f"{root / role} rank {rank}"
+        where = f"{Path(root) / role} rank {rank}"
         check_tensor_set({k: tuple(v.shape) for k, v in tensors[role].items()}, expected, where)
     return config, tensors["target"], tensors["drafter"]

@@ -28,3 +28,17 @@ def test_gpu_runtime_smoke(tmp_path):
                 assert r["tokens_equal_to_autoregressive"] == r["tokens"] == 24, r
             if r["drafter"] == "oracle":
                 assert r["mean_accept_length"] > 7, r
+
+
+def test_convert_memory_smoke(tmp_path):
+    """The convert benchmark at the tiny model's dimensions: it writes the synthetic INT4 checkpoint, converts it as a
+    user would and reports a peak memory and a read rate."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = tmp_path / "convert_memory.json"
+    done = subprocess.run([sys.executable, "benchmarks/convert_memory.py", str(tmp_path / "work"), "--smoke",
+                           "--tp_size", "2", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["peak_anon_bytes"] > 0 and result["read_gb_per_s"] > 0 and result["model"]["moe_layers"] == 2
+    assert result["runs"][0]["files"] == 4  # target and drafter, one file a rank (the tiny model fits one shard)
