@@ -6,7 +6,8 @@ is 9.5 GB packed; the whole model's 60 would be 570 GB.
     python benchmarks/convert_memory.py WORKDIR [--moe_layers 2] [--tp_size 8] [--max_shard_size 1GiB]
                                         [--repeats 3] [--out benchmarks/results/convert_memory.json] [--smoke]
 
-Writes the checkpoint under WORKDIR (HF-style: one file per layer group, experts in files of 64), then runs
+Writes the checkpoint under WORKDIR (HF-style: one file per layer group, experts in files of 64; kept for the next
+run with the same dimensions), then runs
 `python -m builder.cli convert` --repeats times as a user would, sampling the process's resident memory every 50 ms
 from /proc (VmRSS; RssAnon: what convert allocated; RssFile: safetensors' memory-mapped pages of the source, which
 the kernel can drop). `--smoke` uses the tiny model's dimensions (checks the script).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -128,6 +130,7 @@ class MemorySampler(threading.Thread):
 
 def convert_once(root: Path, tp_size: int, max_shard_size: str) -> dict:
     out = root / "converted"
+    shutil.rmtree(out, ignore_errors=True)  # a --force convert stages beside the old output: twice the disk
     command = [sys.executable, "-m", "builder.cli", "convert", "--model_dir", str(root / "target"),
                "--draft_model_dir", str(root / "drafter"), "--output_dir", str(out), "--tp_size", str(tp_size),
                "--max_shard_size", max_shard_size, "--force"]  # fmt: skip
@@ -159,7 +162,14 @@ def main() -> None:
     args = parser.parse_args()
     target_cfg, drafter_cfg = kimi_configs(args.moe_layers, args.smoke)
     start = time.perf_counter()
-    source = write_checkpoint(args.workdir, target_cfg, drafter_cfg)
+    stamp = args.workdir / "source.json"
+    made = {"target": target_cfg, "drafter": drafter_cfg}
+    if stamp.is_file() and json.loads(stamp.read_text())["configs"] == made:
+        source = json.loads(stamp.read_text())["bytes"]  # the same synthetic checkpoint, written before
+    else:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        source = write_checkpoint(args.workdir, target_cfg, drafter_cfg)
+        stamp.write_text(json.dumps({"configs": made, "bytes": source}))
     print(f"synthetic checkpoint: {source / 1e9:.2f} GB in {time.perf_counter() - start:.0f} s", flush=True)
     cfg = TargetConfig.from_hf(target_cfg)
     group = cfg.quantization.group_size

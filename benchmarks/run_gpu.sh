@@ -8,6 +8,9 @@
 #   e2e       benchmarks/gpu_runtime.py --e2e-only: every mode on the moe, dense and kimi-rank presets
 #   layers    benchmarks/gpu_runtime.py's layer-cost table as well
 #   kernel    benchmarks/tree_attention_gpu.py
+#   int4      benchmarks/int4_moe_gpu.py: the W4A16 MoE kernel at Kimi TP-8 rank dimensions against its byte floor,
+#             torch._grouped_mm in bf16 and dequantize-then-grouped-GEMM; and the packed tiny model through the CLI
+#             on the GPU == the same on the CPU
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
@@ -65,4 +68,22 @@ fi
 if has kernel; then
   python3 benchmarks/tree_attention_gpu.py "$OUT" > "$OUT/kernel.log" 2>&1; echo "kernel rc=$?"
   tail -30 "$OUT/kernel.log"
+fi
+if has int4; then
+  {
+    python3 -m builder.demo_checkpoints /tmp/hf --int4 --force >/dev/null
+    python3 -m builder.demo_checkpoints /tmp/hf --force >/dev/null
+    ARGS="--max_input_len 64 --max_seq_len 512 --no_tensorrt --force"
+    python3 -m builder.cli --model_dir /tmp/hf/kimi-k2-tiny-int4 --draft_model_dir /tmp/hf/kimi-k2-tiny-dflash --tp_size 1 --output_dir /tmp/e4 $ARGS 2>&1 | tail -1
+    RUN="-m runner --backend torch --max_output_len 48 --input_text Hello --input_text The_quick_brown_fox --engine_dir /tmp/e4"
+    mpirun -np 1 python3 $RUN --output_json /tmp/int4_gpu.json 2>&1 | grep -E "^(mode|startup|torch)"
+    CUDA_VISIBLE_DEVICES= mpirun -np 1 python3 $RUN --output_json /tmp/int4_cpu.json 2>&1 | grep "^mode"
+    python3 - <<'PY'
+import json, pathlib
+load = lambda name: [r["output_ids"] for r in json.loads(pathlib.Path(f"/tmp/{name}.json").read_text())["results"]]
+print("packed INT4 tiny greedy, GPU (W4A16 kernel, device loop) == CPU (reference):", load("int4_gpu") == load("int4_cpu"))
+PY
+    python3 benchmarks/int4_moe_gpu.py "$OUT"
+  } > "$OUT/int4.log" 2>&1; echo "int4 rc=$?"
+  tail -12 "$OUT/int4.log"
 fi

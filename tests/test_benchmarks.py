@@ -42,3 +42,20 @@ def test_convert_memory_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["peak_anon_bytes"] > 0 and result["read_gb_per_s"] > 0 and result["model"]["moe_layers"] == 2
     assert result["runs"][0]["files"] == 4  # target and drafter, one file a rank (the tiny model fits one shard)
+
+
+def test_int4_moe_gpu_smoke(tmp_path):
+    """The W4A16 kernel benchmark at tiny dimensions, its kernel run by the Triton interpreter: every row checked
+    against the reference and complete."""
+    from tests.interpreter import run_interpreted
+
+    done = run_interpreted(f"""
+        from benchmarks.int4_moe_gpu import main
+        assert main([{str(tmp_path)!r}, "--smoke", "--repeats", "1", "--tokens", "1,33"]) == 0
+    """)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "int4_moe_gpu.json").read_text())["rows"]
+    assert [(r["routing"], r["tokens"]) for r in rows] == [("random", 1), ("random", 33), ("skewed", 1), ("skewed", 33)]
+    for r in rows:
+        assert r["kernel_relative_error"] < 1e-5 and r["grouped_bf16_relative_error"] < 2e-2
+        assert 0 < r["distinct_experts"] <= 4 * r["tokens"] and r["floor_us"] > 0 and r["layer_us"] > 0
