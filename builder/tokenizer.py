@@ -74,7 +74,9 @@ def generate(prompt, max_new_tokens): return engine.run(prompt) # code, too: for
 """
 
 
-def train_tokenizer(special_base: int):
+def train_tokenizer(special_base: int, corpus=None):
+    """BPE ranks [0, special_base) trained on `corpus` (an iterable of strings; the built-in text when None), then
+    the special block."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -83,15 +85,17 @@ def train_tokenizer(special_base: int):
     trainer = trainers.BpeTrainer(
         vocab_size=special_base, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer)
+    tokenizer.train_from_iterator(CORPUS.splitlines() if corpus is None else corpus, trainer)
     if tokenizer.get_vocab_size() != special_base:
         raise RuntimeError(f"BPE training gave {tokenizer.get_vocab_size()} ranks, expected {special_base}")
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     return tokenizer
 
 
-def write_tokenizer(model_dir: Path, special_base: int, vocab_size: int) -> None:
-    tokenizer = train_tokenizer(special_base)
+def write_tokenizer(model_dir: Path, special_base: int, vocab_size: int, tokenizer=None) -> None:
+    """tokenizer.json (the given `tokenizers.Tokenizer`, or one trained on the built-in text) and
+    tokenizer_config.json with the chat template."""
+    tokenizer = train_tokenizer(special_base) if tokenizer is None else tokenizer
     if tokenizer.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} ids, the model {vocab_size}")
     tokenizer.save(str(Path(model_dir) / "tokenizer.json"))

@@ -28,6 +28,16 @@ def demo_hf(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def stdlib_data(tmp_path_factory) -> Path:
+    """The trained pair's data prepared from this Python's stdlib (`python -m training.data`): tokenizer + tokens."""
+    from training.data import prepare
+
+    out = tmp_path_factory.mktemp("stdlib") / "data"
+    prepare(out, force=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def demo_ckpt(demo_hf, tmp_path_factory):
     """Converted checkpoints by tp_size, made on first use."""
     from builder.convert import convert
