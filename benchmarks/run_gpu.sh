@@ -11,6 +11,7 @@
 #   int4      benchmarks/int4_moe_gpu.py: the W4A16 MoE kernel at Kimi TP-8 rank dimensions against its byte floor,
 #             torch._grouped_mm in bf16 and dequantize-then-grouped-GEMM; and the packed tiny model through the CLI
 #             on the GPU == the same on the CPU
+#   acceptance benchmarks/acceptance.py: the trained pair, every mode, greedy and temperature 1.0, device loop
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
@@ -50,6 +51,10 @@ if pathlib.Path("/tmp/tiny_gpu_tp2.json").exists():
 PY
   } > "$OUT/tiny.log" 2>&1
   cat "$OUT/tiny.log"
+fi
+if has acceptance; then
+  python3 benchmarks/acceptance.py "$OUT" --device cuda > "$OUT/acceptance.log" 2>&1; echo "acceptance rc=$?"
+  tail -16 "$OUT/acceptance.log"
 fi
 if has lossless; then
   python3 benchmarks/gpu_lossless.py "$OUT" > "$OUT/gpu_lossless.log" 2>&1; echo "lossless rc=$?"
