@@ -131,7 +131,8 @@ def test_exported_graph_carries_packed_weights_and_runs_under_onnx_runtime(tmp_p
 
 def test_w4a16_kernel_matches_reference_under_the_interpreter():
     """The GPU kernel (Triton, run on the CPU by the interpreter) at T in {1, 8, 16, 33, 128, 2048}: random routing
-    with experts no token chose, one expert every token chose, group sizes 8 and 32, K split or not."""
+    with experts no token chose, one expert every token chose, group sizes 8 and 32, K split or not, both kernel forms
+    (whole-word tiles, the default, and the first kernels)."""
     script = f"""
         import torch
         from plugins.int4_moe import kernel
@@ -149,10 +150,10 @@ def test_w4a16_kernel_matches_reference_under_the_interpreter():
             tensors = random_experts(experts, hidden, 32, group, seed=i)
             x = torch.randn(tokens, hidden)
             ids, weights = random_routing(tokens, experts, 4, seed=i, everyone=7 if tokens >= 8 else None)
-            for split in (1, 2):
+            for split, word_tiles in ((1, True), (2, True), (1, False), (2, False)):
                 kernel._split_k = lambda programs, hidden, block_k, device, s=split: s
                 out = torch.full((tokens, hidden), float("nan"))
-                int4_moe_cuda(x, ids, weights, *tensors, group, out=out)
+                int4_moe_cuda(x, ids, weights, *tensors, group, out=out, word_tiles=word_tiles)
                 assert not out.isnan().any(), tokens
                 worst = max(worst, rel(out, int4_moe(x, ids, weights, *tensors, group)))
         print("worst", worst)
