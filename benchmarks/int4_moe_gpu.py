@@ -126,8 +126,7 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
 
     forms = {
         "int4_kernel_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP),
-        "int4_kernel_kw32_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP, block_kw=32),
-        "int4_kernel_first_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP, word_tiles=False),
+        "int4_kernel_dot_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP, use_dot=True),
         "layer_us": layer,
         "grouped_mm_bf16_us": lambda: grouped_bf16(gx, ids, weights, dense),
         "dequantize_then_grouped_us": lambda: dequantize_then_grouped(gx, ids, weights, tensors),
@@ -144,8 +143,7 @@ def profile(x, ids, weights, tensors, path: Path, smoke: bool) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
-    for name, kwargs in (("word tiles, 16 words", {}), ("word tiles, 32 words", {"block_kw": 32}),
-                         ("first kernels", {"word_tiles": False})):  # fmt: skip
+    for name, kwargs in (("default form", {}), ("tensor cores (use_dot)", {"use_dot": True})):
         int4_moe_cuda(x, ids, weights, *tensors, GROUP, **kwargs)
         activities = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
         with torch_profile(activities=activities) as prof:
@@ -189,7 +187,7 @@ def main(argv=None) -> int:
                             GROUP)  # fmt: skip
             got = int4_moe_cuda(x, ids, weights, *tensors, GROUP).float()
             error = float((got - want).norm() / want.norm())
-            first = int4_moe_cuda(x, ids, weights, *tensors, GROUP, word_tiles=False).float()
+            first = int4_moe_cuda(x, ids, weights, *tensors, GROUP, use_dot=True).float()
             error = max(error, float((first - want).norm() / want.norm()))
             if error > 1e-2:
                 raise RuntimeError(f"{kind} T={tokens}: kernel relative error {error:.2e} > 1e-2")

@@ -131,8 +131,8 @@ def test_exported_graph_carries_packed_weights_and_runs_under_onnx_runtime(tmp_p
 
 def test_w4a16_kernel_matches_reference_under_the_interpreter():
     """The GPU kernel (Triton, run on the CPU by the interpreter) at T in {1, 8, 16, 33, 128, 2048}: random routing
-    with experts no token chose, one expert every token chose, group sizes 8 and 32, K split or not, both kernel forms
-    (whole-word tiles, the default, and the first kernels)."""
+    with experts no token chose, one expert every token chose, group sizes 8 and 32, K split or not, multiply-add and
+    tensor-core forms; the one-program routing == the torch routing."""
     script = f"""
         import torch
         from plugins.int4_moe import kernel
@@ -143,6 +143,10 @@ def test_w4a16_kernel_matches_reference_under_the_interpreter():
         order, token, start, count, slot_expert = route(ids, 6)
         assert count.tolist() == [1, 2, 0, 3, 0, 0] and start.tolist() == [0, 1, 3, 3, 6, 6]
         assert slot_expert.tolist() == [0, 1, 3, -1, -1, -1] and token.tolist() == [1, 0, 2, 0, 1, 2]
+        for tokens, experts in ((1, 384), (33, 384), (128, 16)):
+            ids, _ = random_routing(tokens, experts, 8 if experts > 16 else 4, seed=tokens)
+            fast, slow = route(ids, experts), kernel._route_torch(ids, experts)
+            assert all(torch.equal(a.long(), b.long()) for a, b in zip(fast, slow)), tokens
         worst = 0.0
         for i, tokens in enumerate({TOKENS!r}):
             group, hidden = (8, 64) if i % 2 else (32, 128)
@@ -150,10 +154,12 @@ def test_w4a16_kernel_matches_reference_under_the_interpreter():
             tensors = random_experts(experts, hidden, 32, group, seed=i)
             x = torch.randn(tokens, hidden)
             ids, weights = random_routing(tokens, experts, 4, seed=i, everyone=7 if tokens >= 8 else None)
-            for split, word_tiles in ((1, True), (2, True), (1, False), (2, False)):
+            # each T in the form it runs in by default (tensor cores from 128 tokens), and T = 16 in both
+            forms = [(1, tokens >= 128), (2, tokens >= 128)] + ([(2, True)] if tokens == 16 else [])
+            for split, use_dot in forms:
                 kernel._split_k = lambda programs, hidden, block_k, device, s=split: s
                 out = torch.full((tokens, hidden), float("nan"))
-                int4_moe_cuda(x, ids, weights, *tensors, group, out=out, word_tiles=word_tiles)
+                int4_moe_cuda(x, ids, weights, *tensors, group, out=out, use_dot=use_dot)
                 assert not out.isnan().any(), tokens
                 worst = max(worst, rel(out, int4_moe(x, ids, weights, *tensors, group)))
         print("worst", worst)

@@ -1,15 +1,18 @@
 """GPU `ddtree::Int4MoE` (Triton): a W4A16 grouped MoE whose chosen experts' packed weights are read once per forward.
 
-The T x top-k (token, expert) pairs are sorted by expert on the device; the experts that were chosen get the first
-slots of a static list (no host sync: the grid is sized from min(experts, pairs), unused slots exit at once), so
-the launch is safe under CUDA-graph capture. Two kernels:
+Three launches, all safe under CUDA-graph capture (static grids sized from the shapes, offsets on the device):
 
-1. gate + up: program (slot, column tile, K split) streams its expert's packed gate and up rows once for all the
-   slot's tokens (in chunks of BLOCK_M rows), unpacks the int4 values and scales them in registers (value - 8, times
-   the group's scale: compressed-tensors' definition), and accumulates both products in float32. A K split writes
-   partial sums that one small reduction adds in a fixed order; silu(gate) * up follows.
-2. down: program (slot, column tile) multiplies the slot's activations by its packed down rows, times each pair's
-   routing weight, into the pair's own row; the k rows of a token are summed in a fixed order (deterministic).
+1. route (one program, up to ROUTE_MAX_PAIRS pairs): the T x top-k (token, expert) pairs sorted by expert (keys
+   expert * P + pair, a bitonic sort), each expert's start and count (a histogram and its running sum), and the chosen
+   experts packed into the first slots of a static list (the others -1). Larger batches (prefill) route with torch ops.
+2. gate + up: program (slot, column tile, K split) streams its expert's packed gate and up rows once for all the
+   slot's pairs: whole int32 words (8 inputs each, compressed-tensors' order) are loaded, unpacked in registers
+   (value - 8, times the group's scale) and multiplied in float32. Few pairs an expert (decode and tree verify):
+   a broadcast multiply-add over BLOCK_M = 2 rows, which keeps the weights in registers; many (prefill): `tl.dot`
+   over 16 rows. A K split writes float32 partial sums.
+3. down: program (slot, column tile) adds the K splits' partial sums, applies silu(gate) * up (rounded to the model's
+   dtype, as the reference does), multiplies by its packed down rows and by each pair's routing weight, into the
+   pair's own row. The k rows of a token are then summed in a fixed order (deterministic; no atomics).
 """
 
 from __future__ import annotations
@@ -17,169 +20,81 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dequantized_tile(
-    packed_ptr, scale_ptr, row_stride, scale_stride, rows, row_ok, offs_k, k_ok, GROUP: tl.constexpr, dtype
-):
-    """[len(rows), len(offs_k)] weights: int4 value (4 bits of word k // 8, minus 8) times the scale of group
-    k // GROUP. Each word is loaded once per value it holds; the repeats come from L1."""
-    mask = row_ok[:, None] & k_ok[None, :]
-    words = tl.load(packed_ptr + rows[:, None] * row_stride + (offs_k // 8)[None, :], mask=mask, other=0)
-    values = ((words >> ((offs_k % 8) * 4)[None, :]) & 0xF) - 8
-    scales = tl.load(scale_ptr + rows[:, None] * scale_stride + (offs_k // GROUP)[None, :], mask=mask, other=0.0)
-    return (values.to(tl.float32) * scales.to(tl.float32)).to(dtype)
+ROUTE_MAX_PAIRS = 1024  # one routing program sorts up to this many (token, expert) pairs
+DOT_MIN_TOKENS = 128  # from this many tokens the GEMMs run on tensor cores (tl.dot); below, multiply-add
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr,
-    token_ptr,
-    slot_expert_ptr,
-    start_ptr,
-    count_ptr,
-    gate_p,
-    gate_s,
-    up_p,
-    up_s,
-    part_ptr,
-    hidden,
-    width,
-    num_pairs,
-    p_stride_e,
-    p_stride_r,
-    s_stride_e,
-    s_stride_r,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    slot, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    expert = tl.load(slot_expert_ptr + slot)
-    if expert < 0:
-        return
-    start = tl.load(start_ptr + expert)
-    count = tl.load(count_ptr + expert)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < width
-    k_begin = split * K_PER_SPLIT
-    dtype = x_ptr.dtype.element_ty
-    for m0 in range(0, count, BLOCK_M):
-        pairs = start + m0 + tl.arange(0, BLOCK_M)
-        pair_ok = pairs < start + count
-        tokens = tl.load(token_ptr + pairs, mask=pair_ok, other=0)
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_begin, k_begin + K_PER_SPLIT, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < hidden
-            a = tl.load(x_ptr + tokens[:, None] * hidden + offs_k[None, :], mask=pair_ok[:, None] & k_ok[None, :])
-            g = _dequantized_tile(
-                gate_p + expert * p_stride_e,
-                gate_s + expert * s_stride_e,
-                p_stride_r,
-                s_stride_r,
-                cols,
-                col_ok,
-                offs_k,
-                k_ok,
-                GROUP,
-                dtype,
-            )
-            u = _dequantized_tile(
-                up_p + expert * p_stride_e,
-                up_s + expert * s_stride_e,
-                p_stride_r,
-                s_stride_r,
-                cols,
-                col_ok,
-                offs_k,
-                k_ok,
-                GROUP,
-                dtype,
-            )
-            acc_gate += tl.dot(a, tl.trans(g), input_precision=PRECISION)
-            acc_up += tl.dot(a, tl.trans(u), input_precision=PRECISION)
-        out = part_ptr + (split * num_pairs + pairs)[:, None] * (2 * width) + cols[None, :]
-        mask = pair_ok[:, None] & col_ok[None, :]
-        tl.store(out, acc_gate, mask=mask)
-        tl.store(out + width, acc_up, mask=mask)
+def _route_kernel(ids_ptr, order_ptr, token_ptr, start_ptr, count_ptr, slot_expert_ptr, pairs, experts, slots,
+                  TOP_K: tl.constexpr, P: tl.constexpr, E: tl.constexpr):  # fmt: skip
+    p = tl.arange(0, P)
+    p_ok = p < pairs
+    # padding pairs take the spare expert bin E - 1 (E > experts) and sort last
+    ids = tl.load(ids_ptr + p, mask=p_ok, other=E - 1).to(tl.int32)
+    keys = tl.sort(ids * P + p)
+    order = keys % P
+    tl.store(order_ptr + p, order.to(tl.int64), mask=p_ok)
+    tl.store(token_ptr + p, (order // TOP_K).to(tl.int32), mask=p_ok)
+    counts = tl.histogram(ids, E)  # [E]; the padding lands in bin E - 1
+    e = tl.arange(0, E)
+    e_ok = e < experts
+    counts = tl.where(e_ok, counts, 0)
+    tl.store(count_ptr + e, counts, mask=e_ok)
+    tl.store(start_ptr + e, tl.cumsum(counts, 0) - counts, mask=e_ok)
+    chosen = counts > 0
+    slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    s = tl.arange(0, E)
+    tl.store(slot_expert_ptr + s, tl.full((E,), -1, tl.int32), mask=s < slots)
+    tl.debug_barrier()  # the -1 fill lands before the chosen experts' ids
+    tl.store(slot_expert_ptr + slot, e.to(tl.int32), mask=chosen & (slot < slots))
 
 
-@triton.jit
-def _down_kernel(
-    act_ptr,
-    order_ptr,
-    pair_weight_ptr,
-    slot_expert_ptr,
-    start_ptr,
-    count_ptr,
-    down_p,
-    down_s,
-    out_ptr,
-    hidden,
-    width,
-    p_stride_e,
-    p_stride_r,
-    s_stride_e,
-    s_stride_r,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    slot, tile = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(slot_expert_ptr + slot)
-    if expert < 0:
-        return
-    start = tl.load(start_ptr + expert)
-    count = tl.load(count_ptr + expert)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
-    dtype = act_ptr.dtype.element_ty
-    for m0 in range(0, count, BLOCK_M):
-        pairs = start + m0 + tl.arange(0, BLOCK_M)
-        pair_ok = pairs < start + count
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, width, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < width
-            a = tl.load(act_ptr + pairs[:, None] * width + offs_k[None, :], mask=pair_ok[:, None] & k_ok[None, :])
-            d = _dequantized_tile(
-                down_p + expert * p_stride_e,
-                down_s + expert * s_stride_e,
-                p_stride_r,
-                s_stride_r,
-                cols,
-                col_ok,
-                offs_k,
-                k_ok,
-                GROUP,
-                dtype,
-            )
-            acc += tl.dot(a, tl.trans(d), input_precision=PRECISION)
-        source = tl.load(order_ptr + pairs, mask=pair_ok, other=0)  # the pair's row in [T * k] order
-        scale = tl.load(pair_weight_ptr + source, mask=pair_ok, other=0.0)
-        tl.store(
-            out_ptr + source[:, None] * hidden + cols[None, :],
-            acc * scale[:, None],
-            mask=pair_ok[:, None] & col_ok[None, :],
-        )
+def route(expert_ids: torch.Tensor, num_experts: int):
+    """(order, token of each sorted pair, start and count of each expert, slot -> expert or -1): device work only."""
+    flat = expert_ids.reshape(-1)
+    pairs = flat.numel()
+    slots = min(num_experts, pairs)
+    if pairs > ROUTE_MAX_PAIRS:
+        return _route_torch(expert_ids, num_experts)
+    device = flat.device
+    order = torch.empty(pairs, dtype=torch.int64, device=device)
+    token = torch.empty(pairs, dtype=torch.int32, device=device)
+    start = torch.empty(num_experts, dtype=torch.int32, device=device)
+    count = torch.empty(num_experts, dtype=torch.int32, device=device)
+    slot_expert = torch.empty(slots, dtype=torch.int32, device=device)
+    span = triton.next_power_of_2(num_experts + 1)
+    _route_kernel[(1,)](flat.contiguous(), order, token, start, count, slot_expert, pairs, num_experts, slots,
+                        TOP_K=expert_ids.shape[-1], P=max(16, triton.next_power_of_2(pairs)), E=span,
+                        num_warps=8)  # fmt: skip
+    return order, token, start, count, slot_expert
+
+
+def _route_torch(expert_ids: torch.Tensor, num_experts: int):
+    flat = expert_ids.reshape(-1)
+    pairs = flat.numel()
+    order = flat.argsort(stable=True)
+    token = (order // expert_ids.shape[1]).to(torch.int32)
+    count = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    count.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    start = (count.cumsum(0) - count).to(torch.int32)
+    chosen = count > 0
+    slots = min(num_experts, pairs)
+    # the chosen experts' slot numbers in expert order; the others write to one spare slot past the end
+    slot = torch.where(chosen, chosen.cumsum(0) - 1, torch.full_like(flat[:1], slots).expand(num_experts))
+    slot_expert = torch.full((slots + 1,), -1, dtype=torch.int32, device=flat.device)
+    experts = torch.arange(num_experts, dtype=torch.int32, device=flat.device)
+    slot_expert.scatter_(0, slot, torch.where(chosen, experts, -1))
+    return order, token, start, count, slot_expert[:slots].contiguous()
 
 
 @triton.jit
 def _word_tile(packed_ptr, scale_ptr, row_stride, scale_stride, rows, row_ok, word0, words, groups,
-               BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GROUP: tl.constexpr, dtype):  # fmt: skip
-    """[BLOCK_N, BLOCK_KW * 8] weights from BLOCK_KW consecutive int32 words of each row (one coalesced load a word;
-    value j of word w is input 8 w + j, compressed-tensors' order), times the scale of each group of GROUP inputs."""
+               BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """[BLOCK_N, BLOCK_KW * 8] float32 weights from BLOCK_KW consecutive int32 words of each row (one coalesced load
+    a word; value j of word w is input 8 w + j), times the scale of each group of GROUP inputs."""
     BLOCK_K: tl.constexpr = BLOCK_KW * 8
     GROUPS: tl.constexpr = BLOCK_K // GROUP
     offs_w = word0 + tl.arange(0, BLOCK_KW)
@@ -190,15 +105,24 @@ def _word_tile(packed_ptr, scale_ptr, row_stride, scale_stride, rows, row_ok, wo
     g_mask = row_ok[:, None] & (offs_g < groups)[None, :]
     scales = tl.load(scale_ptr + rows[:, None] * scale_stride + offs_g[None, :], mask=g_mask, other=0.0)
     grouped = tl.reshape(values.to(tl.float32), (BLOCK_N, GROUPS, GROUP)) * scales.to(tl.float32)[:, :, None]
-    return tl.reshape(grouped, (BLOCK_N, BLOCK_K)).to(dtype)
+    return tl.reshape(grouped, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
-def _gate_up_words_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, gate_p, gate_s, up_p, up_s,
-                          part_ptr, hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r,
-                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                          K_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    """`_gate_up_kernel` with coalesced word loads (`_word_tile`): BLOCK_KW words = BLOCK_KW * 8 inputs a step."""
+def _product(a, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """a [M, K] (float32) times w [N, K] (float32, weights) transposed -> [M, N] float32. USE_DOT: tensor cores on
+    operands rounded to the activations' dtype (done by the caller); else a multiply-add in float32 registers."""
+    if USE_DOT:
+        return tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    else:
+        return tl.sum(a[:, None, :] * w[None, :, :], axis=2)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, gate_p, gate_s, up_p, up_s, part_ptr,
+                    hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r, GROUP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                    USE_DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     slot, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(slot_expert_ptr + slot)
     if expert < 0:
@@ -224,11 +148,17 @@ def _gate_up_words_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_pt
             a = tl.load(x_ptr + tokens[:, None] * hidden + offs_k[None, :],
                         mask=pair_ok[:, None] & (offs_k < hidden)[None, :], other=0.0)  # fmt: skip
             g = _word_tile(gate_p, gate_s, p_stride_r, s_stride_r, cols, col_ok, k0 // 8, words, groups,
-                           BLOCK_N, BLOCK_KW, GROUP, dtype)  # fmt: skip
+                           BLOCK_N, BLOCK_KW, GROUP)  # fmt: skip
             u = _word_tile(up_p, up_s, p_stride_r, s_stride_r, cols, col_ok, k0 // 8, words, groups,
-                           BLOCK_N, BLOCK_KW, GROUP, dtype)  # fmt: skip
-            acc_gate += tl.dot(a, tl.trans(g), input_precision=PRECISION)
-            acc_up += tl.dot(a, tl.trans(u), input_precision=PRECISION)
+                           BLOCK_N, BLOCK_KW, GROUP)  # fmt: skip
+            if USE_DOT:
+                acc_gate += _product(a, g.to(dtype), USE_DOT, PRECISION)
+                acc_up += _product(a, u.to(dtype), USE_DOT, PRECISION)
+            else:
+                # the weights rounded to the model's dtype first, as the reference's dequantized weights are
+                a = a.to(tl.float32)
+                acc_gate += _product(a, g.to(dtype).to(tl.float32), USE_DOT, PRECISION)
+                acc_up += _product(a, u.to(dtype).to(tl.float32), USE_DOT, PRECISION)
         out = part_ptr + (split * num_pairs + pairs)[:, None] * (2 * width) + cols[None, :]
         mask = pair_ok[:, None] & col_ok[None, :]
         tl.store(out, acc_gate, mask=mask)
@@ -236,11 +166,10 @@ def _gate_up_words_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_pt
 
 
 @triton.jit
-def _down_words_kernel(act_ptr, order_ptr, pair_weight_ptr, slot_expert_ptr, start_ptr, count_ptr, down_p, down_s,
-                       out_ptr, hidden, width, p_stride_e, p_stride_r, s_stride_e, s_stride_r, GROUP: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                       PRECISION: tl.constexpr):  # fmt: skip
-    """`_down_kernel` with coalesced word loads."""
+def _down_kernel(part_ptr, splits, order_ptr, pair_weight_ptr, slot_expert_ptr, start_ptr, count_ptr, down_p, down_s,
+                 out_ptr, hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r,
+                 ACT_DTYPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_KW: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     slot, tile = tl.program_id(0), tl.program_id(1)
     expert = tl.load(slot_expert_ptr + slot)
     if expert < 0:
@@ -250,7 +179,6 @@ def _down_words_kernel(act_ptr, order_ptr, pair_weight_ptr, slot_expert_ptr, sta
     count = tl.load(count_ptr + expert)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
-    dtype = act_ptr.dtype.element_ty
     words, groups = width // 8, width // GROUP
     down_p, down_s = down_p + expert * p_stride_e, down_s + expert * s_stride_e
     for m0 in range(0, count, BLOCK_M):
@@ -259,34 +187,24 @@ def _down_words_kernel(act_ptr, order_ptr, pair_weight_ptr, slot_expert_ptr, sta
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, width, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(act_ptr + pairs[:, None] * width + offs_k[None, :],
-                        mask=pair_ok[:, None] & (offs_k < width)[None, :], other=0.0)  # fmt: skip
+            mask = pair_ok[:, None] & (offs_k < width)[None, :]
+            gate = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for s in range(0, splits):  # the K splits' partial sums, in a fixed order
+                row = part_ptr + (s * num_pairs + pairs)[:, None] * (2 * width) + offs_k[None, :]
+                gate += tl.load(row, mask=mask, other=0.0)
+                up += tl.load(row + width, mask=mask, other=0.0)
+            act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE)  # silu(gate) * up in the model's dtype
             d = _word_tile(down_p, down_s, p_stride_r, s_stride_r, cols, col_ok, k0 // 8, words, groups,
-                           BLOCK_N, BLOCK_KW, GROUP, dtype)  # fmt: skip
-            acc += tl.dot(a, tl.trans(d), input_precision=PRECISION)
-        source = tl.load(order_ptr + pairs, mask=pair_ok, other=0)
+                           BLOCK_N, BLOCK_KW, GROUP)  # fmt: skip
+            if USE_DOT:
+                acc += _product(act, d.to(ACT_DTYPE), USE_DOT, PRECISION)
+            else:
+                acc += _product(act.to(tl.float32), d.to(ACT_DTYPE).to(tl.float32), USE_DOT, PRECISION)
+        source = tl.load(order_ptr + pairs, mask=pair_ok, other=0)  # the pair's row in [T * k] order
         scale = tl.load(pair_weight_ptr + source, mask=pair_ok, other=0.0)
         tl.store(out_ptr + source[:, None] * hidden + cols[None, :], acc * scale[:, None],
                  mask=pair_ok[:, None] & col_ok[None, :])  # fmt: skip
-
-
-def route(expert_ids: torch.Tensor, num_experts: int):
-    """(order, token of each sorted pair, start and count of each expert, slot -> expert or -1): device ops only."""
-    flat = expert_ids.reshape(-1)
-    pairs = flat.numel()
-    order = flat.argsort(stable=True)
-    token = (order // expert_ids.shape[1]).to(torch.int32)
-    count = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    count.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    start = (count.cumsum(0) - count).to(torch.int32)
-    chosen = count > 0
-    slots = min(num_experts, pairs)
-    # the chosen experts' slot numbers in expert order; the others write to one spare slot past the end
-    slot = torch.where(chosen, chosen.cumsum(0) - 1, torch.full_like(flat[:1], slots).expand(num_experts))
-    slot_expert = torch.full((slots + 1,), -1, dtype=torch.int32, device=flat.device)
-    experts = torch.arange(num_experts, dtype=torch.int32, device=flat.device)
-    slot_expert.scatter_(0, slot, torch.where(chosen, experts, -1))
-    return order, token, start, count, slot_expert[:slots].contiguous()
 
 
 def _split_k(programs: int, hidden: int, block_k: int, device: torch.device) -> int:
@@ -296,6 +214,9 @@ def _split_k(programs: int, hidden: int, block_k: int, device: torch.device) -> 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     steps = triton.cdiv(hidden, block_k)
     return max(1, min(steps, 8, triton.cdiv(2 * sms, max(programs, 1))))
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def int4_moe_cuda(
@@ -311,123 +232,44 @@ def int4_moe_cuda(
     group_size: int,
     out: torch.Tensor | None = None,
     stream: torch.cuda.Stream | None = None,
-    block_m: int = 16,
-    word_tiles: bool = True,
-    block_kw: int = 16,
+    use_dot: bool | None = None,
 ) -> torch.Tensor:
     """The contract of `reference.int4_moe`; runs on any device Triton runs on (the interpreter included).
-    word_tiles: the kernels that load whole int32 words (`_word_tile`, BLOCK_KW words a step); False: the first
-    kernels, which load each word once per value it holds (kept to compare)."""
+    use_dot: tensor cores (None: from DOT_MIN_TOKENS tokens)."""
     tokens, hidden = x.shape
     experts, width, _ = gate_packed.shape
     if group_size % 8 or hidden % group_size or width % group_size:
         raise ValueError(f"Int4MoE needs group_size % 8 == 0 dividing hidden={hidden} and width={width}")
+    use_dot = tokens >= DOT_MIN_TOKENS if use_dot is None else use_dot
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         x = x.contiguous()
         order, token, start, count, slot_expert = route(expert_ids, experts)
-        pairs = expert_ids.numel()
-        slots = slot_expert.numel()
+        pairs, slots = expert_ids.numel(), slot_expert.numel()
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
-        if word_tiles:
-            result = _launch_word_tiles(x, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed,
-                                        down_scale, group_size, order, token, start, count, slot_expert, block_m,
-                                        block_kw, precision)  # fmt: skip
-            if out is None:
-                return result
-            return out.copy_(result)
-        block_k = max(group_size, 64)
-        block_n = 32 if tokens <= 64 else 64
+        block_m = 16 if use_dot else 2
+        block_kw = max(16 if use_dot else 8, group_size // 8)
+        block_k = 8 * block_kw
+        block_n = 64 if use_dot else 32
         tiles = triton.cdiv(width, block_n)
         split = _split_k(slots * tiles, hidden, block_k, x.device)
         k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
         split = triton.cdiv(hidden, k_per_split)
         part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
         _gate_up_kernel[(slots, tiles, split)](
-            x,
-            token,
-            slot_expert,
-            start,
-            count,
-            gate_packed,
-            gate_scale,
-            up_packed,
-            up_scale,
-            part,
-            hidden,
-            width,
-            pairs,
-            gate_packed.stride(0),
-            gate_packed.stride(1),
-            gate_scale.stride(0),
-            gate_scale.stride(1),
-            GROUP=group_size,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            K_PER_SPLIT=k_per_split,
-            PRECISION=precision,
-        )
-        summed = part.sum(dim=0) if split > 1 else part[0]
-        act = (F.silu(summed[:, :width]) * summed[:, width:]).to(x.dtype)  # [pairs, width], sorted order
+            x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width,
+            pairs, gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1),
+            GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, K_PER_SPLIT=k_per_split,
+            USE_DOT=use_dot, PRECISION=precision,
+        )  # fmt: skip
         routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+        down_kw = max(group_size // 8, 2 if use_dot else 1, min(8, triton.next_power_of_2(triton.cdiv(width, 8))))
         down_n = 64
+        weights = expert_weights.reshape(-1).to(torch.float32).contiguous()  # no copy when already so
         _down_kernel[(slots, triton.cdiv(hidden, down_n))](
-            act,
-            order,
-            expert_weights.reshape(-1).to(torch.float32).contiguous(),
-            slot_expert,
-            start,
-            count,
-            down_packed,
-            down_scale,
-            routed,
-            hidden,
-            width,
-            down_packed.stride(0),
-            down_packed.stride(1),
-            down_scale.stride(0),
-            down_scale.stride(1),
-            GROUP=group_size,
-            BLOCK_M=block_m,
-            BLOCK_N=down_n,
-            BLOCK_K=max(group_size, 32),
-            PRECISION=precision,
-        )
-        result = routed.view(tokens, -1, hidden).sum(dim=1).to(x.dtype)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
-
-
-def _launch_word_tiles(x, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-                       group_size, order, token, start, count, slot_expert, block_m, block_kw, precision):  # fmt: skip
-    tokens, hidden = x.shape
-    width = gate_packed.shape[1]
-    pairs, slots = order.numel(), slot_expert.numel()
-    block_kw = max(block_kw, group_size // 8)
-    block_k = 8 * block_kw
-    block_n = 32 if tokens <= 64 else 64
-    tiles = triton.cdiv(width, block_n)
-    split = _split_k(slots * tiles, hidden, block_k, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
-    split = triton.cdiv(hidden, k_per_split)
-    part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
-    _gate_up_words_kernel[(slots, tiles, split)](
-        x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width, pairs,
-        gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1),
-        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, K_PER_SPLIT=k_per_split,
-        PRECISION=precision,
-    )  # fmt: skip
-    summed = part.sum(dim=0) if split > 1 else part[0]
-    act = (F.silu(summed[:, :width]) * summed[:, width:]).to(x.dtype)  # [pairs, width], sorted order
-    routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    down_kw = max(group_size // 8, min(32, triton.next_power_of_2(triton.cdiv(width, 8))))
-    down_n = 64
-    _down_words_kernel[(slots, triton.cdiv(hidden, down_n))](
-        act, order, expert_weights.reshape(-1).to(torch.float32).contiguous(), slot_expert, start, count,
-        down_packed, down_scale, routed, hidden, width, down_packed.stride(0), down_packed.stride(1),
-        down_scale.stride(0), down_scale.stride(1), GROUP=group_size, BLOCK_M=block_m, BLOCK_N=down_n,
-        BLOCK_KW=down_kw, PRECISION=precision,
-    )  # fmt: skip
-    return routed.view(tokens, -1, hidden).sum(dim=1).to(x.dtype)
+            part, split, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width,
+            pairs, down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
+            ACT_DTYPE=_TL_DTYPES[x.dtype], GROUP=group_size, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_KW=down_kw,
+            USE_DOT=use_dot, PRECISION=precision,
+        )  # fmt: skip
+        result = routed.view(tokens, -1, hidden).sum(dim=1)
+        return result.to(x.dtype) if out is None else out.copy_(result)
