@@ -44,13 +44,19 @@ serve: $(STAMP) $(TRITON_STAMP)
 	$(PY) -m runner.serving.triton_repo --engine_dir $(ENGINE) --output_dir out/triton/repo --force
 	$(PY) -m runner.serving.triton_server --triton_venv $(TRITON_VENV) --model_repository out/triton/repo
 
+# The trained pair (trained/: a small Kimi K2.x-architecture target and its DFlash drafter, trained on Python's
+# standard library) -> TP-8 engines -> DDTree under mpirun, then the same prompts autoregressively for comparison.
+DEMO_PROMPTS := --input_text "def binary_search(items, target):" --input_text "class LRUCache:" \
+	--input_text "def read_config(path):"
 demo: $(STAMP)
-	$(PY) -m builder.demo_checkpoints $(DEMO)/hf --force
-	$(VENV)/bin/build-engine --model_dir $(DEMO)/hf/kimi-k2-tiny --draft_model_dir $(DEMO)/hf/kimi-k2-tiny-dflash \
-		--tp_size $(TP) --output_dir $(ENGINE) --max_input_len 128 --max_seq_len 512 --ddtree_budget 32 --force
+	$(VENV)/bin/build-engine --model_dir trained/kimi-k2-py --draft_model_dir trained/kimi-k2-py-dflash \
+		--tp_size $(TP) --output_dir $(ENGINE) --max_input_len 128 --max_seq_len 512 --ddtree_budget 32 \
+		--dtype float32 --force
 	$(VENV)/bin/build-engine inspect $(ENGINE) | head -12
-	$(MPIRUN) -np $(NP) $(PY) -m runner --engine_dir $(ENGINE) --backend ort --streaming --max_output_len 48 \
-		--input_text "Speculative decoding drafts a block of tokens" --input_text "Hello world! How are you today?"
+	$(MPIRUN) -np $(NP) $(PY) -m runner --engine_dir $(ENGINE) --backend ort --streaming --max_output_len 96 $(DEMO_PROMPTS)
+	@echo "--- the same prompts, autoregressive (no drafter): the baseline DDTree's speed is measured against ---"
+	$(MPIRUN) -np $(NP) $(PY) -m runner --engine_dir $(ENGINE) --backend ort --max_output_len 96 --autoregressive \
+		$(DEMO_PROMPTS) | grep -E '^(mode|\[stats)'
 
 clean:
 	rm -rf out $(ENGINE)

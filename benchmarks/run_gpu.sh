@@ -88,7 +88,7 @@ import json, pathlib
 load = lambda name: [r["output_ids"] for r in json.loads(pathlib.Path(f"/tmp/{name}.json").read_text())["results"]]
 print("packed INT4 tiny greedy, GPU (W4A16 kernel, device loop) == CPU (reference):", load("int4_gpu") == load("int4_cpu"))
 PY
-    python3 benchmarks/int4_moe_gpu.py "$OUT"
+    python3 benchmarks/int4_moe_gpu.py "$OUT" --profile
   } > "$OUT/int4.log" 2>&1; echo "int4 rc=$?"
   tail -12 "$OUT/int4.log"
 fi
