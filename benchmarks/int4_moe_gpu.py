@@ -35,7 +35,7 @@ from benchmarks.common import environment, graph_time_us, measure_ceilings  # no
 from models.config import QuantConfig  # noqa: E402
 from models.mapping import Mapping  # noqa: E402
 from models.presets import kimi_k2  # noqa: E402
-from plugins.int4_moe.kernel import int4_moe_cuda  # noqa: E402
+from plugins.int4_moe.kernel import DEFAULT_TUNING, Tuning, int4_moe_cuda  # noqa: E402
 from plugins.int4_moe.reference import dequantize_experts, int4_moe  # noqa: E402
 
 GROUP = 32
@@ -115,18 +115,18 @@ def dequantize_then_grouped(x, ids, weights, tensors):
     return torch.zeros_like(x).index_add_(0, order // ids.shape[1], scaled)
 
 
-def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke: bool, repeats: int) -> dict:
+def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke: bool, repeats: int,
+               tuning: Tuning) -> dict:  # fmt: skip
     """Median time of each form (microseconds)."""
 
     def layer():
         torch.sigmoid(F.linear(x.float(), router.float()))  # the router's cost (its choice is `ids`)
-        routed = int4_moe_cuda(x, ids, weights, *tensors, GROUP)
+        routed = int4_moe_cuda(x, ids, weights, *tensors, GROUP, tuning=tuning)
         gate, up = F.linear(x, shared[0]).chunk(2, dim=-1)
         return routed + F.linear(F.silu(gate) * up, shared[1])
 
     forms = {
-        "int4_kernel_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP),
-        "int4_kernel_dot_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP, use_dot=True),
+        "int4_kernel_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP, tuning=tuning),
         "layer_us": layer,
         "grouped_mm_bf16_us": lambda: grouped_bf16(gx, ids, weights, dense),
         "dequantize_then_grouped_us": lambda: dequantize_then_grouped(gx, ids, weights, tensors),
@@ -136,6 +136,33 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
     }
 
 
+def sweep_tunings(tensors, config, device, dtype, smoke: bool):
+    """Times every launch shape of a small grid at T = 1 and 33 (random routing); the best by the geometric mean."""
+    import itertools
+    import math
+
+    experts, hidden, k = config.n_routed_experts, config.hidden_size, config.num_experts_per_tok
+    gen = torch.Generator().manual_seed(11)
+    cases = []
+    for tokens in (1, 33):
+        ids, weights = routing("random", tokens, experts, k, gen)
+        cases.append((torch.randn(tokens, hidden, generator=gen).to(device, dtype), ids.to(device), weights.to(device)))
+    grid = [Tuning(g, d, kw, per_sm, warps) for g, d, kw, per_sm, warps in
+            itertools.product((32, 64, 128), (64, 128, 256), (8, 16), (2, 8), (4, 8))]  # fmt: skip
+    if smoke:
+        grid = grid[:2]
+    results = []
+    for tuning in grid:
+        times = [graph_time_us(lambda c=c, t=tuning: int4_moe_cuda(*c, *tensors, GROUP, tuning=t), device, smoke)
+                 for c in cases]  # fmt: skip
+        results.append(
+            {**vars(tuning), "T1_us": times[0], "T33_us": times[1], "geomean_us": math.sqrt(times[0] * times[1])}
+        )
+        print(json.dumps(results[-1]), flush=True)
+    best = min(results, key=lambda r: r["geomean_us"])
+    return Tuning(**{f: best[f] for f in vars(DEFAULT_TUNING)}), sorted(results, key=lambda r: r["geomean_us"])
+
+
 def profile(x, ids, weights, tensors, path: Path, smoke: bool) -> None:
     """Device time of each kernel the forms launch (20 calls each), as torch.profiler's table."""
     from torch.profiler import ProfilerActivity
@@ -143,7 +170,8 @@ def profile(x, ids, weights, tensors, path: Path, smoke: bool) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
-    for name, kwargs in (("default form", {}), ("tensor cores (use_dot)", {"use_dot": True})):
+    for name, kwargs in (("default launch shapes", {}), ("gate 32 columns, down 128, 8 warps",
+                                                          {"tuning": Tuning(32, 128, 8, 2, 8)})):  # fmt: skip
         int4_moe_cuda(x, ids, weights, *tensors, GROUP, **kwargs)
         activities = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
         with torch_profile(activities=activities) as prof:
@@ -163,6 +191,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also each kernel's share (torch.profiler) at T 1, 33")
+    what = "first time launch shapes at T 1 and 33 (random routing); the table uses the best"
+    parser.add_argument("--sweep", action="store_true", help=what)
     args = parser.parse_args(argv)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
@@ -177,6 +207,10 @@ def main(argv=None) -> int:
     ceilings = measure_ceilings(smoke)
     expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2  # packed + bf16 scales
     fixed_bytes = 3 * hidden * width * 2 + experts * hidden * 2  # shared expert + router, bf16
+    tuning, sweep = DEFAULT_TUNING, []
+    if args.sweep:
+        tuning, sweep = sweep_tunings(tensors, config, device, dtype, smoke)
+        print("tuning", tuning, flush=True)
     rows = []
     for kind in ("random", "skewed"):
         for tokens in [int(t) for t in args.tokens.split(",")]:
@@ -187,14 +221,15 @@ def main(argv=None) -> int:
                             GROUP)  # fmt: skip
             got = int4_moe_cuda(x, ids, weights, *tensors, GROUP).float()
             error = float((got - want).norm() / want.norm())
-            first = int4_moe_cuda(x, ids, weights, *tensors, GROUP, use_dot=True).float()
-            error = max(error, float((first - want).norm() / want.norm()))
+            tuned = int4_moe_cuda(x, ids, weights, *tensors, GROUP, tuning=tuning).float()
+            error = max(error, float((tuned - want).norm() / want.norm()))
             if error > 1e-2:
                 raise RuntimeError(f"{kind} T={tokens}: kernel relative error {error:.2e} > 1e-2")
             gx = x.to(grouped_dtype)
             grouped_error = float((grouped_bf16(gx, ids, weights, dense).float() - want).norm() / want.norm())
 
-            times = time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke, args.repeats)
+            times = time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke, args.repeats,
+                               tuning)  # fmt: skip
             distinct = int(ids.unique().numel())
             floor_bytes = distinct * expert_bytes + fixed_bytes
             floor_us = floor_bytes / ceilings["copy_Bps"] * 1e6
@@ -208,7 +243,7 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(smoke), "command": " ".join(sys.argv), "ceilings": ceilings,
               "dims": {"hidden": hidden, "experts": experts, "width": width, "top_k": k, "group": GROUP},
-              "rows": rows}  # fmt: skip
+              "tuning": vars(tuning), "sweep": sweep, "rows": rows}  # fmt: skip
     (args.out_dir / "int4_moe_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

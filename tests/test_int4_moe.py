@@ -131,8 +131,8 @@ def test_exported_graph_carries_packed_weights_and_runs_under_onnx_runtime(tmp_p
 
 def test_w4a16_kernel_matches_reference_under_the_interpreter():
     """The GPU kernel (Triton, run on the CPU by the interpreter) at T in {1, 8, 16, 33, 128, 2048}: random routing
-    with experts no token chose, one expert every token chose, group sizes 8 and 32, K split or not, multiply-add and
-    tensor-core forms; the one-program routing == the torch routing."""
+    with experts no token chose, one expert every token chose, group sizes 8 and 32, K split or not, two launch
+    shapes; the one-program routing == the torch routing."""
     script = f"""
         import torch
         from plugins.int4_moe import kernel
@@ -154,12 +154,10 @@ def test_w4a16_kernel_matches_reference_under_the_interpreter():
             tensors = random_experts(experts, hidden, 32, group, seed=i)
             x = torch.randn(tokens, hidden)
             ids, weights = random_routing(tokens, experts, 4, seed=i, everyone=7 if tokens >= 8 else None)
-            # each T in the form it runs in by default (tensor cores from 128 tokens), and T = 16 in both
-            forms = [(1, tokens >= 128), (2, tokens >= 128)] + ([(2, True)] if tokens == 16 else [])
-            for split, use_dot in forms:
-                kernel._split_k = lambda programs, hidden, block_k, device, s=split: s
+            for split, tuning in ((1, kernel.DEFAULT_TUNING), (2, kernel.Tuning(32, 128, 2, 8, 8))):
+                kernel._split_k = lambda programs, hidden, block_k, device, per_sm, s=split: s
                 out = torch.full((tokens, hidden), float("nan"))
-                int4_moe_cuda(x, ids, weights, *tensors, group, out=out, use_dot=use_dot)
+                int4_moe_cuda(x, ids, weights, *tensors, group, out=out, tuning=tuning)
                 assert not out.isnan().any(), tokens
                 worst = max(worst, rel(out, int4_moe(x, ids, weights, *tensors, group)))
         print("worst", worst)

@@ -7,9 +7,9 @@ Three launches, all safe under CUDA-graph capture (static grids sized from the s
    experts packed into the first slots of a static list (the others -1). Larger batches (prefill) route with torch ops.
 2. gate + up: program (slot, column tile, K split) streams its expert's packed gate and up rows once for all the
    slot's pairs: whole int32 words (8 inputs each, compressed-tensors' order) are loaded, unpacked in registers
-   (value - 8, times the group's scale) and multiplied in float32. Few pairs an expert (decode and tree verify):
-   a broadcast multiply-add over BLOCK_M = 2 rows, which keeps the weights in registers; many (prefill): `tl.dot`
-   over 16 rows. A K split writes float32 partial sums.
+   (value - 8, times the group's scale, rounded to the model's dtype) and multiplied on tensor cores (`tl.dot`, 16
+   rows; a float32 multiply-add over 2 rows measured 2.7-3.5x slower on one H200). A K split writes float32 partial
+   sums.
 3. down: program (slot, column tile) adds the K splits' partial sums, applies silu(gate) * up (rounded to the model's
    dtype, as the reference does), multiplies by its packed down rows and by each pair's routing weight, into the
    pair's own row. The k rows of a token are then summed in a fixed order (deterministic; no atomics).
@@ -18,13 +18,28 @@ Three launches, all safe under CUDA-graph capture (static grids sized from the s
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 ROUTE_MAX_PAIRS = 1024  # one routing program sorts up to this many (token, expert) pairs
-DOT_MIN_TOKENS = 128  # from this many tokens the GEMMs run on tensor cores (tl.dot); below, multiply-add
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Launch shapes (`benchmarks/int4_moe_gpu.py --sweep` times the choices): columns a gate/up program and a down
+    program compute, input words a down step reads, programs per SM the K split aims for, warps a program."""
+
+    gate_n: int = 64
+    down_n: int = 64
+    down_kw: int = 8
+    programs_per_sm: int = 2
+    num_warps: int = 4
+
+
+DEFAULT_TUNING = Tuning()
 
 
 @triton.jit
@@ -109,20 +124,10 @@ def _word_tile(packed_ptr, scale_ptr, row_stride, scale_stride, rows, row_ok, wo
 
 
 @triton.jit
-def _product(a, w, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """a [M, K] (float32) times w [N, K] (float32, weights) transposed -> [M, N] float32. USE_DOT: tensor cores on
-    operands rounded to the activations' dtype (done by the caller); else a multiply-add in float32 registers."""
-    if USE_DOT:
-        return tl.dot(a, tl.trans(w), input_precision=PRECISION)
-    else:
-        return tl.sum(a[:, None, :] * w[None, :, :], axis=2)
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, gate_p, gate_s, up_p, up_s, part_ptr,
                     hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r, GROUP: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                    USE_DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                    PRECISION: tl.constexpr):  # fmt: skip
     slot, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(slot_expert_ptr + slot)
     if expert < 0:
@@ -151,14 +156,8 @@ def _gate_up_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, gat
                            BLOCK_N, BLOCK_KW, GROUP)  # fmt: skip
             u = _word_tile(up_p, up_s, p_stride_r, s_stride_r, cols, col_ok, k0 // 8, words, groups,
                            BLOCK_N, BLOCK_KW, GROUP)  # fmt: skip
-            if USE_DOT:
-                acc_gate += _product(a, g.to(dtype), USE_DOT, PRECISION)
-                acc_up += _product(a, u.to(dtype), USE_DOT, PRECISION)
-            else:
-                # the weights rounded to the model's dtype first, as the reference's dequantized weights are
-                a = a.to(tl.float32)
-                acc_gate += _product(a, g.to(dtype).to(tl.float32), USE_DOT, PRECISION)
-                acc_up += _product(a, u.to(dtype).to(tl.float32), USE_DOT, PRECISION)
+            acc_gate += tl.dot(a, tl.trans(g.to(dtype)), input_precision=PRECISION)
+            acc_up += tl.dot(a, tl.trans(u.to(dtype)), input_precision=PRECISION)
         out = part_ptr + (split * num_pairs + pairs)[:, None] * (2 * width) + cols[None, :]
         mask = pair_ok[:, None] & col_ok[None, :]
         tl.store(out, acc_gate, mask=mask)
@@ -169,7 +168,7 @@ def _gate_up_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, gat
 def _down_kernel(part_ptr, splits, order_ptr, pair_weight_ptr, slot_expert_ptr, start_ptr, count_ptr, down_p, down_s,
                  out_ptr, hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r,
                  ACT_DTYPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_KW: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                 BLOCK_KW: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     slot, tile = tl.program_id(0), tl.program_id(1)
     expert = tl.load(slot_expert_ptr + slot)
     if expert < 0:
@@ -197,23 +196,20 @@ def _down_kernel(part_ptr, splits, order_ptr, pair_weight_ptr, slot_expert_ptr, 
             act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE)  # silu(gate) * up in the model's dtype
             d = _word_tile(down_p, down_s, p_stride_r, s_stride_r, cols, col_ok, k0 // 8, words, groups,
                            BLOCK_N, BLOCK_KW, GROUP)  # fmt: skip
-            if USE_DOT:
-                acc += _product(act, d.to(ACT_DTYPE), USE_DOT, PRECISION)
-            else:
-                acc += _product(act.to(tl.float32), d.to(ACT_DTYPE).to(tl.float32), USE_DOT, PRECISION)
+            acc += tl.dot(act, tl.trans(d.to(ACT_DTYPE)), input_precision=PRECISION)
         source = tl.load(order_ptr + pairs, mask=pair_ok, other=0)  # the pair's row in [T * k] order
         scale = tl.load(pair_weight_ptr + source, mask=pair_ok, other=0.0)
         tl.store(out_ptr + source[:, None] * hidden + cols[None, :], acc * scale[:, None],
                  mask=pair_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
-def _split_k(programs: int, hidden: int, block_k: int, device: torch.device) -> int:
-    """K splits so that small batches still fill the GPU (about two programs per SM), in whole BLOCK_K steps."""
+def _split_k(programs: int, hidden: int, block_k: int, device: torch.device, per_sm: int = 2) -> int:
+    """K splits so that small batches still fill the GPU (about `per_sm` programs per SM), in whole BLOCK_K steps."""
     if device.type != "cuda":
         return 1 if hidden <= block_k else 2
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     steps = triton.cdiv(hidden, block_k)
-    return max(1, min(steps, 8, triton.cdiv(2 * sms, max(programs, 1))))
+    return max(1, min(steps, 8, triton.cdiv(per_sm * sms, max(programs, 1))))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -232,26 +228,22 @@ def int4_moe_cuda(
     group_size: int,
     out: torch.Tensor | None = None,
     stream: torch.cuda.Stream | None = None,
-    use_dot: bool | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> torch.Tensor:
-    """The contract of `reference.int4_moe`; runs on any device Triton runs on (the interpreter included).
-    use_dot: tensor cores (None: from DOT_MIN_TOKENS tokens)."""
+    """The contract of `reference.int4_moe`; runs on any device Triton runs on (the interpreter included)."""
     tokens, hidden = x.shape
     experts, width, _ = gate_packed.shape
     if group_size % 8 or hidden % group_size or width % group_size:
         raise ValueError(f"Int4MoE needs group_size % 8 == 0 dividing hidden={hidden} and width={width}")
-    use_dot = tokens >= DOT_MIN_TOKENS if use_dot is None else use_dot
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         x = x.contiguous()
         order, token, start, count, slot_expert = route(expert_ids, experts)
         pairs, slots = expert_ids.numel(), slot_expert.numel()
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
-        block_m = 16 if use_dot else 2
-        block_kw = max(16 if use_dot else 8, group_size // 8)
-        block_k = 8 * block_kw
-        block_n = 64 if use_dot else 32
+        block_m, block_kw = 16, max(16, group_size // 8)
+        block_k, block_n = 8 * block_kw, tuning.gate_n
         tiles = triton.cdiv(width, block_n)
-        split = _split_k(slots * tiles, hidden, block_k, x.device)
+        split = _split_k(slots * tiles, hidden, block_k, x.device, tuning.programs_per_sm)
         k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
         split = triton.cdiv(hidden, k_per_split)
         part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
@@ -259,17 +251,17 @@ def int4_moe_cuda(
             x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width,
             pairs, gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1),
             GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, K_PER_SPLIT=k_per_split,
-            USE_DOT=use_dot, PRECISION=precision,
+            PRECISION=precision, num_warps=tuning.num_warps,
         )  # fmt: skip
         routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-        down_kw = max(group_size // 8, 2 if use_dot else 1, min(8, triton.next_power_of_2(triton.cdiv(width, 8))))
-        down_n = 64
+        down_kw = max(group_size // 8, 2, min(tuning.down_kw, triton.next_power_of_2(triton.cdiv(width, 8))))
+        down_n = tuning.down_n
         weights = expert_weights.reshape(-1).to(torch.float32).contiguous()  # no copy when already so
         _down_kernel[(slots, triton.cdiv(hidden, down_n))](
             part, split, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width,
             pairs, down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
             ACT_DTYPE=_TL_DTYPES[x.dtype], GROUP=group_size, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_KW=down_kw,
-            USE_DOT=use_dot, PRECISION=precision,
+            PRECISION=precision, num_warps=tuning.num_warps,
         )  # fmt: skip
         result = routed.view(tokens, -1, hidden).sum(dim=1)
         return result.to(x.dtype) if out is None else out.copy_(result)
