@@ -33,12 +33,13 @@ class Tuning:
     program compute, input words a down step reads, programs per SM the K split aims for, warps a program."""
 
     gate_n: int = 64
-    down_n: int = 64
+    down_n: int = 256
     down_kw: int = 8
-    programs_per_sm: int = 2
+    programs_per_sm: int = 8
     num_warps: int = 4
 
 
+# the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
 DEFAULT_TUNING = Tuning()
 
 
