@@ -16,8 +16,10 @@ from runner.generator import Generator
 
 PROMPTS, TOKENS = 8, 32
 # mean acceptance length (tokens a step emits) on the first 8 held-out prompts, 32 greedy tokens each, float32 on the
-# CPU, recorded when the pair was committed; the band allows for other CPUs' float rounding flipping a near tie
-RECORDED = {"chain": 2.46, "ddtree32": 3.37}
+# CPU, recorded when the pair was committed; the band allows for other CPUs' float rounding flipping a near tie.
+# Committing the tree's first rows' taps instead of the accepted rows' (a drafter-context bug that stays lossless)
+# was tried: DDTree 32 fell to 2.856, outside the band.
+RECORDED = {"chain": 2.785, "ddtree32": 3.714}
 BAND = 0.3
 
 
@@ -46,7 +48,7 @@ def test_trained_pair_acceptance_is_pinned_and_lossless(pair_ckpt):
         assert tokens == expected, f"{name}: greedy speculative output differs from autoregressive"
     for name, value in measured.items():
         assert abs(value - RECORDED[name]) <= BAND, f"{name}: mean acceptance {value:.3f}, recorded {RECORDED[name]}"
-    assert measured["ddtree32"] >= 1.3 * measured["chain"], measured  # the tree's gain over the chain holds
+    assert measured["ddtree32"] >= 1.2 * measured["chain"], measured  # the tree beats the chain (1.33x recorded)
 
 
 def test_committed_pair_is_within_the_size_limit():
