@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--draws", type=int, default=20000, help="requests a side (at most)")
     parser.add_argument("--seconds", type=float, default=170.0, help="time a side (at most)")
-    parser.add_argument("--broken_draws", type=int, default=2000)
+    parser.add_argument("--broken_draws", type=int, default=3000)
+    parser.add_argument("--broken_seconds", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true", help="the CPU, few draws: checks the script")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
             try:
                 broken_ranks = ranks(False)
                 joint, third, accepted, seconds = draw(broken_ranks, prompt, temperature, args.broken_draws,
-                                                       args.seconds, False, 2 * 10**6)  # fmt: skip
+                                                       args.broken_seconds, False, 2 * 10**6)  # fmt: skip
                 broken_ranks.close()
             finally:
                 DeviceLoop._choose = real
