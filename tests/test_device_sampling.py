@@ -76,3 +76,20 @@ def test_the_noise_is_uniform_and_uncorrelated():
     b = counter_uniform(tensor(7, torch.int64), tensor(4, torch.int64), 100, 5000).flatten().numpy()
     assert 0 < a.min() and a.max() < 1 and kstest(a, "uniform").pvalue > LEVEL
     assert abs(np.corrcoef(a, b)[0, 1]) < 0.01
+
+
+def test_uniforms_stay_strictly_inside_the_unit_interval():
+    """The extreme hashes map inside (0, 1) in float32: a uniform of 1.0 makes the Gumbel noise infinite, and a token
+    outside the top-k (score -inf) then wins a draw (-inf + inf is NaN, which argmax takes)."""
+    from runner.device.sampling import bits_to_uniform
+
+    extremes = bits_to_uniform(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=torch.int64))
+    assert extremes.dtype == torch.float32 and 0 < extremes.min() and extremes.max() < 1
+
+
+def test_top_k_never_leaks_over_a_large_vocabulary():
+    """20000 draws over 4096 tokens, top-k 8: every draw among the 8 (with 24-bit uniforms, about 5 draws fell
+    outside: one uniform in 2^24 rounded to 1.0)."""
+    logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(1))
+    counts = draw(1.0, 8, 1.0, seed=3, logits=logits)
+    assert counts[logits[0].topk(8).indices].sum() == DRAWS

@@ -36,8 +36,14 @@ def counter_uniform(seed: torch.Tensor, counter: torch.Tensor, rows: int, column
     row = torch.arange(rows, device=device, dtype=torch.int64)[:, None]
     column = torch.arange(columns, device=device, dtype=torch.int64)[None, :]
     key = _mix32(_mix32(_mix32(seed.reshape(1, 1)) ^ counter.reshape(1, 1)) ^ row)
-    bits = _mix32(key ^ column)
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: never 0, never 1
+    return bits_to_uniform(_mix32(key ^ column))
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 uniforms strictly inside (0, 1): the top 23 bits, centred in their cell. (24 bits
+    were one too many: the last cell's centre, 1 - 2^-25, rounds to 1.0 in float32, where the Gumbel noise is
+    infinite; about one draw in 4000 over a 4096-token vocabulary then took a token outside the top-k.)"""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def filtered_scores(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
