@@ -42,10 +42,12 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
 
 
 def preset_ranks(weights: PresetWeights, setup: Setup, spec: SpecConfig, device_loop: bool,
-                 autoregressive: bool = False, probes: Probes | None = None) -> Generator:  # fmt: skip
-    """One rank of a preset through the rank factory (the CLI's path), and rank 0's generator over it."""
+                 autoregressive: bool = False, probes: Probes | None = None,
+                 limits: BuildConfig = BUILD) -> Generator:  # fmt: skip
+    """One rank of a preset through the rank factory (the CLI's path), and rank 0's generator over it; `limits`:
+    the prompt and sequence lengths the ranks are built for (their caches' capacity)."""
     options = RankOptions("torch", setup.device.type, device_loop, autoregressive, probes)
-    build = BuildConfig(BUILD.max_input_len, BUILD.max_seq_len, dtype=str(setup.dtype).removeprefix("torch."))
+    build = BuildConfig(limits.max_input_len, limits.max_seq_len, dtype=str(setup.dtype).removeprefix("torch."))
     return Generator(local_ranks(weights, options, spec, build), autoregressive)
 
 

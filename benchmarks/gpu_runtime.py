@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import (
+    BUILD,
     Setup,
     add_setup_args,
     environment,
@@ -38,7 +39,7 @@ from benchmarks.common import (
     preset_ranks,
     tree_mask,
 )
-from engines.spec import SpecConfig
+from engines.spec import BuildConfig, SpecConfig
 from models.kimi import DecoderLayer
 from models.layout import rank_target_shapes
 from models.moe import MoE
@@ -144,6 +145,7 @@ class ModelRun:
     prompt: list[int]
     new_tokens: int
     continuation: list[int] | None = None
+    limits: BuildConfig = BUILD  # prompt and sequence lengths the ranks are built for
 
 
 def end_to_end(setup: Setup, models, new_tokens: int, save=None) -> list[dict]:
@@ -193,7 +195,8 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
     oracle = torch.tensor(run.continuation) if drafter == "oracle" else None
     events = not setup.smoke
     generator = preset_ranks(run.weights, setup, spec, device_loop, autoregressive,
-                             Probes(oracle=oracle if device_loop else None, record_events=events))  # fmt: skip
+                             Probes(oracle=oracle if device_loop else None, record_events=events),
+                             run.limits)  # fmt: skip
     host_oracle = drafter == "oracle" and not device_loop
     if host_oracle:  # the host loop's oracle wraps the ranks (benchmarks/oracle_drafter.py)
         from benchmarks.oracle_drafter import OracleDraftRanks
@@ -257,7 +260,7 @@ def gpu_gaps(generator, device_loop: bool, steps: int) -> tuple[float, float | N
 def phase_split(run: ModelRun, setup: Setup, spec: SpecConfig, oracle) -> dict:
     """Milliseconds per phase (median over the steps of one request) with one graph per phase."""
     probes = Probes(oracle=oracle, split_phases=True, record_events=True)
-    generator = preset_ranks(run.weights, setup, spec, True, probes=probes)
+    generator = preset_ranks(run.weights, setup, spec, True, probes=probes, limits=run.limits)
     generator.warm_up()
     events_of(generator).clear()
     generator.generate(run.prompt, run.new_tokens)

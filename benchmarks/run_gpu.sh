@@ -12,6 +12,8 @@
 #             torch._grouped_mm in bf16 and dequantize-then-grouped-GEMM; and the packed tiny model through the CLI
 #             on the GPU == the same on the CPU
 #   acceptance benchmarks/acceptance.py: the trained pair, every mode, greedy and temperature 1.0, device loop
+#   rank      benchmarks/kimi_rank_int4.py: a whole Kimi K2.x TP-8 rank with INT4 experts (memory, 1k and 32k context)
+#   sampling  benchmarks/sampling_lossless_gpu.py: chi-square tests of sampled DDTree on the device loop
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
@@ -55,6 +57,14 @@ fi
 if has acceptance; then
   python3 benchmarks/acceptance.py "$OUT" --device cuda > "$OUT/acceptance.log" 2>&1; echo "acceptance rc=$?"
   tail -16 "$OUT/acceptance.log"
+fi
+if has rank; then
+  python3 benchmarks/kimi_rank_int4.py "$OUT" > "$OUT/kimi_rank_int4.log" 2>&1; echo "rank rc=$?"
+  tail -22 "$OUT/kimi_rank_int4.log"
+fi
+if has sampling; then
+  python3 benchmarks/sampling_lossless_gpu.py "$OUT" > "$OUT/sampling_lossless_gpu.log" 2>&1; echo "sampling rc=$?"
+  tail -6 "$OUT/sampling_lossless_gpu.log"
 fi
 if has lossless; then
   python3 benchmarks/gpu_lossless.py "$OUT" > "$OUT/gpu_lossless.log" 2>&1; echo "lossless rc=$?"

@@ -8,6 +8,8 @@ Kimi-architecture models that run whole on one GPU. Benchmarks, tests and the ra
                every MLP dense at the per-rank width 18432 / 8 = 2304, which at one token reads the bytes of the
                shared expert plus 8 routed experts of width 2048 / 8 (the rank's 384 experts in bf16 would take
                254 GB)
+    kimi-rank-int4  one TP-8 rank of kimi-k2 as it really runs: the dense first layer and 60 MoE layers with the
+               rank's slice of all 384 experts kept INT4 (W4A16, groups of 32: 71 GB), alone on one GPU
     moe        hidden 2048, 8 layers (1 dense), 16 heads, MLA 1536/512/64, 64 experts of width 768, top-8, vocab 32768
     dense      the same with every layer dense
 
@@ -18,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from models.config import DrafterConfig, RopeConfig, TargetConfig
+from models.config import DrafterConfig, QuantConfig, RopeConfig, TargetConfig
 from models.mapping import Mapping
 
 KIMI_ROPE = RopeConfig("yarn", 50000.0, 64.0, 4096, 32.0, 1.0, 1.0, 1.0)
-PRESETS = ("kimi-k2", "kimi-rank", "moe", "dense")
+PRESETS = ("kimi-k2", "kimi-rank", "kimi-rank-int4", "moe", "dense")
 
 
 @dataclass(frozen=True)
@@ -79,21 +81,24 @@ def kimi_k2_dflash(target: TargetConfig) -> DrafterConfig:
 def preset(name: str, smoke: bool = False) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"preset must be one of {PRESETS}, got {name!r}")
-    if name in ("kimi-k2", "kimi-rank"):
-        target = kimi_k2(8 if name == "kimi-rank" else 1)
+    if name in ("kimi-k2", "kimi-rank", "kimi-rank-int4"):
+        rank = name != "kimi-k2"
+        target = kimi_k2(8 if rank else 1)
         if smoke:
             target = replace(target, hidden_size=64, intermediate_size=256, num_hidden_layers=4, vocab_size=1024,
                              q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                              num_attention_heads=16, n_routed_experts=16, moe_intermediate_size=64,
-                             mapping=Mapping(2, 0, 2) if name == "kimi-rank" else target.mapping)  # fmt: skip
+                             mapping=Mapping(2, 0, 2) if rank else target.mapping)  # fmt: skip
         if name == "kimi-rank":
             target = replace(target, first_k_dense_replace=target.num_hidden_layers)
+        if name == "kimi-rank-int4":
+            target = replace(target, quantization=QuantConfig(group_size=32))
         drafter = kimi_k2_dflash(target)
         if smoke:
             drafter = replace(drafter, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                               target_layer_ids=(1, 2))  # fmt: skip
-        return Preset(name, target, drafter, standalone_rank=name == "kimi-rank")
+        return Preset(name, target, drafter, standalone_rank=rank)
     if smoke:
         hidden, layers, heads, experts, width, vocab, q_lora, kv_lora, rope = 64, 4, 4, 8, 32, 512, 32, 32, 16
     else:

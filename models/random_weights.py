@@ -14,6 +14,11 @@ def random_weight(
     def normal():
         return torch.randn(shape, generator=gen, device=device)
 
+    if name.endswith("weight_packed"):  # INT4 experts: random words (values -8..7, std ~4.6 before the scale)
+        return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=gen, device=device)
+    if name.endswith("weight_scale"):  # one scale a group of 32 inputs (Kimi's): std ~ 1 / sqrt(fan-in) dequantized
+        fan_in = shape[-1] * 32
+        return torch.full(shape, 1.0 / (4.6 * fan_in**0.5), device=device).to(dtype)
     if name.endswith("e_score_correction_bias"):
         value = (torch.rand(shape, generator=gen, device=device) - 0.5) * 0.2
     elif len(shape) == 1:  # RMSNorm weights

@@ -59,3 +59,17 @@ def test_int4_moe_gpu_smoke(tmp_path):
     for r in rows:
         assert r["kernel_relative_error"] < 1e-5 and r["grouped_bf16_relative_error"] < 2e-2
         assert 0 < r["distinct_experts"] <= 4 * r["tokens"] and r["floor_us"] > 0 and r["layer_us"] > 0
+
+
+def test_kimi_rank_int4_smoke(tmp_path):
+    """The whole-rank INT4 benchmark at tiny shapes: packed experts through the factory, every mode at one context,
+    every generation equal to the autoregressive one, the memory block written."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "benchmarks/kimi_rank_int4.py", str(tmp_path), "--smoke", "--repeats", "1",
+                           "--contexts", "40"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "kimi_rank_int4.json").read_text())
+    assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == 9
+    for r in result["rows"]:
+        assert "INT4 experts" in r["ranks"] and r["tokens_equal_to_autoregressive"] == r["tokens"] == 16, r

@@ -1,0 +1,108 @@
+"""A whole Kimi K2.x TP-8 rank with its INT4 experts, on one GPU: memory, then end to end at long context.
+
+    PYTHONPATH=. python3 benchmarks/kimi_rank_int4.py OUT_DIR [--contexts 1024,32768] [--new-tokens 128]
+    PYTHONPATH=. python3 benchmarks/kimi_rank_int4.py OUT_DIR --smoke      (tiny shapes on the CPU: checks the script)
+
+The "kimi-rank-int4" preset (`models/presets.py`): 61 layers, the dense first layer and 60 MoE layers with the rank's
+slice of all 384 experts kept INT4 (W4A16, groups of 32) and run by the W4A16 kernel, per-rank MLA (8 heads), the
+vocab-parallel head's shard, and the DFlash drafter's rank share, built in memory through the rank factory with
+random weights (no files), ranks built for a 131072-token sequence (the latent cache of every layer). Reported:
+the bytes of the weights and of the caches, and peak GPU memory. Then, for each context length (a random prompt of
+that many tokens, prefilled for real): autoregressive decoding vs DFlash chain vs DDTree 8/16/32, with the random
+drafter and with an oracle drafter (probes: every stage runs, then the logits follow the autoregressive
+continuation), on the device loop; decode tokens/s (median of --repeats), mean acceptance, the per-phase split and
+the verify-to-decode cost ratio. One GPU holds one rank: there is no all-reduce in these numbers.
+Writes OUT_DIR/kimi_rank_int4.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import Setup, add_setup_args, environment
+from benchmarks.gpu_runtime import SPEC_MODES, ModelRun, request_row
+from engines.spec import BuildConfig, SpecConfig
+from runner.factory import PresetWeights
+
+SEQUENCE = 131072
+
+
+def module_bytes(module) -> int:
+    tensors = {id(t): t for t in list(module.parameters()) + list(module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--contexts", default=None, help="prompt lengths (default 1024,32768; smoke 40,100)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens a request (default 128; smoke 16)")
+    add_setup_args(parser)
+    args = parser.parse_args(argv)
+    setup = Setup.from_args(args)
+    contexts = [int(c) for c in (args.contexts or ("40,100" if setup.smoke else "1024,32768")).split(",")]
+    new_tokens = args.new_tokens or (16 if setup.smoke else 128)
+    sequence = 512 if setup.smoke else SEQUENCE
+    limits = BuildConfig(max_input_len=max(contexts), max_seq_len=sequence)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    info = {**environment(setup.smoke), "command": " ".join(sys.argv), "sequence": sequence, "rows": []}
+
+    def save() -> None:
+        info["seconds"] = round(time.time() - started, 1)
+        (args.out_dir / "kimi_rank_int4.json").write_text(json.dumps(info, indent=1) + "\n")
+
+    weights = PresetWeights("kimi-rank-int4", setup.dtype, seed=3, smoke=setup.smoke)
+    target_cfg, _ = weights.rank_configs(0)
+    shard = target_cfg.vocab_size // target_cfg.mapping.tp_size
+    with torch.no_grad():
+        for context in contexts:
+            prompt = torch.randint(0, shard - 2, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+            run = ModelRun("kimi-rank-int4", weights, prompt, new_tokens, limits=limits)
+            ar = request_row(run, setup, "autoregressive (device loop)", "-", SpecConfig(8, 32), device_loop=True)
+            run.continuation = ar.pop("tokens_list")
+            if "memory" not in info:  # the first ranks built: weights, caches and the peak so far
+                lead = weights._built[next(iter(weights._built))]
+                cache = SEQUENCE * target_cfg.num_hidden_layers * target_cfg.latent_dim * setup.dtype.itemsize
+                info["memory"] = {
+                    "target_weight_bytes": module_bytes(lead[0]), "drafter_weight_bytes": module_bytes(lead[1]),
+                    "latent_cache_bytes": cache if not setup.smoke else None,
+                    "peak_allocated_bytes": torch.cuda.max_memory_allocated() if not setup.smoke else None,
+                    "device_total_bytes": torch.cuda.get_device_properties(0).total_memory if not setup.smoke else None,
+                }  # fmt: skip
+                print("memory", info["memory"], flush=True)
+            rows = [{**ar, "context": context}]
+            for drafter in ("random", "oracle"):
+                for mode, spec in SPEC_MODES:
+                    row = request_row(run, setup, f"{mode} (device loop)", drafter, spec, device_loop=True)
+                    row.pop("tokens_list", None)
+                    rows.append({**row, "context": context})
+            decode_ms = ar.get("step_ms") or (1e3 / ar["tokens_per_s"] if ar["tokens_per_s"] else None)
+            for row in rows:
+                row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
+                verify = (row.get("phase_ms") or {}).get("verify")
+                row["verify_over_decode"] = verify / decode_ms if verify and decode_ms else None
+            info["rows"] += rows
+            if not setup.smoke:
+                info["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            save()
+    print("\n| context | mode | drafter | decode tokens/s | speed-up | accept | draft / tree / verify / accept (ms) "
+          "| verify / decode |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for r in info["rows"]:
+        phases = r.get("phase_ms")
+        split = " / ".join(f"{phases[p]:.2f}" for p in ("draft", "tree", "verify", "accept")) if phases else "-"
+        ratio = f"{r['verify_over_decode']:.2f}" if r.get("verify_over_decode") else "-"
+        print(f"| {r['context']} | {r['mode']} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+              f"{r['mean_accept_length']:.2f} | {split} | {ratio} |")  # fmt: skip
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
