@@ -52,9 +52,11 @@ def export_rank(checkpoint_dir: Path, rank: int, profiles: dict[str, Profile], o
     import onnx
 
     from models.checkpoint import load_checkpoint_config
+    from models.moe import moe_form
 
-    tp_size = load_checkpoint_config(checkpoint_dir).tp_size
-    ops = ModelOps(export_tree_attention, ExportCollectives(tp_size), int4_moe=export_int4_moe)
+    checkpoint = load_checkpoint_config(checkpoint_dir)
+    moe = moe_form(checkpoint.rank_configs(rank)[0])  # the CPU form: TensorRT and ONNX Runtime run these graphs
+    ops = ModelOps(export_tree_attention, ExportCollectives(checkpoint.tp_size), moe=moe, int4_moe=export_int4_moe)
     config, target, drafter = load_rank_models(checkpoint_dir, rank, ops)
     target_cfg, drafter_cfg = config.rank_configs(rank)
     dtype = next(target.parameters()).dtype

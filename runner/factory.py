@@ -118,11 +118,13 @@ def default_backend() -> str:
     return "trt" if torch.cuda.is_available() else "ort"
 
 
-def cpu_ops(collectives) -> ModelOps:
-    """The reference forms (CPUs): the torch TreeAttention, gathered MoE, plain norms, one linear per weight."""
+def cpu_ops(collectives, target_cfg=None) -> ModelOps:
+    """The reference forms (CPUs): the torch TreeAttention, plain norms, one linear per weight, and the MoE form for
+    the model's experts (`models.moe.moe_form`: all experts at once while they are few, gathered otherwise)."""
+    from models.moe import MoE, moe_form
     from plugins.tree_attention.reference import tree_attention
 
-    return ModelOps(tree_attention, collectives)
+    return ModelOps(tree_attention, collectives, moe=moe_form(target_cfg) if target_cfg is not None else MoE)
 
 
 def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
@@ -151,7 +153,7 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
 
 
 def model_ops(device: torch.device, collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
-    return gpu_ops(collectives, target_cfg, dtype) if device.type == "cuda" else cpu_ops(collectives)
+    return gpu_ops(collectives, target_cfg, dtype) if device.type == "cuda" else cpu_ops(collectives, target_cfg)
 
 
 def rank_device(options: RankOptions, rank: int) -> torch.device:

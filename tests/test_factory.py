@@ -54,7 +54,8 @@ def test_local_ranks_on_the_cpu_run_every_rank_with_the_reference_forms(demo_ckp
     ranks = local_ranks(CheckpointWeights(demo_ckpt(2)), RankOptions(device="cpu"), SpecConfig(8, 32), BUILD)
     assert len(ranks.workers) == 2 and ranks.lead is ranks.workers[0]
     assert ranks.lead.loop is None  # the device loop is on by default only on CUDA
-    assert "torch backend on cpu: tree_attention, AbsorbedMLA, MoE, RMSNorm, DraftAttention" in ranks.lead.description
+    forms = "torch backend on cpu: tree_attention, AbsorbedMLA, DenseMoE, RMSNorm, DraftAttention"
+    assert forms in ranks.lead.description
     generator = Generator(ranks)
     assert generator.mode() == "DDTree budget 32 (block 8), host loop"
     assert generator.warm_up() > 0
@@ -150,6 +151,28 @@ def test_grouped_moe_equals_the_gathered_moe_in_bf16():
     with torch.no_grad():
         got, want = grouped(x).float(), MoE.forward(grouped, x).float()
     assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+def test_dense_moe_equals_the_gathered_moe_and_is_chosen_for_few_experts():
+    """The CPU form for few experts (every expert on every token, weighted by the sparse top-k weights) against the
+    gathered form on the same float32 weights, at 1 and 33 tokens; `moe_form` picks it only while E <= 4 k."""
+    from models.layout import rank_target_shapes
+    from models.moe import DenseMoE, moe_form
+    from models.random_weights import random_state, router_in_fp32
+
+    config = preset("moe", smoke=True).target  # 8 experts, top-8
+    prefix = "model.layers.1.mlp."
+    shapes = {k[len(prefix) :]: v for k, v in rank_target_shapes(config).items() if k.startswith(prefix)}
+    state = router_in_fp32(random_state(shapes, seed=6))
+    with torch.device("meta"):
+        dense = DenseMoE(config, 1, cpu_ops(SingleRank()))
+    dense.load_state_dict(state, strict=True, assign=True)
+    for tokens in (1, 33):
+        x = torch.randn(tokens, config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            got, want = dense(x), MoE.forward(dense, x)
+        assert float((got - want).norm() / want.norm()) < 1e-5
+    assert moe_form(config) is DenseMoE and moe_form(preset("kimi-rank-int4").target) is MoE
 
 
 def test_a_poison_request_fails_only_itself(demo_ckpt, demo_engine):
