@@ -128,7 +128,8 @@ def build_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     block_size = args.block_size or checkpoint.drafter.block_size
     if args.max_num_tokens is not None and args.max_num_tokens < 1:
         parser.error(f"--max_num_tokens must be >= 1, got {args.max_num_tokens}")
-    spec = SpecConfig(block_size=block_size, budget=args.ddtree_budget, max_topk=args.max_topk)
+    spec = SpecConfig(block_size=block_size, budget=args.ddtree_budget, max_topk=args.max_topk,
+                      extra_budgets=getattr(args, "extra_budgets", ()))  # fmt: skip
     build = BuildConfig(
         max_input_len=args.max_input_len,
         max_seq_len=args.max_seq_len,

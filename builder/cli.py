@@ -68,6 +68,13 @@ def _add_build_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block_size", type=int, default=None, help="draft block size (default: the drafter's)")
     parser.add_argument("--ddtree_budget", type=int, default=32, help="tree nodes verified per step (default 32)")
+    parser.add_argument(
+        "--extra_budgets",
+        type=_budget_list,
+        default=(),
+        help="more tree budgets the engines verify, a profile each, chosen at run time with --ddtree_budget "
+        "(comma-separated, e.g. 8,16)",
+    )
     parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap of the tree")
     parser.add_argument(
         "--no_tensorrt",
@@ -80,6 +87,16 @@ def _add_build_args(parser: argparse.ArgumentParser) -> None:
         help="write the checkpoint only (the torch backend's engine directory): no ONNX export, no TensorRT engines",
     )
     parser.add_argument("--log_level", default="info", choices=["error", "warning", "info", "verbose"])
+
+
+def _budget_list(text: str) -> tuple[int, ...]:
+    try:
+        budgets = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated tree budgets like 8,16; got {text!r}") from None
+    if any(b < 1 for b in budgets):
+        raise argparse.ArgumentTypeError(f"tree budgets must be >= 1; got {text!r}")
+    return budgets
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:

@@ -9,6 +9,8 @@ different numbers, so they get two different profiles, derived here and nowhere 
     decode         1 token (autoregressive baseline)                                       [target engine]
     verify_chain   block_size tokens (plain DFlash; also any tree with budget < block_size) [target engine]
     verify_tree    budget + 1 tokens (only when budget + 1 > block_size)                   [target engine]
+    verify_tree_N  N = b + 1 tokens for each of `extra_budgets` b (b + 1 > block_size): more tree budgets the same
+                   engines verify, chosen at run time (`--ddtree_budget b`)                [target engine]
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ class SpecConfig:
     block_size: int
     budget: int
     max_topk: int | None = None
+    extra_budgets: tuple[int, ...] = ()  # more tree budgets the engines verify (a profile each), besides `budget`
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_budgets", tuple(int(b) for b in self.extra_budgets))
+        bad = [b for b in self.extra_budgets if b < 1]
+        if bad:
+            raise ValueError(f"extra_budgets must be >= 1 tree node each, got {list(self.extra_budgets)}")
         if self.block_size < 2:
             raise ValueError(f"block_size={self.block_size} must be >= 2 (the bonus token and >= 1 mask token)")
         if self.budget < 1:
@@ -56,8 +63,18 @@ class SpecConfig:
         """Rows of one verify forward: budget + 1, or block_size when the tree fits the chain profile."""
         return self.budget + 1 if self.uses_tree_profile else self.block_size
 
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """Every tree budget the engines verify, ascending."""
+        return tuple(sorted({self.budget, *self.extra_budgets}))
+
+    def with_budget(self, budget: int) -> SpecConfig:
+        """The runtime spec of one budget (the engines' other budgets are theirs, not the step's)."""
+        return SpecConfig(self.block_size, budget, self.max_topk)
+
     def to_dict(self) -> dict:
-        return {"block_size": self.block_size, "budget": self.budget, "max_topk": self.max_topk}
+        return {"block_size": self.block_size, "budget": self.budget, "max_topk": self.max_topk,
+                "extra_budgets": list(self.extra_budgets)}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -115,11 +132,13 @@ def _exact(n: int) -> tuple[int, int, int]:
 
 def derive_profiles(spec: SpecConfig, build: BuildConfig) -> dict[str, Profile]:
     """Every profile of both engines. Raises if the build limits cannot hold the spec."""
-    if build.max_num_tokens is not None and build.max_num_tokens < spec.verify_tokens:
-        raise ValueError(
-            f"budget={spec.budget} needs a {spec.verify_tokens}-token {spec.verify_profile} profile; "
-            f"got max_num_tokens={build.max_num_tokens}"
-        )
+    for budget in spec.budgets:
+        need = spec.with_budget(budget)
+        if build.max_num_tokens is not None and build.max_num_tokens < need.verify_tokens:
+            raise ValueError(
+                f"budget={budget} needs a {need.verify_tokens}-token {need.verify_profile} profile; "
+                f"got max_num_tokens={build.max_num_tokens}"
+            )
     if spec.block_size > build.max_input_len:
         raise ValueError(f"block_size={spec.block_size} must be <= max_input_len={build.max_input_len}")
     capacity = _exact(build.max_seq_len)
@@ -137,7 +156,29 @@ def derive_profiles(spec: SpecConfig, build: BuildConfig) -> dict[str, Profile]:
     if spec.uses_tree_profile:
         tree = _exact(spec.verify_tokens)
         profiles.append(Profile("verify_tree", "target", {"tokens": tree, "logits": tree, "cache_capacity": capacity}))
+    for budget in spec.extra_budgets:
+        extra = spec.with_budget(budget)
+        if extra.uses_tree_profile and extra.verify_tokens != spec.verify_tokens:
+            tree = _exact(extra.verify_tokens)
+            name = f"verify_tree_{extra.verify_tokens}"
+            profiles.append(Profile(name, "target", {"tokens": tree, "logits": tree, "cache_capacity": capacity}))
     return {p.name: p for p in profiles}
+
+
+def verify_profile_name(spec: SpecConfig, profiles: dict[str, Profile]) -> str:
+    """The engine profile a runtime spec verifies with: verify_chain for a tree that fits the block, else the tree
+    profile of exactly budget + 1 tokens (verify_tree or one of the extra budgets' verify_tree_N)."""
+    if not spec.uses_tree_profile:
+        return "verify_chain"
+    for name, profile in profiles.items():
+        if (name == "verify_tree" or name.startswith("verify_tree_")) and profile.fixed("tokens") == spec.verify_tokens:
+            return name
+    trees = sorted(p.fixed("tokens") - 1 for n, p in profiles.items() if n.startswith("verify_tree"))
+    raise ValueError(
+        f"budget={spec.budget} needs a {spec.verify_tokens}-token verify_tree profile; the engine verifies tree "
+        f"budgets {trees or 'none'} and any budget below block_size={spec.block_size} "
+        f"(rebuild with --ddtree_budget {spec.budget}, or add it with --extra_budgets)"
+    )
 
 
 def check_runtime_spec(spec: SpecConfig, profiles: dict[str, Profile]) -> None:
@@ -147,11 +188,5 @@ def check_runtime_spec(spec: SpecConfig, profiles: dict[str, Profile]) -> None:
         raise ValueError(
             f"block_size={spec.block_size} needs an {spec.block_size}-token verify_chain profile; got {chain}"
         )
-    if spec.uses_tree_profile:
-        tree = profiles.get("verify_tree")
-        got = tree.fixed("tokens") if tree else None
-        if got != spec.verify_tokens:
-            raise ValueError(
-                f"budget={spec.budget} needs a {spec.verify_tokens}-token verify_tree profile; "
-                f"got {got if got is not None else 'none'} (rebuild with --ddtree_budget {spec.budget})"
-            )
+    for budget in spec.budgets:
+        verify_profile_name(spec.with_budget(budget), profiles)

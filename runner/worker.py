@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engines.spec import SpecConfig
+from engines.spec import SpecConfig, verify_profile_name
 from runner.kv_cache import SequenceCache
 from runner.sessions.base import EngineSession
 
@@ -26,6 +26,7 @@ class RankWorker:
         device: torch.device | str = "cpu",
     ):
         self.session, self.spec, self.device = session, spec, torch.device(device)
+        self.verify_profile = verify_profile_name(spec, session.profiles)  # the tree profile of this budget
         self.mask_token_id = drafter_cfg.mask_token_id
         latent = (target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim)
         draft = (drafter_cfg.num_hidden_layers, 2, capacity, drafter_cfg.kv_heads_per_rank, drafter_cfg.head_dim)
@@ -99,7 +100,7 @@ class RankWorker:
     def verify(self, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray) -> torch.Tensor:
         """The target on the whole tree in one forward; returns logits [rows, V]. Nothing is committed yet."""
         start = self.cache.num_cached
-        out = self._target(self.spec.verify_profile, tokens, start + depths, mask, np.arange(len(tokens)))
+        out = self._target(self.verify_profile, tokens, start + depths, mask, np.arange(len(tokens)))
         self._pending = out
         return out["logits"]
 

@@ -87,7 +87,8 @@ def test_profiles_must_hold_the_spec(demo_ckpt, tmp_path, capsys):
     assert "budget=32 needs a 33-token verify_tree profile; got max_num_tokens=8" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
     profiles = derive_profiles(SpecConfig(8, 32), BuildConfig())
-    with pytest.raises(ValueError, match="budget=64 needs a 65-token verify_tree profile; got 33"):
+    with pytest.raises(ValueError, match=r"budget=64 needs a 65-token verify_tree profile; the engine verifies tree "
+                       r"budgets \[32\] and any budget below block_size=8"):  # fmt: skip
         check_runtime_spec(SpecConfig(8, 64), profiles)
     check_runtime_spec(SpecConfig(8, 4), profiles)  # a smaller tree fits the chain profile, padded
     with pytest.raises(ValueError, match="max_batch_size=4 is not supported"):
@@ -107,6 +108,28 @@ def test_profiles_at_the_chain_and_tree_boundary(block_size, budget, tree_tokens
     assert (profiles["verify_tree"].fixed("tokens") if "verify_tree" in profiles else None) == tree_tokens
     assert profiles[spec.verify_profile].fixed("tokens") == verify_tokens
     check_runtime_spec(spec, profiles)
+
+
+def test_extra_budgets_get_a_verify_profile_each_and_run_time_picks_one():
+    """One spec, several tree budgets: a verify_tree_N profile for each extra budget (none where the chain profile or
+    the main tree profile already has the size), every one resolvable at run time, any other budget refused."""
+    from engines.spec import verify_profile_name
+
+    spec = SpecConfig(8, 32, extra_budgets=(4, 8, 16, 32))
+    profiles = derive_profiles(spec, BuildConfig(max_input_len=64, max_seq_len=512))
+    trees = {n: p.fixed("tokens") for n, p in profiles.items() if n.startswith("verify_tree")}
+    assert trees == {"verify_tree": 33, "verify_tree_9": 9, "verify_tree_17": 17}
+    assert spec.budgets == (4, 8, 16, 32) and SpecConfig(**spec.to_dict()) == spec  # the engine directory's record
+    check_runtime_spec(spec, profiles)
+    names = {b: verify_profile_name(spec.with_budget(b), profiles) for b in (4, 7, 8, 16, 32)}
+    assert names == {4: "verify_chain", 7: "verify_chain", 8: "verify_tree_9", 16: "verify_tree_17", 32: "verify_tree"}
+    with pytest.raises(ValueError, match=r"budget=12 needs a 13-token verify_tree profile; the engine verifies tree "
+                       r"budgets \[8, 16, 32\]"):  # fmt: skip
+        check_runtime_spec(SpecConfig(8, 12), profiles)
+    with pytest.raises(ValueError, match="budget=16 needs a 17-token verify_tree profile; got max_num_tokens=9"):
+        derive_profiles(SpecConfig(8, 8, extra_budgets=(16,)), BuildConfig(max_num_tokens=9))
+    with pytest.raises(ValueError, match="extra_budgets must be >= 1"):
+        SpecConfig(8, 32, extra_budgets=(0,))
 
 
 def test_a_block_longer_than_the_prompt_limit_is_refused():

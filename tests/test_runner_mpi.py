@@ -108,7 +108,7 @@ def test_bad_requests_are_refused_before_any_output(demo_engine, tmp_path):
     done, _ = run(2, tmp_path / "nowhere", tmp_path)
     assert done.returncode == 2 and "does not exist" in done.stderr
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "64")
-    assert done.returncode == 2 and "budget=64 needs a 65-token verify_tree profile; got 33" in done.stderr
+    assert done.returncode == 2 and "budget=64 needs a 65-token verify_tree profile; the engine verifies" in done.stderr
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "0")  # 0 was taken as "the engine's budget"
     assert done.returncode == 2 and "budget=0 must be >= 1 tree node" in done.stderr
     for temperature in ("nan", "inf", "1e-40", "-1"):  # each crashed every rank inside the sampler
@@ -258,3 +258,25 @@ def test_a_job_whose_server_is_gone_ends_at_once(demo_engine):
             job.kill()
     assert code == 3  # the job's own abort (its message may be lost with the aborted ranks' output)
     assert ended < max(whole / 2, 1.0), f"the job ran {ended:.2f} s after its server; a whole request takes {whole:.2f}"
+
+
+def test_one_engine_runs_every_budget_it_was_built_for(demo_ckpt, reference, tmp_path):
+    """`build-engine build --extra_budgets 8,16`: TensorRT-RTX engines with a verify profile per budget; under mpirun
+    each budget (and one that fits the chain profile) gives the autoregressive reference's tokens; a budget the
+    engine lacks is refused with the budgets it has."""
+    from builder.cli import main as build_main
+
+    engine = tmp_path / "multi"
+    code = build_main(["build", "--checkpoint_dir", str(demo_ckpt(1)), "--output_dir", str(engine),
+                       "--max_input_len", "64", "--max_seq_len", "512", "--ddtree_budget", "32",
+                       "--extra_budgets", "8,16"])  # fmt: skip
+    assert code == 0
+    record = json.loads((engine / "config.json").read_text())
+    assert {"verify_tree", "verify_tree_9", "verify_tree_17"} <= set(record["profiles"])
+    for budget in ("16", "8", "5"):
+        done, out = run(1, engine, tmp_path, "--ddtree_budget", budget)
+        assert done.returncode == 0, done.stderr
+        assert [r["output_ids"] for r in out["results"]] == reference, budget
+        assert f"DDTree budget {budget} (block 8)" in done.stdout
+    done, _ = run(1, engine, tmp_path, "--ddtree_budget", "12")
+    assert done.returncode == 2 and "the engine verifies tree budgets [8, 16, 32]" in done.stderr
