@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--backend", choices=["trt", "ort", "torch"], default=None, help="trt where TensorRT and a GPU exist, else ort"
     )
-    parser.add_argument("--ddtree_budget", type=int, default=None, help="tree nodes per step (must fit the engine)")
+    parser.add_argument("--ddtree_budget", type=_budget, default=None,
+                        help="tree nodes per step (must fit the engine), or auto: chosen every step among the "
+                        "engine's budgets by expected tokens per measured second (host loop)")  # fmt: skip
     parser.add_argument("--max_topk", type=int, default=None, help="per-depth branching cap")
     parser.add_argument("--autoregressive", action="store_true", help="baseline: no drafter, one token per step")
     parser.add_argument(
@@ -89,6 +91,15 @@ class Job:
     prompts: list = field(default_factory=list)
 
 
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a tree budget (an integer) or auto; got {text!r}") from None
+
+
 def prepare(args, comm) -> Job:
     """Every check that needs no collective, on every rank."""
     from engines.engine_dir import load_engine_dir
@@ -101,8 +112,15 @@ def prepare(args, comm) -> Job:
     args.backend = args.backend or default_backend()
     engine.check_files(args.backend)
     base = engine.spec
-    budget = args.ddtree_budget if args.ddtree_budget is not None else base.budget  # 0 is an error, not "default"
-    spec = SpecConfig(base.block_size, budget, args.max_topk if args.max_topk is not None else base.max_topk)
+    topk = args.max_topk if args.max_topk is not None else base.max_topk
+    if args.ddtree_budget == "auto":  # every budget the engine verifies; steps take up to the largest
+        if len(base.budgets) < 2:
+            raise ValueError(f"--ddtree_budget auto chooses among several tree budgets; the engine verifies only "
+                             f"{list(base.budgets)} (build it with --extra_budgets, e.g. 8,16)")  # fmt: skip
+        spec = SpecConfig(base.block_size, max(base.budgets), topk, extra_budgets=base.budgets)
+    else:
+        budget = args.ddtree_budget if args.ddtree_budget is not None else base.budget  # 0 is an error
+        spec = SpecConfig(base.block_size, budget, topk)
     check_runtime_spec(spec, engine.profiles)
     target = engine.config["pretrained_config"]["target"]
     tokenizer_dir = args.tokenizer_dir or engine.tokenizer_dir
@@ -163,6 +181,7 @@ def generate_all(args, generator, job: Job) -> list[dict]:
                 "text": text,
                 "mode": generator.mode(params),
                 "accept_lengths": result.accept_lengths,
+                "budgets": result.budgets,
                 "target_forwards": result.target_forwards,
                 "seconds": result.seconds,
                 "elapsed": result.elapsed,
@@ -177,6 +196,8 @@ def generate_all(args, generator, job: Job) -> list[dict]:
 def format_stats(result, mode: str) -> str:
     tokens, elapsed = len(result.tokens), result.elapsed
     mean = f", mean acceptance length {result.mean_accept_length:.2f}" if result.accept_lengths else ""
+    if "budget auto" in mode and result.budgets:
+        mean += ", budgets chosen " + ", ".join(f"{b}: {result.budgets.count(b)}" for b in sorted(set(result.budgets)))
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     return (
         f"[stats {mode}] {tokens} tokens: prefill {result.prefill_seconds * 1e3:.1f} ms; decode {tokens - 1} tokens "
@@ -223,6 +244,9 @@ def main_on_rank(comm, argv=None) -> int:
     ranks = MpiRanks(worker, comm)
     try:
         generator = Generator(ranks, args.autoregressive)
+        if args.ddtree_budget == "auto":
+            costs = generator.enable_auto_budget()
+            print("budget auto: one step costs " + ", ".join(f"{b}: {s * 1e3:.1f} ms" for b, s in costs.items()))
         built = time.perf_counter() - started
         requests = (SamplingParams(), SamplingParams(1.0)) if args.serve else (params,)
         warm = generator.warm_up(requests)

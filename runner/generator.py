@@ -30,11 +30,42 @@ class Generator:
             )
         self.on_gpu = lead.device.type == "cuda"
         self.rank_description = lead.description
+        self.policy = None  # `enable_auto_budget`: a cost-aware tree budget chosen every step
 
     def on_device(self, params: SamplingParams, banned: tuple[int, ...] = ()) -> bool:
         """Whether a request runs on the device loop: where the ranks have one, greedy or sampled, unless it bans
-        tokens (bad_words: the host loop's sampler)."""
-        return self.device_loop and not banned
+        tokens (bad_words: the host loop's sampler) or the budget is chosen every step (the host loop's policy)."""
+        return self.device_loop and not banned and self.policy is None
+
+    def enable_auto_budget(self, tokens: int = 32, calibration: float = 1.0) -> dict[int, float]:
+        """Measures one step's cost at every tree budget the ranks' engines verify (a short greedy request each, on
+        this hardware), then chooses the budget every step (`runner/budget.py`); returns the seconds a step."""
+        from runner.budget import BudgetPolicy
+
+        if self.autoregressive:
+            raise ValueError("--ddtree_budget auto needs speculative ranks, not autoregressive ones")
+        budgets = self.spec.budgets
+        if len(budgets) < 2:
+            raise ValueError(
+                f"--ddtree_budget auto chooses among several tree budgets; this engine verifies only {list(budgets)} "
+                "(build it with --extra_budgets, e.g. 8,16)"
+            )
+        prompt = self._warm_prompt()
+        tokens = max(1, min(tokens, self.capacity - len(prompt) - 2 * self.spec.block_size - 1))
+        costs = {}
+        for budget in budgets:
+            step_spec = self.spec.with_budget(budget)
+            for _ in range(2):  # the second run is timed: the first pays for first calls
+                result = generate(self.ranks, prompt, tokens, step_spec, Sampler(GREEDY))
+            steps = max(1, len(result.accept_lengths))
+            costs[budget] = sum(result.seconds.get(p, 0.0) for p in ("draft", "tree", "verify", "commit")) / steps
+        self.policy = BudgetPolicy(budgets, costs, calibration)
+        return costs
+
+    def _warm_prompt(self) -> list[int]:
+        block = self.spec.block_size
+        longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]
+        return list(range(1, min(4 * block, longest) + 1))
 
     def mode(self, params: SamplingParams = GREEDY, banned: tuple[int, ...] = ()) -> str:
         spec = self.spec
@@ -42,6 +73,8 @@ class Generator:
             what = "autoregressive"
         elif spec.max_topk == 1:
             what = f"DFlash chain (block {spec.block_size})"
+        elif self.policy is not None:
+            what = f"DDTree budget auto of {list(self.policy.budgets)} (block {spec.block_size})"
         else:
             what = f"DDTree budget {spec.budget} (block {spec.block_size})"
         if not self.on_device(params, banned):
@@ -65,7 +98,9 @@ class Generator:
         if self.autoregressive:
             return generate_autoregressive(self.ranks, prompt, max_new_tokens, sampler, end_ids, on_tokens,
                                            stop_sequences)  # fmt: skip
-        return generate(self.ranks, prompt, max_new_tokens, self.spec, sampler, end_ids, on_tokens, stop_sequences)
+        spec = self.spec if self.policy is None else self.spec.with_budget(max(self.policy.budgets))
+        return generate(self.ranks, prompt, max_new_tokens, spec, sampler, end_ids, on_tokens, stop_sequences,
+                        self.policy)  # fmt: skip
 
     def warm_up(self, requests: tuple[SamplingParams, ...] = (GREEDY,)) -> float:
         """Runs a short request with each of `requests`' parameters, so the graph captures, kernel compilations and
@@ -73,8 +108,7 @@ class Generator:
         start = time.perf_counter()
         block = self.spec.block_size
         # longer than a block, so the host loop's first draft takes the draft_prefill profile as a real prompt does
-        longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]
-        prompt = list(range(1, min(4 * block, longest) + 1))
+        prompt = self._warm_prompt()
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
         for params in requests:
             self.generate(prompt, tokens, params)

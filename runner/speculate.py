@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.spec import SpecConfig
+from runner.budget import BudgetPolicy
 from runner.ranks import Ranks
 from runner.sampling import Sampler
 from runner.tree import build_tree, follow_tree
@@ -36,6 +37,7 @@ class StepResult:
     tokens: list[int]  # emitted by this step: the accepted drafted tokens, then the new bonus token
     accept_length: int  # accepted tree nodes including the root; equals len(tokens)
     tree_nodes: int  # real tree rows verified (root included)
+    budget: int = 0  # the tree budget this step verified
 
 
 @dataclass
@@ -43,6 +45,7 @@ class GenerationResult:
     prompt: list[int]
     tokens: list[int]
     accept_lengths: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)  # the tree budget of each step (a cost-aware policy's choices)
     target_forwards: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     elapsed: float = 0.0
@@ -72,14 +75,20 @@ class GenerationResult:
         return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
 
 
-def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: int, timer: PhaseTimer) -> StepResult:
-    """One DDTree round from the last committed token `bonus` (already emitted, not yet in the target cache)."""
+def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: int, timer: PhaseTimer,
+                     policy: BudgetPolicy | None = None) -> StepResult:  # fmt: skip
+    """One DDTree round from the last committed token `bonus` (already emitted, not yet in the target cache).
+    policy: the tree budget is chosen for this step (`runner/budget.py`) among the engine's, up to spec.budget."""
     with timer("draft"):  # one drafter forward over [bonus, mask x (block_size - 1)]
         draft_logits = engine.draft(bonus)  # [block_size - 1, V]
         top = torch.log_softmax(draft_logits.to(torch.float32), dim=-1).topk(spec.tree_width(draft_logits.shape[-1]))
         top_logprobs, top_ids = top.values.cpu().numpy(), top.indices.cpu().numpy()
     with timer("tree"):  # best-first by cumulative draft log-probability, padded to the verify profile's rows
         tree = build_tree(top_logprobs, top_ids, spec.budget, bonus, rows=spec.verify_tokens)
+        budget = spec.budget
+        if policy is not None and (budget := policy.choose(tree.scores)) != spec.budget:
+            # best-first: the smaller budget's tree is the first nodes of this one, on its own profile's rows
+            tree = build_tree(top_logprobs, top_ids, budget, bonus, rows=spec.with_budget(budget).verify_tokens)
         mask = tree.mask()
     with timer("verify"):  # the target on every tree node at once, and its own choice at each node
         logits = engine.verify(tree.tokens, tree.depths, mask)  # [rows, V]
@@ -90,7 +99,9 @@ def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: i
     with timer("commit"):  # only the accepted path's KV enters the caches
         engine.commit(path)
     accepted = [int(tree.tokens[node]) for node in path[1:]]
-    return StepResult(tokens=accepted + [next_bonus], accept_length=len(path), tree_nodes=tree.num_nodes)
+    if policy is not None:
+        policy.record(len(path))
+    return StepResult(accepted + [next_bonus], accept_length=len(path), tree_nodes=tree.num_nodes, budget=budget)
 
 
 def check_request(
@@ -143,6 +154,7 @@ def generate(
     end_ids: set[int] = frozenset(),
     on_tokens: Callable[[list[int]], None] | None = None,
     stop_sequences: tuple[tuple[int, ...], ...] = (),
+    policy: BudgetPolicy | None = None,
 ) -> GenerationResult:
     """Prefill, then speculative steps until max_new_tokens, an end token or a stop sequence."""
     timer, start = PhaseTimer(), time.perf_counter()
@@ -153,9 +165,10 @@ def generate(
     result.target_forwards = 1
     _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, stop_sequences, on_tokens)
     while not finished:
-        step = speculative_step(engine, spec, sampler, result.tokens[-1], timer)
+        step = speculative_step(engine, spec, sampler, result.tokens[-1], timer, policy)
         result.target_forwards += 1
         result.accept_lengths.append(step.accept_length)
+        result.budgets.append(step.budget)
         _, finished = _emit(result.tokens, step.tokens, max_new_tokens, end_ids, stop_sequences, on_tokens)
     result.seconds, result.elapsed = dict(timer.seconds), time.perf_counter() - start
     return result

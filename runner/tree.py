@@ -21,6 +21,7 @@ class Tree:
     depths: np.ndarray  # [rows] int64, 0 for the root and padding
     num_nodes: int  # real rows (root + drafted nodes)
     children: list[dict[int, int]] = field(default_factory=list)  # node -> {token: child node}
+    scores: np.ndarray | None = None  # [num_nodes] path log-probability under the drafter (root 0), non-increasing
 
     @property
     def rows(self) -> int:
@@ -65,6 +66,7 @@ def build_tree(
     parents = np.full(rows, -1, dtype=np.int64)
     depths = np.zeros(rows, dtype=np.int64)
     tokens[0] = root_token
+    scores = np.zeros(budget + 1, dtype=np.float64)
     children: list[dict[int, int]] = [{}]
     # entries: (-score, tie-breaker, depth, rank, parent)
     heap = [(-float(top_logprobs[0, 0]), 0, 1, 0, 0)] if depth_limit > 0 and k > 0 else []
@@ -78,6 +80,7 @@ def build_tree(
         children[parent][token] = node
         children.append({})
         score = -neg_score
+        scores[node] = score
         if rank + 1 < k:
             sibling = score - top_logprobs[depth - 1, rank] + top_logprobs[depth - 1, rank + 1]
             heapq.heappush(heap, (-float(sibling), pushes, depth, rank + 1, parent))
@@ -85,7 +88,8 @@ def build_tree(
         if depth < depth_limit:
             heapq.heappush(heap, (-float(score + top_logprobs[depth, 0]), pushes, depth + 1, 0, node))
             pushes += 1
-    return Tree(tokens=tokens, parents=parents, depths=depths, num_nodes=count, children=children)
+    return Tree(tokens=tokens, parents=parents, depths=depths, num_nodes=count, children=children,
+                scores=scores[:count])  # fmt: skip
 
 
 def follow_tree(tree: Tree, target_tokens: list[int]) -> tuple[list[int], int]:

@@ -26,7 +26,9 @@ class RankWorker:
         device: torch.device | str = "cpu",
     ):
         self.session, self.spec, self.device = session, spec, torch.device(device)
-        self.verify_profile = verify_profile_name(spec, session.profiles)  # the tree profile of this budget
+        verify_profile_name(spec, session.profiles)  # the spec's budget has a verify profile (else a clear error)
+        # the verify profile of each row count the engine has: a step's tree picks its own (budget chosen per step)
+        self.verify_profiles = {p.fixed("tokens"): n for n, p in session.profiles.items() if n.startswith("verify_")}
         self.mask_token_id = drafter_cfg.mask_token_id
         latent = (target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim)
         draft = (drafter_cfg.num_hidden_layers, 2, capacity, drafter_cfg.kv_heads_per_rank, drafter_cfg.head_dim)
@@ -100,7 +102,7 @@ class RankWorker:
     def verify(self, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray) -> torch.Tensor:
         """The target on the whole tree in one forward; returns logits [rows, V]. Nothing is committed yet."""
         start = self.cache.num_cached
-        out = self._target(self.verify_profile, tokens, start + depths, mask, np.arange(len(tokens)))
+        out = self._target(self.verify_profiles[len(tokens)], tokens, start + depths, mask, np.arange(len(tokens)))
         self._pending = out
         return out["logits"]
 

@@ -109,6 +109,10 @@ def test_bad_requests_are_refused_before_any_output(demo_engine, tmp_path):
     assert done.returncode == 2 and "does not exist" in done.stderr
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "64")
     assert done.returncode == 2 and "budget=64 needs a 65-token verify_tree profile; the engine verifies" in done.stderr
+    done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "auto")
+    assert (
+        done.returncode == 2 and "auto chooses among several tree budgets; the engine verifies only [32]" in done.stderr
+    )
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "0")  # 0 was taken as "the engine's budget"
     assert done.returncode == 2 and "budget=0 must be >= 1 tree node" in done.stderr
     for temperature in ("nan", "inf", "1e-40", "-1"):  # each crashed every rank inside the sampler
@@ -278,5 +282,10 @@ def test_one_engine_runs_every_budget_it_was_built_for(demo_ckpt, reference, tmp
         assert done.returncode == 0, done.stderr
         assert [r["output_ids"] for r in out["results"]] == reference, budget
         assert f"DDTree budget {budget} (block 8)" in done.stdout
+    done, out = run(1, engine, tmp_path, "--ddtree_budget", "auto")  # chosen every step, by measured cost
+    assert done.returncode == 0, done.stderr
+    assert [r["output_ids"] for r in out["results"]] == reference
+    assert "budget auto: one step costs 8: " in done.stdout and "DDTree budget auto of [8, 16, 32]" in done.stdout
+    assert all(set(r["budgets"]) <= {8, 16, 32} for r in out["results"])
     done, _ = run(1, engine, tmp_path, "--ddtree_budget", "12")
     assert done.returncode == 2 and "the engine verifies tree budgets [8, 16, 32]" in done.stderr

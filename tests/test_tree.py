@@ -94,3 +94,26 @@ def test_rows_must_hold_the_budget():
     logprobs, ids = _random_top(np.random.default_rng(0), 3, 3)
     with pytest.raises(ValueError, match="budget=32 needs 33 tree rows, got 8"):
         build_tree(logprobs, ids, budget=32, root_token=0, rows=8)
+
+
+def test_tree_scores_are_path_log_probabilities_in_best_first_order():
+    """`Tree.scores` (what the cost-aware budget reads): node i's score is the sum of its path's draft
+    log-probabilities, non-increasing in node order, so budget b's tree is the first b nodes."""
+    from runner.tree import build_tree
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(5, 6))
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    order = np.argsort(-logprobs, axis=1)
+    top_logprobs, top_ids = np.take_along_axis(logprobs, order, 1), order
+    tree = build_tree(top_logprobs, top_ids, 12, root_token=99, rows=16)
+    assert tree.scores[0] == 0 and np.all(np.diff(tree.scores[1:]) <= 1e-12)
+    for node in range(1, tree.num_nodes):
+        expected, walk = 0.0, node
+        while walk > 0:
+            depth, token = tree.depths[walk], tree.tokens[walk]
+            expected += logprobs[depth - 1, token]
+            walk = tree.parents[walk]
+        assert abs(tree.scores[node] - expected) < 1e-9
+    small = build_tree(top_logprobs, top_ids, 5, root_token=99, rows=6)
+    assert small.tokens[:6].tolist() == tree.tokens[:6].tolist()  # budget 5's tree = the first 5 nodes
