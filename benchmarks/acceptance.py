@@ -39,6 +39,7 @@ MODES = {
     "ddtree8": SpecConfig(8, 8),
     "ddtree16": SpecConfig(8, 16),
     "ddtree32": SpecConfig(8, 32),
+    "auto": SpecConfig(8, 32, extra_budgets=(4, 8, 16)),  # the budget chosen every step (runner/budget.py)
 }
 
 
@@ -65,19 +66,22 @@ def run_mode(ckpt: Path, device: str, mode: str, prompts, tokens: int, temperatu
     generator = Generator(local_ranks(CheckpointWeights(ckpt), options, spec or SpecConfig(8, 32), build),
                           autoregressive)  # fmt: skip
     requests = (SamplingParams(),) if temperature == 0 else (SamplingParams(temperature=temperature, seed=1),)
+    costs = generator.enable_auto_budget() if mode == "auto" else None
     generator.warm_up(requests)
-    accept, rates, emitted, steps = [], [], 0, 0
+    accept, rates, emitted, steps, budgets = [], [], 0, 0, []
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=temperature, seed=1000 + i) if temperature else SamplingParams()
         result = generator.generate(prompt, tokens, params, end_ids=end_ids)
         accept += result.accept_lengths
+        budgets += result.budgets
         emitted += len(result.tokens)
         steps += len(result.accept_lengths)
         if result.decode_tokens_per_s:
             rates.append(result.decode_tokens_per_s)
     seconds = time.perf_counter() - start
     description = generator.mode(requests[0])
+    policy = generator.policy
     generator.ranks.close()
     row = {"mode": mode, "temperature": temperature, "runs": description, "prompts": len(prompts),
            "tokens": emitted, "seconds": round(seconds, 2),
@@ -90,6 +94,11 @@ def run_mode(ckpt: Path, device: str, mode: str, prompts, tokens: int, temperatu
         # accept_length counts the bonus: at least d drafted tokens accepted <=> accept_length >= d + 1
         row["accepted_by_position"] = [round(sum(a >= d + 1 for a in accept) / len(accept), 4)
                                        for d in range(1, depth + 1)]  # fmt: skip
+    if costs is not None:  # the budgets auto chose, their measured step costs, predicted vs observed acceptance
+        row["step_ms"] = {b: round(s * 1e3, 3) for b, s in costs.items()}
+        row["budgets_chosen"] = {b: budgets.count(b) for b in sorted(set(budgets))}
+        row["drafted_accepted_predicted_per_step"] = round(policy.predicted / max(1, sum(policy.chosen.values())), 3)
+        row["drafted_accepted_observed_per_step"] = round(policy.observed / max(1, sum(policy.chosen.values())), 3)
     return row
 
 
@@ -112,7 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens a prompt (fewer at [EOS])")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "auto"], choices=list(MODES))
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))

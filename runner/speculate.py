@@ -88,7 +88,7 @@ def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: i
         budget = spec.budget
         if policy is not None and (budget := policy.choose(tree.scores)) != spec.budget:
             # best-first: the smaller budget's tree is the first nodes of this one, on its own profile's rows
-            tree = build_tree(top_logprobs, top_ids, budget, bonus, rows=spec.with_budget(budget).verify_tokens)
+            tree = tree.prefix(budget, rows=spec.with_budget(budget).verify_tokens)
         mask = tree.mask()
     with timer("verify"):  # the target on every tree node at once, and its own choice at each node
         logits = engine.verify(tree.tokens, tree.depths, mask)  # [rows, V]

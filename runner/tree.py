@@ -42,6 +42,19 @@ class Tree:
     def positions(self, start: int) -> np.ndarray:
         return start + self.depths
 
+    def prefix(self, budget: int, rows: int, pad_token: int = 0) -> Tree:
+        """The tree of the first `budget` drafted nodes (best-first: the tree `build_tree` gives for that budget),
+        padded to `rows`."""
+        count = min(self.num_nodes, budget + 1)
+        tokens = np.full(rows, pad_token, dtype=np.int64)
+        parents, depths = np.full(rows, -1, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        tokens[:count], parents[:count], depths[:count] = self.tokens[:count], self.parents[:count], self.depths[:count]
+        children: list[dict[int, int]] = [{} for _ in range(count)]
+        for node in range(1, count):
+            children[int(parents[node])][int(tokens[node])] = node
+        scores = self.scores[:count] if self.scores is not None else None
+        return Tree(tokens=tokens, parents=parents, depths=depths, num_nodes=count, children=children, scores=scores)
+
 
 def build_tree(
     top_logprobs: np.ndarray, top_ids: np.ndarray, budget: int, root_token: int, rows: int, pad_token: int = 0

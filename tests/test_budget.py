@@ -26,6 +26,7 @@ def test_the_policy_maximises_expected_tokens_per_second():
     assert policy.chosen[4] == 1 and policy.predicted == pytest.approx(3.0)
     policy.record(3)
     assert policy.observed == 2  # accept length 3 = 2 drafted tokens + the bonus
+    assert policy.calibration == pytest.approx((2 + 8) / (3.0 + 8))  # observed / predicted, with a prior
     with pytest.raises(ValueError, match="no measured cost for budgets"):
         BudgetPolicy((4, 8), {4: 1.0})
 

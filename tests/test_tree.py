@@ -115,5 +115,7 @@ def test_tree_scores_are_path_log_probabilities_in_best_first_order():
             expected += logprobs[depth - 1, token]
             walk = tree.parents[walk]
         assert abs(tree.scores[node] - expected) < 1e-9
-    small = build_tree(top_logprobs, top_ids, 5, root_token=99, rows=6)
-    assert small.tokens[:6].tolist() == tree.tokens[:6].tolist()  # budget 5's tree = the first 5 nodes
+    small = build_tree(top_logprobs, top_ids, 5, root_token=99, rows=8)
+    cut = tree.prefix(5, rows=8)  # budget 5's tree = the first 5 nodes, the same rows, mask and walk
+    assert cut.tokens.tolist() == small.tokens.tolist() and cut.parents.tolist() == small.parents.tolist()
+    assert (cut.mask() == small.mask()).all() and cut.children == small.children and cut.num_nodes == 6
