@@ -124,7 +124,6 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "auto"], choices=list(MODES))
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     modes = ["autoregressive"] + [m for m in args.modes if m != "autoregressive"]
     rows = []

@@ -85,7 +85,12 @@ def grouped_bf16(x, ids, weights, dense):
     counts = torch.zeros(dense[0].shape[0], dtype=torch.int64, device=x.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
-    offsets = counts.cumsum(0).to(torch.int32)
+    return _grouped_mlp(x, ids, weights, order, counts.cumsum(0).to(torch.int32), dense)
+
+
+def _grouped_mlp(x, ids, weights, order, offsets, dense):
+    """The pairs' rows in `order`, one grouped GEMM a projection over `dense` [groups, out, in] split at `offsets`,
+    weighted and added back into the tokens' rows."""
     rows = x.index_select(0, order // ids.shape[1])
     gate = torch._grouped_mm(rows, dense[0].transpose(1, 2), offs=offsets)
     up = torch._grouped_mm(rows, dense[1].transpose(1, 2), offs=offsets)
@@ -107,12 +112,7 @@ def dequantize_then_grouped(x, ids, weights, tensors):
         )
         for i in (0, 2, 4)
     ]
-    rows = x.index_select(0, order // ids.shape[1])
-    gate = torch._grouped_mm(rows, dense[0].transpose(1, 2), offs=offsets)
-    up = torch._grouped_mm(rows, dense[1].transpose(1, 2), offs=offsets)
-    down = torch._grouped_mm(F.silu(gate) * up, dense[2].transpose(1, 2), offs=offsets)
-    scaled = down * weights.reshape(-1).index_select(0, order).to(down.dtype)[:, None]
-    return torch.zeros_like(x).index_add_(0, order // ids.shape[1], scaled)
+    return _grouped_mlp(x, ids, weights, order, offsets, dense)
 
 
 def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke: bool, repeats: int,

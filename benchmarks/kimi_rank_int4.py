@@ -28,7 +28,8 @@ import torch
 from benchmarks.common import Setup, add_setup_args, environment
 from benchmarks.gpu_runtime import SPEC_MODES, ModelRun, request_row
 from engines.spec import BuildConfig, SpecConfig
-from runner.factory import PresetWeights
+from models.parallel import SingleRank
+from runner.factory import PresetWeights, RankOptions, model_ops, rank_device
 
 SEQUENCE = 131072
 
@@ -68,7 +69,9 @@ def main(argv=None) -> int:
             ar = request_row(run, setup, "autoregressive (device loop)", "-", SpecConfig(8, 32), device_loop=True)
             run.continuation = ar.pop("tokens_list")
             if "memory" not in info:  # the first ranks built: weights, caches and the peak so far
-                lead = weights._built[next(iter(weights._built))]
+                # the modules the ranks were built with (PresetWeights keeps them by rank, device and forms)
+                device = rank_device(RankOptions("torch", setup.device.type), 0)  # the factory's own (cuda:0)
+                lead = weights.models(0, model_ops(device, SingleRank(), target_cfg, setup.dtype), device)
                 cache = SEQUENCE * target_cfg.num_hidden_layers * target_cfg.latent_dim * setup.dtype.itemsize
                 info["memory"] = {
                     "target_weight_bytes": module_bytes(lead[0]), "drafter_weight_bytes": module_bytes(lead[1]),

@@ -13,6 +13,17 @@ import numpy as np
 from plugins import DOMAIN
 
 
+class OpSpec:
+    """What the ops' specs share: the floating types they take, and an output of the first input's data type."""
+
+    def __init__(self, trt):
+        self.trt = trt
+        self.floats = (trt.float32, trt.float16, trt.bfloat16)
+
+    def output_types(self, plugin, in_types):
+        return [in_types[0]]
+
+
 def make_plugin_class(trt, op_name: str, field_types: dict[str, str], spec) -> tuple[type, type]:
     """`spec` provides output_types(plugin, in_types), output_shapes(plugin, inputs, exprs),
     supports(plugin, pos, io, n_in) and enqueue(plugin, in_desc, out_desc, inputs, outputs, workspace, stream)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engines.spec import SpecConfig, verify_profile_name
+from engines.spec import SpecConfig
 from runner.kv_cache import SequenceCache
 from runner.sessions.base import EngineSession
 
@@ -26,8 +26,8 @@ class RankWorker:
         device: torch.device | str = "cpu",
     ):
         self.session, self.spec, self.device = session, spec, torch.device(device)
-        verify_profile_name(spec, session.profiles)  # the spec's budget has a verify profile (else a clear error)
-        # the verify profile of each row count the engine has: a step's tree picks its own (budget chosen per step)
+        # the verify profile of each row count the engine has (the rank factory checked the spec's budgets fit them):
+        # a step's tree picks its own, so a budget chosen per step runs on its profile
         self.verify_profiles = {p.fixed("tokens"): n for n, p in session.profiles.items() if n.startswith("verify_")}
         self.mask_token_id = drafter_cfg.mask_token_id
         latent = (target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim)

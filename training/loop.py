@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import platform
 import time
@@ -111,6 +112,38 @@ def run(step_fn, params, args, warmup: int, log) -> dict:
             log(f"step {step}/{schedule.steps or '?'}  loss {float(loss.detach()):.4f}  lr {schedule.at(step - 1):.2e}")
     seconds = time.perf_counter() - start
     return {"steps": schedule.steps, "seconds": round(seconds, 1), "losses": losses}
+
+
+def start(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parses the command line, refuses an existing --output_dir without --force (before any training), seeds."""
+    from pathlib import Path
+
+    from engines.output_dir import check_output_dir
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        check_output_dir(Path(args.output_dir), args.force)
+    except FileExistsError as err:
+        parser.error(str(err))
+    torch.manual_seed(args.seed)
+    return args
+
+
+def describe_run(record: dict, module: str, argv: list[str] | None, args: argparse.Namespace) -> dict:
+    """The run's record for `training.json`: the command, its arguments, the data it read, the environment."""
+    import json
+    import sys
+    from pathlib import Path
+
+    manifest = json.loads((Path(args.data) / "manifest.json").read_text())
+    return {
+        **record,
+        "command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "arguments": vars(args),
+        "data": {k: manifest[k] for k in ("source", "python", "split", "vocab_size")},
+        **environment(torch.device(args.device)),
+    }
 
 
 def environment(device: torch.device) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engines.output_dir import check_output_dir, staged_output_dir
+from engines.output_dir import staged_output_dir
 from models.config import DrafterConfig
 from training import loop
 from training.data import load_split
@@ -75,13 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     loop.add_arguments(parser, steps=2000, lr=1e-3, batch=64)
     parser.add_argument("--target_dir", required=True, help="the trained target's HF checkpoint")
     parser.add_argument("--blocks", type=int, default=32, help="anchored blocks per window")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        check_output_dir(Path(args.output_dir), args.force)
-    except FileExistsError as err:
-        parser.error(str(err))
-    torch.manual_seed(args.seed)
+    args = loop.start(parser, argv)
     device, data, target_dir = torch.device(args.device), Path(args.data), Path(args.target_dir)
     target_hf = json.loads((target_dir / "config.json").read_text())
     hf_config = drafter_config()
@@ -112,13 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     record = loop.run(step, params, args, warmup=100, log=logging.info)
     record["heldout"] = heldout_agreement(target, drafter, cfg, heldout, device, torch.Generator().manual_seed(7))
     logging.info("held-out: %s", record["heldout"])
-    manifest = json.loads((data / "manifest.json").read_text())
-    record.update(
-        command="python -m training.train_drafter " + " ".join(argv if argv is not None else sys.argv[1:]),
-        arguments=vars(args),
-        data={k: manifest[k] for k in ("source", "python", "split", "vocab_size")},
-        **loop.environment(device),
-    )
+    record = loop.describe_run(record, "training.train_drafter", argv, args)
     with staged_output_dir(Path(args.output_dir), args.force) as out:
         save_checkpoint(out, drafter_hf_state(drafter, cfg), hf_config, {"training.json": record})
     logging.info("wrote %s", args.output_dir)

@@ -11,7 +11,6 @@ tokenizer and `training.json`: the arguments, steps, time, losses and the held-o
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import shutil
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engines.output_dir import check_output_dir, staged_output_dir
+from engines.output_dir import staged_output_dir
 from training import loop
 from training.data import load_split
 from training.model import balance_routers, build_models, save_checkpoint, target_forward, target_hf_state
@@ -46,13 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     loop.add_arguments(parser, steps=3000, lr=2e-3, batch=64)
     parser.add_argument("--balance_rate", type=float, default=1e-3, help="router bias update per step")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        check_output_dir(Path(args.output_dir), args.force)
-    except FileExistsError as err:
-        parser.error(str(err))
-    torch.manual_seed(args.seed)
+    args = loop.start(parser, argv)
     device = torch.device(args.device)
     data = Path(args.data)
     batches = loop.Batches(load_split(data, "train"), args.batch, args.seq_len, args.seed, device)
@@ -72,13 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     record["heldout_perplexity"] = round(heldout_perplexity(target, heldout, device), 3)
     record["heldout_tokens"] = int(heldout[:, 1:].numel())
     logging.info("held-out perplexity %.3f over %d tokens", record["heldout_perplexity"], record["heldout_tokens"])
-    manifest = json.loads((data / "manifest.json").read_text())
-    record.update(
-        command="python -m training.train_target " + " ".join(argv if argv is not None else sys.argv[1:]),
-        arguments=vars(args),
-        data={k: manifest[k] for k in ("source", "python", "split", "vocab_size")},
-        **loop.environment(device),
-    )
+    record = loop.describe_run(record, "training.train_target", argv, args)
     generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")} | {"do_sample": False}
     with staged_output_dir(Path(args.output_dir), args.force) as out:
         extra = {"generation_config.json": generation, "training.json": record}

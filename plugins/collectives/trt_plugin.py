@@ -4,22 +4,16 @@ initialises the process group (`runner.nccl`) before the first execute."""
 
 from __future__ import annotations
 
-from plugins.trt_base import make_plugin_class
+from plugins.trt_base import OpSpec, make_plugin_class
 
 
-class _AllReduceSpec:
-    def __init__(self, trt):
-        self.trt = trt
-
-    def output_types(self, plugin, in_types):
-        return [in_types[0]]
-
+class _AllReduceSpec(OpSpec):
     def output_shapes(self, plugin, inputs, exprs):
         return [inputs[0]]
 
     def supports(self, plugin, pos, in_out, num_inputs):
         kind = in_out[pos].desc.type
-        return kind in (self.trt.float32, self.trt.float16, self.trt.bfloat16) and kind == in_out[0].desc.type
+        return kind in self.floats and kind == in_out[0].desc.type
 
     def enqueue(self, plugin, input_desc, output_desc, inputs, outputs, workspace, stream):
         import torch
@@ -34,9 +28,6 @@ class _AllReduceSpec:
 
 
 class _AllGatherSpec(_AllReduceSpec):
-    def output_types(self, plugin, in_types):
-        return [in_types[0]]
-
     def output_shapes(self, plugin, inputs, exprs):
         dims = inputs[0]
         out = self.trt.DimsExprs(len(dims))

@@ -10,20 +10,13 @@ host synchronisation, so it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from plugins.trt_base import make_plugin_class
+from plugins.trt_base import OpSpec, make_plugin_class
 
 FIELDS = {"group_size": "int"}
 PACKED, SCALES = (3, 5, 7), (4, 6, 8)
 
 
-class _Spec:
-    def __init__(self, trt):
-        self.trt = trt
-        self.floats = (trt.float32, trt.float16, trt.bfloat16)
-
-    def output_types(self, plugin, in_types):
-        return [in_types[0]]
-
+class _Spec(OpSpec):
     def output_shapes(self, plugin, inputs, exprs):
         out = self.trt.DimsExprs(2)
         out[0], out[1] = inputs[0][0], inputs[0][1]
