@@ -100,3 +100,15 @@ def test_training_commands_write_checkpoints_that_build(stdlib_data, tmp_path):
     code = build_main(["--model_dir", str(target_dir), "--draft_model_dir", str(drafter_dir), "--tp_size", "2",
                        "--output_dir", str(out), "--dtype", "float32", "--no_onnx"])  # fmt: skip
     assert code == 0 and (out / "checkpoint").exists()
+
+
+def test_missing_data_or_target_is_a_clear_error(stdlib_data, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_target.main(["--data", str(tmp_path / "none"), "--output_dir", str(tmp_path / "t"), "--device", "cpu"])
+    expected = "lacks train.npy, heldout.npy, manifest.json: prepare it with `python -m training.data"
+    assert expected in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_drafter.main(["--data", str(stdlib_data), "--target_dir", str(tmp_path / "none"), "--output_dir",
+                            str(tmp_path / "d"), "--device", "cpu"])  # fmt: skip
+    assert "holds no config.json: train the target first" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists() and not (tmp_path / "d").exists()

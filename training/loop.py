@@ -115,13 +115,18 @@ def run(step_fn, params, args, warmup: int, log) -> dict:
 
 
 def start(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parses the command line, refuses an existing --output_dir without --force (before any training), seeds."""
+    """Parses the command line, refuses missing data and an existing --output_dir without --force (before any
+    training), seeds."""
     from pathlib import Path
 
     from engines.output_dir import check_output_dir
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    missing = [name for name in ("train.npy", "heldout.npy", "manifest.json") if not (Path(args.data) / name).is_file()]
+    if missing:
+        parser.error(f"--data {args.data} lacks {', '.join(missing)}: prepare it with `python -m training.data "
+                     f"{args.data}`")  # fmt: skip
     try:
         check_output_dir(Path(args.output_dir), args.force)
     except FileExistsError as err:

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target_dir", required=True, help="the trained target's HF checkpoint")
     parser.add_argument("--blocks", type=int, default=32, help="anchored blocks per window")
     args = loop.start(parser, argv)
+    if not (Path(args.target_dir) / "config.json").is_file():
+        parser.error(f"--target_dir {args.target_dir} holds no config.json: train the target first "
+                     "(`python -m training.train_target`)")  # fmt: skip
     device, data, target_dir = torch.device(args.device), Path(args.data), Path(args.target_dir)
     target_hf = json.loads((target_dir / "config.json").read_text())
     hf_config = drafter_config()
