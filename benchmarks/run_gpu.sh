@@ -13,7 +13,7 @@
 #             on the GPU == the same on the CPU
 #   acceptance benchmarks/acceptance.py: the trained pair, every mode, greedy and temperature 1.0, device loop
 #   rank      benchmarks/kimi_rank_int4.py: a whole Kimi K2.x TP-8 rank with INT4 experts (memory, 1k and 32k context)
-#   sampling  benchmarks/sampling_lossless_gpu.py: chi-square tests of sampled DDTree on the device loop
+#   sampling  benchmarks/sampling_lossless_gpu.py: chi-square tests of sampled DDTree on the device loop (16 processes)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
@@ -63,7 +63,8 @@ if has rank; then
   tail -22 "$OUT/kimi_rank_int4.log"
 fi
 if has sampling; then
-  python3 benchmarks/sampling_lossless_gpu.py "$OUT" > "$OUT/sampling_lossless_gpu.log" 2>&1; echo "sampling rc=$?"
+  python3 benchmarks/sampling_lossless_gpu.py "$OUT" --workers 4 --parallel_samples 4 --seconds "${SAMPLING_SECONDS:-300}" \
+    > "$OUT/sampling_lossless_gpu.log" 2>&1; echo "sampling rc=$?"
   tail -6 "$OUT/sampling_lossless_gpu.log"
 fi
 if has lossless; then

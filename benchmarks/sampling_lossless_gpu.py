@@ -1,6 +1,7 @@
 """Sampled DDTree on the GPU device loop is lossless: a statistical test with the trained pair (`trained/`).
 
-    PYTHONPATH=. python3 benchmarks/sampling_lossless_gpu.py OUT_DIR [--draws 20000] [--seconds 170] [--smoke]
+    PYTHONPATH=. python3 benchmarks/sampling_lossless_gpu.py OUT_DIR [--draws 20000] [--seconds 170]
+        [--workers 4 --parallel_samples 4] [--smoke]
 
 The pair in float32 through the rank factory (CUDA graphs, the device loop's sampled steps: temperature, top-k, the
 tree walk and the bonus drawn on the device from counter-based noise), DDTree budget 8, one held-out prompt,
@@ -11,6 +12,8 @@ Chi-square tests at level 0.001: speculative draws against the exact joint and t
 (the same device loop, no drafter) likewise, and the two samples against each other (a 2 x cells contingency
 table). Broken variants must be rejected by the same test: greedy acceptance at temperature 1 (the walk follows
 argmax choices) and the temperature applied twice (at 0.7). Draws stop at --draws or after --seconds a side.
+A draw is bound by the host (one request of three tokens: prefill, two steps, a read-back), so the seeds of each
+sample can be split among --workers processes, and --parallel_samples samples drawn at once, all on the one GPU.
 Writes OUT_DIR/sampling_lossless_gpu.json.
 """
 
@@ -80,9 +83,9 @@ def two_sample(a: dict, b: dict) -> float:
     return float(chi2_contingency(table).pvalue)
 
 
-def draw(ranks, prompt, temperature: float, draws: int, seconds: float, autoregressive: bool, seed0: int):
+def draw(ranks, prompt, temperature: float, seeds: range, seconds: float, autoregressive: bool):
     joint, third, accepted, start = {}, {}, [], time.perf_counter()
-    for seed in range(seed0, seed0 + draws):
+    for seed in seeds:
         params = SamplingParams(temperature=temperature, top_k=TOP_K, seed=seed)
         result = generate_on_device(ranks, SPEC, prompt, 3, 512, autoregressive=autoregressive, params=params)
         t1, t2, t3 = result.tokens[:3]
@@ -91,7 +94,56 @@ def draw(ranks, prompt, temperature: float, draws: int, seconds: float, autoregr
         accepted += result.accept_lengths
         if time.perf_counter() - start > seconds:
             break
-    return joint, third, (float(np.mean(accepted)) if accepted else 1.0), time.perf_counter() - start
+    return joint, third, accepted, time.perf_counter() - start
+
+
+BROKEN = {  # name: (DeviceLoop._choose replacement, the temperature the request asks for)
+    "greedy acceptance (temperature 1)": (lambda real: lambda self, logits: logits.argmax(dim=-1), 1.0),
+    "temperature applied twice (0.7)": (
+        lambda real: lambda self, logits: real(self, logits / self.sampling["temperature"]),
+        0.7,
+    ),
+}
+
+
+def draw_job(job: dict):
+    """One share of a sample's seeds, in its own process (`--workers`): builds its ranks, with a broken variant
+    patched on DeviceLoop before they are built (the CUDA graphs capture the broken step), and draws."""
+    real = DeviceLoop._choose
+    variant = job["variant"]
+    if variant:
+        DeviceLoop._choose = BROKEN[variant][0](real)
+    try:
+        options = RankOptions("torch", job["device"], True, job["autoregressive"])
+        ranks = local_ranks(CheckpointWeights(job["ckpt"]), options, SPEC, BuildConfig(128, 512))
+        try:
+            return draw(ranks, job["prompt"], job["temperature"], job["seeds"], job["seconds"], job["autoregressive"])
+        finally:
+            ranks.close()
+    finally:
+        DeviceLoop._choose = real
+
+
+def sample_all(jobs: list[dict], workers: int) -> list[tuple]:
+    """Every job's draws: in this process for one worker, else in `workers` processes on the same GPU (the draws
+    are bound by the host's launches, so several processes keep the GPU busier)."""
+    if workers <= 1:
+        return [draw_job(job) for job in jobs]
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return pool.map(draw_job, jobs, chunksize=1)
+
+
+def merged(shares: list[tuple]) -> tuple[dict, dict, float, float]:
+    joint, third, accepted = {}, {}, []
+    for j, t, a, _ in shares:
+        for k, v in j.items():
+            joint[k] = joint.get(k, 0) + v
+        for k, v in t.items():
+            third[k] = third.get(k, 0) + v
+        accepted += a
+    return joint, third, (float(np.mean(accepted)) if accepted else 1.0), max(s for *_, s in shares)
 
 
 def main(argv=None) -> int:
@@ -101,6 +153,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=170.0, help="time a side (at most)")
     parser.add_argument("--broken_draws", type=int, default=3000)
     parser.add_argument("--broken_seconds", type=float, default=40.0)
+    parser.add_argument("--workers", type=int, default=1, help="processes a sample (its seeds split among them)")
+    parser.add_argument("--parallel_samples", type=int, default=1,
+                        help="samples drawn at the same time (4: all of them; processes = workers x this)")
     parser.add_argument("--smoke", action="store_true", help="the CPU, few draws: checks the script")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -113,45 +168,35 @@ def main(argv=None) -> int:
     rows, result = [], {**environment(args.smoke), "spec": "DDTree budget 8", "top_k": TOP_K, "level": LEVEL}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = convert_pair(Path(tmp) / "ckpt", "float32")
-        build = BuildConfig(max_input_len=128, max_seq_len=512)
-
-        def ranks(autoregressive: bool):
-            options = RankOptions("torch", device, True, autoregressive)
-            return local_ranks(CheckpointWeights(ckpt), options, SPEC, build)
-
         expected = {1.0: exact(model, prompt, 1.0, device), 0.7: exact(model, prompt, 0.7, device)}
-        spec_ranks = ranks(False)
-        spec = draw(spec_ranks, prompt, 1.0, args.draws, args.seconds, False, 0)
-        auto_ranks = ranks(True)
-        auto = draw(auto_ranks, prompt, 1.0, args.draws, args.seconds, True, 10**6)
-        auto_ranks.close()
-        for name, (joint, third, accepted, seconds) in (("speculative", spec), ("autoregressive", auto)):
+        del model
+        samples = {  # name: (autoregressive, broken variant, temperature, draws, seconds, first seed)
+            "speculative": (False, None, 1.0, args.draws, args.seconds, 0),
+            "autoregressive": (True, None, 1.0, args.draws, args.seconds, 10**6),
+            **{f"broken: {name}": (False, name, temperature, args.broken_draws, args.broken_seconds, 2 * 10**6)
+               for name, (_, temperature) in BROKEN.items()},
+        }  # fmt: skip
+        per = max(1, args.workers)
+        jobs = []
+        for name, (autoregressive, variant, temperature, draws, seconds, seed0) in samples.items():
+            share = -(-draws // per)
+            for w in range(per):
+                seeds = range(seed0 + w * share, seed0 + min(draws, (w + 1) * share))
+                jobs.append({"sample": name, "ckpt": ckpt, "device": device, "autoregressive": autoregressive,
+                             "variant": variant, "temperature": temperature, "prompt": prompt, "seeds": seeds,
+                             "seconds": seconds})  # fmt: skip
+        started = time.perf_counter()
+        shares = sample_all(jobs, args.workers * args.parallel_samples)
+        result["wall_seconds"] = round(time.perf_counter() - started, 1)
+        drawn = {name: merged([s for job, s in zip(jobs, shares) if job["sample"] == name]) for name in samples}
+        for name, (joint, third, accepted, seconds) in drawn.items():
+            temperature = samples[name][2]
             rows.append({"sample": name, "draws": sum(joint.values()), "seconds": round(seconds, 1),
-                         "mean_accept_length": round(accepted, 3), "p_joint": gof(joint, expected[1.0][0]),
-                         "p_third": gof(third, expected[1.0][1])})  # fmt: skip
-        result["p_two_sample_joint"] = two_sample(spec[0], auto[0])
-        result["p_two_sample_third"] = two_sample(spec[1], auto[1])
-        spec_ranks.close()
-        real = DeviceLoop._choose
-        broken = {  # patched on the class before the ranks are built: the CUDA graphs capture the broken step
-            "greedy acceptance (temperature 1)": (lambda self, logits: logits.argmax(dim=-1), 1.0),
-            "temperature applied twice (0.7)": (
-                lambda self, logits: real(self, logits / self.sampling["temperature"]),
-                0.7,
-            ),
-        }
-        for name, (choose, temperature) in broken.items():
-            DeviceLoop._choose = choose
-            try:
-                broken_ranks = ranks(False)
-                joint, third, accepted, seconds = draw(broken_ranks, prompt, temperature, args.broken_draws,
-                                                       args.broken_seconds, False, 2 * 10**6)  # fmt: skip
-                broken_ranks.close()
-            finally:
-                DeviceLoop._choose = real
-            rows.append({"sample": f"broken: {name}", "draws": sum(joint.values()), "seconds": round(seconds, 1),
                          "mean_accept_length": round(accepted, 3), "p_joint": gof(joint, expected[temperature][0]),
                          "p_third": gof(third, expected[temperature][1])})  # fmt: skip
+        spec, auto = drawn["speculative"], drawn["autoregressive"]
+        result["p_two_sample_joint"] = two_sample(spec[0], auto[0])
+        result["p_two_sample_third"] = two_sample(spec[1], auto[1])
     for row in rows:
         row["verdict"] = "pass" if min(row["p_joint"], row["p_third"]) > LEVEL else "rejected"
         print(json.dumps(row), flush=True)
