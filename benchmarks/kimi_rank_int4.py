@@ -1,6 +1,7 @@
 """A whole Kimi K2.x TP-8 rank with its INT4 experts, on one GPU: memory, then end to end at long context.
 
     PYTHONPATH=. python3 benchmarks/kimi_rank_int4.py OUT_DIR [--contexts 1024,32768] [--new-tokens 128]
+        [--long-repeats 1]
     PYTHONPATH=. python3 benchmarks/kimi_rank_int4.py OUT_DIR --smoke      (tiny shapes on the CPU: checks the script)
 
 The "kimi-rank-int4" preset (`models/presets.py`): 61 layers, the dense first layer and 60 MoE layers with the rank's
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from dataclasses import replace
+
 from benchmarks.common import Setup, add_setup_args, environment
 from benchmarks.gpu_runtime import SPEC_MODES, ModelRun, request_row
 from engines.spec import BuildConfig, SpecConfig
@@ -44,6 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--contexts", default=None, help="prompt lengths (default 1024,32768; smoke 40,100)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens a request (default 128; smoke 16)")
+    parser.add_argument("--long-repeats", type=int, default=1,
+                        help="timed requests a row at contexts over 4096 tokens (each prefills the whole prompt)")
     add_setup_args(parser)
     args = parser.parse_args(argv)
     setup = Setup.from_args(args)
@@ -66,7 +71,8 @@ def main(argv=None) -> int:
         for context in contexts:
             prompt = torch.randint(0, shard - 2, (context,), generator=torch.Generator().manual_seed(0)).tolist()
             run = ModelRun("kimi-rank-int4", weights, prompt, new_tokens, limits=limits)
-            ar = request_row(run, setup, "autoregressive (device loop)", "-", SpecConfig(8, 32), device_loop=True)
+            row_setup = replace(setup, repeats=args.long_repeats) if context > 4096 else setup
+            ar = request_row(run, row_setup, "autoregressive (device loop)", "-", SpecConfig(8, 32), device_loop=True)
             run.continuation = ar.pop("tokens_list")
             if "memory" not in info:  # the first ranks built: weights, caches and the peak so far
                 # the modules the ranks were built with (PresetWeights keeps them by rank, device and forms)
@@ -80,21 +86,23 @@ def main(argv=None) -> int:
                     "device_total_bytes": torch.cuda.get_device_properties(0).total_memory if not setup.smoke else None,
                 }  # fmt: skip
                 print("memory", info["memory"], flush=True)
-            rows = [{**ar, "context": context}]
-            for drafter in ("random", "oracle"):
-                for mode, spec in SPEC_MODES:
-                    row = request_row(run, setup, f"{mode} (device loop)", drafter, spec, device_loop=True)
-                    row.pop("tokens_list", None)
-                    rows.append({**row, "context": context})
             decode_ms = ar.get("step_ms") or (1e3 / ar["tokens_per_s"] if ar["tokens_per_s"] else None)
-            for row in rows:
+
+            def add(row: dict) -> None:  # saved at once: a run cut short keeps every row it measured
                 row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
                 verify = (row.get("phase_ms") or {}).get("verify")
                 row["verify_over_decode"] = verify / decode_ms if verify and decode_ms else None
-            info["rows"] += rows
-            if not setup.smoke:
-                info["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            save()
+                info["rows"].append({**row, "context": context})
+                if not setup.smoke:
+                    info["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+                save()
+
+            add(ar)
+            for drafter in ("random", "oracle"):
+                for mode, spec in SPEC_MODES:
+                    row = request_row(run, row_setup, f"{mode} (device loop)", drafter, spec, device_loop=True)
+                    row.pop("tokens_list", None)
+                    add(row)
     print("\n| context | mode | drafter | decode tokens/s | speed-up | accept | draft / tree / verify / accept (ms) "
           "| verify / decode |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in info["rows"]:

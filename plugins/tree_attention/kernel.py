@@ -162,27 +162,30 @@ def _tree_attention_split(
             allowed = tl.load(
                 mask_ptr + token[:, None] * T + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0
             ).to(tl.int1)
-            acc, m_i, l_i = _attend_block(
-                acc,
-                m_i,
-                l_i,
-                q_lat,
-                q_rope,
-                new_ptr,
-                new_stride,
-                keys,
-                key_ok,
-                allowed,
-                offs_dl,
-                offs_dr,
-                D_LAT,
-                D_ROPE,
-                qk_scale,
-                PRECISION,
-                new_ptr,
-                new_stride,
-                False,
-            )
+            # a block the mask hides from every row of the tile adds nothing: skipped (a causal prefill's upper
+            # triangle, half of its T x T work)
+            if tl.max(allowed.to(tl.int32)) > 0:
+                acc, m_i, l_i = _attend_block(
+                    acc,
+                    m_i,
+                    l_i,
+                    q_lat,
+                    q_rope,
+                    new_ptr,
+                    new_stride,
+                    keys,
+                    key_ok,
+                    allowed,
+                    offs_dl,
+                    offs_dr,
+                    D_LAT,
+                    D_ROPE,
+                    qk_scale,
+                    PRECISION,
+                    new_ptr,
+                    new_stride,
+                    False,
+                )
     base = split * T * H + rows
     written = row_ok & active
     tl.store(part_m + base, m_i, mask=written)
