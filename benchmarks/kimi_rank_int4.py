@@ -22,11 +22,10 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-
-from dataclasses import replace
 
 from benchmarks.common import Setup, add_setup_args, environment
 from benchmarks.gpu_runtime import SPEC_MODES, ModelRun, request_row
@@ -47,8 +46,12 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--contexts", default=None, help="prompt lengths (default 1024,32768; smoke 40,100)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens a request (default 128; smoke 16)")
-    parser.add_argument("--long-repeats", type=int, default=1,
-                        help="timed requests a row at contexts over 4096 tokens (each prefills the whole prompt)")
+    parser.add_argument(
+        "--long-repeats",
+        type=int,
+        default=1,
+        help="timed requests a row at contexts over 4096 tokens (each prefills the whole prompt)",
+    )
     add_setup_args(parser)
     args = parser.parse_args(argv)
     setup = Setup.from_args(args)
@@ -87,22 +90,21 @@ def main(argv=None) -> int:
                 }  # fmt: skip
                 print("memory", info["memory"], flush=True)
             decode_ms = ar.get("step_ms") or (1e3 / ar["tokens_per_s"] if ar["tokens_per_s"] else None)
-
-            def add(row: dict) -> None:  # saved at once: a run cut short keeps every row it measured
+            for drafter, mode, spec in [("-", None, None)] + [
+                (d, m, s) for d in ("random", "oracle") for m, s in SPEC_MODES
+            ]:
+                if mode is None:
+                    row = ar
+                else:
+                    row = request_row(run, row_setup, f"{mode} (device loop)", drafter, spec, device_loop=True)
+                    row.pop("tokens_list", None)
                 row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
                 verify = (row.get("phase_ms") or {}).get("verify")
                 row["verify_over_decode"] = verify / decode_ms if verify and decode_ms else None
                 info["rows"].append({**row, "context": context})
                 if not setup.smoke:
                     info["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-                save()
-
-            add(ar)
-            for drafter in ("random", "oracle"):
-                for mode, spec in SPEC_MODES:
-                    row = request_row(run, row_setup, f"{mode} (device loop)", drafter, spec, device_loop=True)
-                    row.pop("tokens_list", None)
-                    add(row)
+                save()  # after every row: a run cut short keeps what it measured
     print("\n| context | mode | drafter | decode tokens/s | speed-up | accept | draft / tree / verify / accept (ms) "
           "| verify / decode |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in info["rows"]:

@@ -154,8 +154,12 @@ def main(argv=None) -> int:
     parser.add_argument("--broken_draws", type=int, default=3000)
     parser.add_argument("--broken_seconds", type=float, default=40.0)
     parser.add_argument("--workers", type=int, default=1, help="processes a sample (its seeds split among them)")
-    parser.add_argument("--parallel_samples", type=int, default=1,
-                        help="samples drawn at the same time (4: all of them; processes = workers x this)")
+    parser.add_argument(
+        "--parallel_samples",
+        type=int,
+        default=1,
+        help="samples drawn at the same time (4: all of them; processes = workers x this)",
+    )
     parser.add_argument("--smoke", action="store_true", help="the CPU, few draws: checks the script")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
