@@ -38,6 +38,20 @@ def stdlib_data(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def release_engine(demo_hf, tmp_path_factory):
+    """TP-8 engine (torch backend) of the release-layout target: tiktoken tokenizer, chat template and a chat
+    generation_config.json, as Kimi K2.x ships them."""
+    from builder.cli import main as cli_main
+
+    engine = tmp_path_factory.mktemp("release") / "engine"
+    args = ["--model_dir", str(demo_hf / "kimi-k2-tiny-tiktoken"), "--draft_model_dir",
+            str(demo_hf / "kimi-k2-tiny-dflash"), "--tp_size", "8", "--output_dir", str(engine), "--max_input_len",
+            "64", "--max_seq_len", "512", "--no_onnx"]  # fmt: skip
+    assert cli_main(args) == 0
+    return engine
+
+
+@pytest.fixture(scope="session")
 def demo_ckpt(demo_hf, tmp_path_factory):
     """Converted checkpoints by tp_size, made on first use."""
     from builder.convert import convert

@@ -13,19 +13,6 @@ from tests.conftest import mpirun
 TURNS = [{"role": "system", "content": "You are Kimi."}, {"role": "user", "content": "Hello!"}]
 
 
-@pytest.fixture(scope="module")
-def release_engine(demo_hf, tmp_path_factory):
-    """TP-2 engine of the release-layout target (tiktoken tokenizer, chat generation_config), torch backend."""
-    from builder.cli import main as cli_main
-
-    engine = tmp_path_factory.mktemp("release") / "engine"
-    args = ["--model_dir", str(demo_hf / "kimi-k2-tiny-tiktoken"), "--draft_model_dir",
-            str(demo_hf / "kimi-k2-tiny-dflash"), "--tp_size", "2", "--output_dir", str(engine), "--max_input_len",
-            "64", "--max_seq_len", "512", "--no_onnx"]  # fmt: skip
-    assert cli_main(args) == 0
-    return engine
-
-
 def test_the_template_renders_turns_and_thinking(release_engine):
     template = load_tokenizer(release_engine / "tokenizer", 512).config["chat_template"]
     on = render_chat(template, TURNS)
@@ -61,14 +48,15 @@ def test_generation_defaults(release_engine, demo_hf):
 
 
 def test_cli_chat_under_mpirun(release_engine, tmp_path):
-    """--chat renders each prompt as a user turn (thinking on and off); sampling left unset takes
-    generation_config.json's temperature and top-p, and the CLI says so; the stop ids are the release's."""
+    """The release layout at TP-8 under mpirun -np 8: --chat renders each prompt as a user turn (thinking on and
+    off); sampling left unset takes generation_config.json's temperature and top-p, and the CLI says so; the stop
+    ids are the release's."""
     tokenizer = load_tokenizer(release_engine / "tokenizer", 512)
     template = tokenizer.config["chat_template"]
     results = {}
     for thinking in ("on", "off"):
         out = tmp_path / f"{thinking}.json"
-        done = mpirun(2, "-m", "runner", "--engine_dir", str(release_engine), "--backend", "torch", "--chat",
+        done = mpirun(8, "-m", "runner", "--engine_dir", str(release_engine), "--backend", "torch", "--chat",
                       "--system", "You are Kimi.", "--input_text", "Hello!", "--thinking", thinking,
                       "--max_output_len", "8", "--output_json", str(out))  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]

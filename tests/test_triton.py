@@ -67,23 +67,28 @@ def listening_addresses(pids: list[int]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server(demo_engine, tmp_path_factory):
+def server(demo_engine, release_engine, tmp_path_factory):
+    """One tritonserver with two models: "ddtree" (the demo engine, TP-2, ONNX Runtime) and "kimi-release" (the
+    release-layout engine: tiktoken tokenizer, chat template, generation defaults; TP-8, torch backend)."""
     engine = demo_engine(2)
     work = tmp_path_factory.mktemp("triton")
     write_repository(engine, work / "repo", max_queue=MAX_QUEUE)
+    write_repository(release_engine, work / "release", model_name="kimi-release", backend="torch")
+    (work / "release" / "kimi-release").rename(work / "repo" / "kimi-release")
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     process = start_server(
         TRITON_VENV, work / "repo", work, ports["http"], ports["grpc"], ports["metrics"], work / "server.log"
     )
     try:
         wait_ready(process, ports["http"], work / "server.log")
-        yield {**ports, "engine": engine, "process": process, "log": work / "server.log"}
+        yield {**ports, "engine": engine, "release": release_engine, "process": process, "log": work / "server.log"}
     finally:
         stop_server(process)
         deadline = time.monotonic() + 30
         while runner_pids(engine) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not runner_pids(engine), "the MPI runner outlived the server"
+        assert not runner_pids(release_engine), "the MPI runner outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +117,9 @@ def cli_outputs(demo_engine, tmp_path_factory):
     return {"greedy": read("greedy.json"), "sampled": read("sampled.json")[0]}
 
 
-def post(port: int, path: str, body: dict) -> tuple[int, str]:
+def post(port: int, path: str, body: dict, model: str = "ddtree") -> tuple[int, str]:
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v2/models/ddtree/{path}",
+        f"http://127.0.0.1:{port}/v2/models/{model}/{path}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -153,6 +158,24 @@ def test_a_chat_request(server):
     assert output.startswith("<|im_user|>user<|im_middle|>Hello!<|im_end|><|im_assistant|>assistant<|im_middle|>")
     status, text = post(server["http"], "generate", {"messages": "not json", "max_tokens": 8})
     assert status == 400 and "bad request" in text
+
+
+def test_a_chat_request_to_the_release_layout_at_tp8(server):
+    """The release layout through Triton: `messages` rendered with its chat template (thinking on and off) and
+    tokenized by its tiktoken tokenizer; sampling left unset takes generation_config.json's defaults."""
+    from runner.chat import render_chat
+    from runner.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(server["release"] / "tokenizer", 512)
+    turns = [{"role": "user", "content": "Hello, 世界!"}]
+    for thinking in (True, False):
+        body = {"messages": json.dumps(turns), "thinking": thinking, "max_tokens": 6, "seed": 3}
+        status, text = post(server["http"], "generate", body, model="kimi-release")
+        assert status == 200, text
+        prompt = render_chat(tokenizer.config["chat_template"], turns, thinking)
+        output = json.loads(text)["text_output"]
+        assert output.startswith(prompt) and len(output) > len(prompt), (prompt, output)
+        assert prompt.endswith("<|im_middle|>" if thinking else "<|im_middle|><think></think>")
 
 
 def test_generate_stream_equals_cli(server, cli_outputs):
