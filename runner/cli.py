@@ -120,7 +120,8 @@ def prepare(args, comm) -> Job:
         spec = SpecConfig(base.block_size, max(base.budgets), topk, extra_budgets=base.budgets)
     else:
         budget = args.ddtree_budget if args.ddtree_budget is not None else base.budget  # 0 is an error
-        spec = SpecConfig(base.block_size, budget, topk)
+        # a server's requests may name any budget the engine verifies, or auto (`ddtree_budget`)
+        spec = SpecConfig(base.block_size, budget, topk, extra_budgets=base.budgets if args.serve else ())
     check_runtime_spec(spec, engine.profiles)
     target = engine.config["pretrained_config"]["target"]
     tokenizer_dir = args.tokenizer_dir or engine.tokenizer_dir

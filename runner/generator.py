@@ -30,16 +30,32 @@ class Generator:
             )
         self.on_gpu = lead.device.type == "cuda"
         self.rank_description = lead.description
-        self.policy = None  # `enable_auto_budget`: a cost-aware tree budget chosen every step
+        self.policy = None  # the cost-aware tree budget's policy (`runner/budget.py`), measured on first use
+        self.auto_default = False  # `enable_auto_budget`: requests that name no budget take `auto`
 
-    def on_device(self, params: SamplingParams, banned: tuple[int, ...] = ()) -> bool:
+    def on_device(self, params: SamplingParams, banned: tuple[int, ...] = (), budget: int | str | None = None) -> bool:
         """Whether a request runs on the device loop: where the ranks have one, greedy or sampled, unless it bans
-        tokens (bad_words: the host loop's sampler) or the budget is chosen every step (the host loop's policy)."""
-        return self.device_loop and not banned and self.policy is None
+        tokens (bad_words: the host loop's sampler) or its budget is not the one the loop was built for (`auto`,
+        chosen every step by the host loop's policy, or another of the engine's budgets)."""
+        return self.device_loop and not banned and self.step_budget(budget) == self.spec.budget
+
+    def step_budget(self, budget: int | str | None) -> int | str:
+        """What a request's `budget` (None: the job's default) runs: "auto" or a fixed tree budget."""
+        if budget is None:
+            return "auto" if self.auto_default else self.spec.budget
+        return budget
 
     def enable_auto_budget(self, tokens: int = 32, calibration: float = 1.0) -> dict[int, float]:
+        """`--ddtree_budget auto`: every request that names no budget has it chosen every step; returns the seconds
+        a step measured at each budget (`measure_budgets`)."""
+        costs = self.measure_budgets(tokens, calibration)
+        self.auto_default = True
+        return costs
+
+    def measure_budgets(self, tokens: int = 32, calibration: float = 1.0) -> dict[int, float]:
         """Measures one step's cost at every tree budget the ranks' engines verify (a short greedy request each, on
-        this hardware), then chooses the budget every step (`runner/budget.py`); returns the seconds a step."""
+        this hardware) for the policy that chooses the budget every step (`runner/budget.py`); returns the seconds
+        a step."""
         from runner.budget import BudgetPolicy
 
         if self.autoregressive:
@@ -67,17 +83,19 @@ class Generator:
         longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]
         return list(range(1, min(4 * block, longest) + 1))
 
-    def mode(self, params: SamplingParams = GREEDY, banned: tuple[int, ...] = ()) -> str:
-        spec = self.spec
+    def mode(
+        self, params: SamplingParams = GREEDY, banned: tuple[int, ...] = (), budget: int | str | None = None
+    ) -> str:
+        spec, chosen = self.spec, self.step_budget(budget)
         if self.autoregressive:
             what = "autoregressive"
         elif spec.max_topk == 1:
             what = f"DFlash chain (block {spec.block_size})"
-        elif self.policy is not None:
-            what = f"DDTree budget auto of {list(self.policy.budgets)} (block {spec.block_size})"
+        elif chosen == "auto":
+            what = f"DDTree budget auto of {list(spec.budgets)} (block {spec.block_size})"
         else:
-            what = f"DDTree budget {spec.budget} (block {spec.block_size})"
-        if not self.on_device(params, banned):
+            what = f"DDTree budget {chosen} (block {spec.block_size})"
+        if not self.on_device(params, banned, budget):
             return f"{what}, host loop"
         return f"{what}, device loop ({'one CUDA graph a step' if self.on_gpu else 'eager tensor program'})"
 
@@ -90,17 +108,26 @@ class Generator:
         on_tokens: Callable[[list[int]], None] | None = None,
         stop_sequences: tuple[tuple[int, ...], ...] = (),
         banned: tuple[int, ...] = (),
+        budget: int | str | None = None,
     ) -> GenerationResult:
-        if self.on_device(params, banned):
+        """budget: this request's tree budget, one the engines verify, or "auto" (None: the job's default); the
+        device loop runs the budget it was built for, any other on the host loop."""
+        if self.on_device(params, banned, budget):
             return generate_on_device(self.ranks, self.spec, prompt, max_new_tokens, self.capacity, end_ids, on_tokens,
                                       self.autoregressive, stop_sequences, params)  # fmt: skip
         sampler = Sampler(params, banned)
         if self.autoregressive:
             return generate_autoregressive(self.ranks, prompt, max_new_tokens, sampler, end_ids, on_tokens,
                                            stop_sequences)  # fmt: skip
-        spec = self.spec if self.policy is None else self.spec.with_budget(max(self.policy.budgets))
+        chosen, policy = self.step_budget(budget), None
+        if chosen == "auto":
+            if self.policy is None:  # measured once, at the first request that asks
+                self.measure_budgets()
+            policy = self.policy
+            chosen = max(policy.budgets)  # the tree is built at the largest; the policy takes its best prefix
+        spec = self.spec if chosen == self.spec.budget else self.spec.with_budget(chosen)
         return generate(self.ranks, prompt, max_new_tokens, spec, sampler, end_ids, on_tokens, stop_sequences,
-                        self.policy)  # fmt: skip
+                        policy)  # fmt: skip
 
     def warm_up(self, requests: tuple[SamplingParams, ...] = (GREEDY,)) -> float:
         """Runs a short request with each of `requests`' parameters, so the graph captures, kernel compilations and

@@ -56,3 +56,56 @@ def test_auto_needs_several_budgets(demo_ckpt):
             Generator(ranks).enable_auto_budget()
     finally:
         ranks.close()
+
+
+def test_a_request_chooses_its_budget_when_served(demo_hf, tmp_path):
+    """`--serve` (the Triton model's runner) on an engine with several verify profiles: a request may name any of
+    its budgets or `auto`; the device loop serves the budget it was built for, the host loop the others; every
+    greedy output equals autoregressive decoding; a budget the engine lacks, a malformed one, or a budget on an
+    autoregressive server is that request's own error."""
+    import io
+    import json
+
+    from builder.cli import main as build_main
+    from engines.engine_dir import load_engine_dir
+    from runner.factory import CheckpointWeights, RankOptions, local_ranks
+    from runner.serving.serve import serve
+    from runner.tokenizer import load_tokenizer
+
+    out_dir = tmp_path / "engine"
+    args = ["--model_dir", str(demo_hf / "kimi-k2-tiny"), "--draft_model_dir", str(demo_hf / "kimi-k2-tiny-dflash"),
+            "--output_dir", str(out_dir), "--max_input_len", "64", "--max_seq_len", "512", "--no_onnx",
+            "--extra_budgets", "16"]  # fmt: skip
+    assert build_main(args) == 0
+    engine = load_engine_dir(out_dir)
+    assert engine.spec.budgets == (16, 32)
+    tokenizer = load_tokenizer(engine.tokenizer_dir, 512)
+    requests = [{"id": "default"}, {"id": "16", "ddtree_budget": "16"}, {"id": "auto", "ddtree_budget": "auto"},
+                {"id": "chain", "ddtree_budget": 4}, {"id": "missing", "ddtree_budget": "24"},
+                {"id": "bad", "ddtree_budget": "1.5"}]  # fmt: skip
+    lines = "\n".join(json.dumps({"text_input": "Hello world", "max_tokens": 24, **r}) for r in requests)
+
+    def served(autoregressive: bool, lines: str) -> dict:
+        options = RankOptions(device="cpu", device_loop=True, autoregressive=autoregressive)
+        ranks = local_ranks(CheckpointWeights(engine.checkpoint_dir), options, engine.spec, engine.build_config)
+        out = io.StringIO()
+        serve(Generator(ranks, autoregressive), tokenizer, engine, engine.spec, "torch", inp=io.StringIO(lines),
+              out=out)  # fmt: skip
+        ranks.close()
+        return {e["id"]: e for e in map(json.loads, out.getvalue().splitlines()[1:]) if e["event"] != "tokens"}
+
+    finals = served(False, lines)
+    expected = served(True, json.dumps({"id": "ar", "text_input": "Hello world", "max_tokens": 24}))["ar"]
+    for name in ("default", "16", "auto", "chain"):
+        assert finals[name]["event"] == "done" and finals[name]["output_ids"] == expected["output_ids"], name
+    assert finals["default"]["mode"] == "DDTree budget 32 (block 8), device loop (eager tensor program)"
+    assert finals["16"]["mode"] == "DDTree budget 16 (block 8), host loop" and set(finals["16"]["budgets"]) == {16}
+    assert finals["auto"]["mode"] == "DDTree budget auto of [16, 32] (block 8), host loop"
+    assert set(finals["auto"]["budgets"]) <= {16, 32} and finals["chain"]["budgets"][0] == 4
+    assert (
+        "budget=24 needs a 25-token verify_tree profile; the engine verifies tree budgets [16, 32]"
+        in (finals["missing"]["error"])
+    )
+    assert "ddtree_budget must be a tree budget (an integer >= 1) or auto, got '1.5'" in finals["bad"]["error"]
+    on_ar = served(True, json.dumps({"id": "x", "text_input": "Hi", "max_tokens": 2, "ddtree_budget": 16}))["x"]
+    assert "this server decodes autoregressively" in on_ar["error"]

@@ -160,6 +160,18 @@ def test_a_chat_request(server):
     assert status == 400 and "bad request" in text
 
 
+def test_a_request_chooses_its_tree_budget(server, cli_outputs):
+    """`ddtree_budget` (a string tensor): a budget the engine verifies (4: a tree in the chain's profile) gives the
+    CLI's greedy text (lossless); auto on an engine with one tree budget, and a budget it lacks, are bad requests."""
+    body = {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True, "ddtree_budget": "4"}
+    status, text = post(server["http"], "generate", body)
+    assert status == 200, text
+    assert json.loads(text)["text_output"] == cli_outputs["greedy"][0]
+    for budget, message in (("auto", "this engine verifies only [32]"), ("24", "budget=24 needs a 25-token")):
+        status, text = post(server["http"], "generate", {**body, "ddtree_budget": budget})
+        assert status == 400 and message in text, text
+
+
 def test_a_chat_request_to_the_release_layout_at_tp8(server):
     """The release layout through Triton: `messages` rendered with its chat template (thinking on and off) and
     tokenized by its tiktoken tokenizer; sampling left unset takes generation_config.json's defaults."""

@@ -36,6 +36,7 @@ REQUEST_FIELDS = {
     "messages",
     "thinking",
     "max_tokens",
+    "ddtree_budget",
     "temperature",
     "top_k",
     "top_p",
@@ -92,6 +93,29 @@ class Request:
                 raise ValueError(f"bad_words entries must be single tokens; {word!r} is {len(ids)} tokens")
             banned += ids
         self.banned = tuple(banned)
+        self.budget = request_budget(raw.get("ddtree_budget"), engine, spec)
+
+
+def request_budget(value, engine, spec) -> int | str | None:
+    """A request's `ddtree_budget`: None (the job's), "auto" (chosen every step among the engine's budgets), or a
+    tree budget the engine verifies (an integer, or its digits as a string: Triton sends a string)."""
+    if value is None:
+        return None
+    if value == "auto":
+        if len(spec.budgets) < 2:
+            raise ValueError(f"ddtree_budget auto chooses among several tree budgets; this engine verifies only "
+                             f"{list(spec.budgets)} (build it with --extra_budgets, e.g. 8,16)")  # fmt: skip
+        return "auto"
+    try:
+        budget = int(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        budget = None
+    if budget is None or budget < 1 or str(value).strip() != str(budget):
+        raise ValueError(f"ddtree_budget must be a tree budget (an integer >= 1) or auto, got {value!r}")
+    from engines.spec import verify_profile_name
+
+    verify_profile_name(spec.with_budget(budget), engine.profiles)  # a budget the engine lacks: a clear error
+    return budget
 
 
 PARENT_POLL_S = 0.5
@@ -186,6 +210,8 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
             if not isinstance(raw, dict):
                 raise ValueError("a request must be a JSON object")
             request = Request(raw, tokenizer, engine, spec, defaults)
+            if request.budget is not None and generator.autoregressive:
+                raise ValueError("ddtree_budget: this server decodes autoregressively (--autoregressive)")
         except (ValueError, TypeError) as err:
             send({"id": request_id, "event": "error", "error": str(err)})
             continue
@@ -213,6 +239,7 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
                 on_tokens,
                 request.stop_sequences,
                 request.banned,
+                request.budget,
             )
         except RequestCancelled:  # the next request's reset discards any step still in flight, on every rank
             send({"id": request.id, "event": "cancelled", "output_ids": emitted})
@@ -232,6 +259,8 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
                 "accept_lengths": result.accept_lengths,
                 "target_forwards": result.target_forwards,
                 "elapsed": result.elapsed,
+                "mode": generator.mode(request.params, request.banned, request.budget),
+                "budgets": result.budgets,
                 "sampling": {
                     "temperature": request.params.temperature,
                     "top_k": request.params.top_k,

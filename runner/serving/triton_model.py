@@ -7,7 +7,8 @@ which speaks JSON lines over its stdin/stdout (`runner/serving/serve.py`).
 Tensor names follow TensorRT-LLM's Triton backend: text_input, max_tokens, temperature, top_k, top_p, seed,
 end_id, pad_id, stream, exclude_input_in_output, stop_words, bad_words -> text_output, plus accept_length; a chat
 comes as `messages` (a JSON list of {role, content}, rendered with the checkpoint's chat template; `thinking`: the
-template's switch) instead of text_input.
+template's switch) instead of text_input. `ddtree_budget` (a string: "auto" or one of the engine's tree budgets)
+chooses this request's budget.
 Requests are queued, at most `max_queue` (a parameter of config.pbtxt) at once; one more gets a "busy" error at
 once. The runner serves them one at a time. A request whose client goes away (Triton marks it cancelled) is cancelled
 in the runner too, queued or running, so it does not hold up the requests behind it. A malformed request gets its own
@@ -253,7 +254,7 @@ class TritonPythonModel:
                 }
                 # what the client left out stays out: the runner applies generation_config.json's defaults
                 for name, kind in (("text_input", str), ("temperature", float), ("top_k", int), ("top_p", float),
-                                   ("end_id", int), ("thinking", bool)):  # fmt: skip
+                                   ("end_id", int), ("thinking", bool), ("ddtree_budget", str)):  # fmt: skip
                     value = _scalar(request, name)
                     if value is not None:
                         payload[name] = kind(value)

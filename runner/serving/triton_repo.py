@@ -28,6 +28,7 @@ input [
   {{ name: "messages" data_type: TYPE_STRING dims: [ 1 ] optional: true }},
   {{ name: "thinking" data_type: TYPE_BOOL dims: [ 1 ] optional: true }},
   {{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }},
+  {{ name: "ddtree_budget" data_type: TYPE_STRING dims: [ 1 ] optional: true }},
   {{ name: "temperature" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
   {{ name: "top_k" data_type: TYPE_INT32 dims: [ 1 ] optional: true }},
   {{ name: "top_p" data_type: TYPE_FP32 dims: [ 1 ] optional: true }},
