@@ -77,6 +77,9 @@ class SpecConfig:
                 "extra_budgets": list(self.extra_budgets)}  # fmt: skip
 
 
+DEFAULT_PREFILL_CHUNK = 8192  # tokens one prefill forward takes at most at run time (SGLang's chunked prefill size)
+
+
 @dataclass(frozen=True)
 class BuildConfig:
     """Engine limits, in trtllm-build's vocabulary."""

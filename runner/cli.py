@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engines.spec import DEFAULT_PREFILL_CHUNK
+
 log = logging.getLogger("ddtree.runner")
 
 
@@ -49,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
         "decode) as one tensor program on the device, one CUDA graph a step, the next queued behind it (torch "
         "backend; bad words take the host loop); host: draft, tree and acceptance on the host (any backend); auto "
         "(default): device on a GPU with the torch backend, else host",
+    )
+    parser.add_argument(
+        "--chunked_prefill_size",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help=f"a prompt's forward in chunks of at most this many tokens, each attending to the earlier ones "
+        f"through the cache, so long prompts keep bounded buffers (default {DEFAULT_PREFILL_CHUNK}; 0: the whole "
+        "prompt at once)",
     )
     parser.add_argument("--output_json", type=Path, default=None, help="write token ids and stats (rank 0)")
     parser.add_argument(
@@ -107,6 +117,9 @@ def prepare(args, comm) -> Job:
     from runner.chat import GenerationDefaults
     from runner.factory import default_backend
 
+    if args.chunked_prefill_size < 0:
+        raise ValueError(f"--chunked_prefill_size must be >= 0 (0: the whole prompt at once), got "
+                         f"{args.chunked_prefill_size}")  # fmt: skip
     engine = load_engine_dir(args.engine_dir)
     engine.check_world_size(comm.Get_size())
     args.backend = args.backend or default_backend()
@@ -235,7 +248,8 @@ def main_on_rank(comm, argv=None) -> int:
     started = time.perf_counter()
     params, engine, spec = job.params, job.engine, job.spec
     loop = {"device": True, "host": False, "auto": None}[args.loop]  # auto: the device loop where it is a graph
-    options = RankOptions(args.backend, device_loop=loop, autoregressive=args.autoregressive)
+    options = RankOptions(args.backend, device_loop=loop, autoregressive=args.autoregressive,
+                          chunked_prefill_size=args.chunked_prefill_size)  # fmt: skip
     worker = build_rank(engine, rank, options, spec, comm=comm)
     if rank != 0:
         worker_loop(worker, comm)

@@ -23,7 +23,7 @@ import torch
 
 from engines.engine_dir import EngineDir
 from engines.io import engine_io
-from engines.spec import BuildConfig, SpecConfig, check_runtime_spec, derive_profiles
+from engines.spec import DEFAULT_PREFILL_CHUNK, BuildConfig, SpecConfig, check_runtime_spec, derive_profiles
 from models.checkpoint import CheckpointConfig, load_checkpoint_config
 from models.ops import ModelOps
 from models.presets import Preset, preset
@@ -41,15 +41,25 @@ class RankOptions:
     """How to run a rank. backend: trt | ort | torch. device (torch backend): auto (CUDA where a GPU exists), cpu,
     cuda. device_loop: greedy steps as one tensor program a step (None: on CUDA, where it is one graph a step).
     autoregressive: the device loop decodes one token a step (the baseline) instead of speculating. probes:
-    benchmarks' hooks (`runner/probes.py`), None for users."""
+    benchmarks' hooks (`runner/probes.py`), None for users. chunked_prefill_size: a prompt's forward in chunks of at
+    most this many tokens, each attending to the ones before through the cache (0: the whole prompt at once), so
+    a long prompt's T x T work and buffers stay bounded."""
 
     backend: str = "torch"
     device: str = "auto"
     device_loop: bool | None = None
     autoregressive: bool = False
     probes: Probes | None = None
+    chunked_prefill_size: int = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.chunked_prefill_size, bool)
+            or not isinstance(self.chunked_prefill_size, int)
+            or (self.chunked_prefill_size < 0)
+        ):
+            raise ValueError(f"chunked_prefill_size must be an integer >= 0 (0: no chunks), got "
+                             f"{self.chunked_prefill_size!r}")  # fmt: skip
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:
@@ -238,6 +248,7 @@ def build_rank(model, rank: int, options: RankOptions = RankOptions(), spec: Spe
 
             session = TorchSession(target, drafter, profiles, io)
     worker = RankWorker(session, spec, target_cfg, drafter_cfg, capacity, dtype, device)
+    worker.prefill_chunk = options.chunked_prefill_size
     device_loop = options.device_loop if options.device_loop is not None else device.type == "cuda"
     if device_loop and options.backend == "torch":
         worker.enable_device_loop(options.autoregressive, _on_device(options.probes, device))

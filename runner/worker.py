@@ -35,6 +35,7 @@ class RankWorker:
         self.cache = SequenceCache(latent, draft, dtype, self.device)
         self._pending: dict[str, torch.Tensor] = {}
         self.loop = None  # `enable_device_loop`
+        self.prefill_chunk = 0  # tokens a prefill forward takes at most (0: the whole prompt); the factory sets it
         self.description = session.backend  # what the rank runs, in words (set by the rank factory)
 
     def _tensor(self, values, dtype=torch.int64) -> torch.Tensor:
@@ -61,11 +62,16 @@ class RankWorker:
         self._pending = {}
 
     def prefill(self, prompt: list[int]) -> torch.Tensor:
-        """Runs the prompt, commits all of it; returns the last row's logits [1, V]."""
-        count, start = len(prompt), self.cache.num_cached
-        causal = np.tril(np.ones((count, count), dtype=bool))
-        out = self._target("prefill", prompt, np.arange(start, start + count), causal, [count - 1])
-        self.cache.commit_target(out["new_latent_kv"], out["taps"], rows=None)
+        """Runs the prompt, commits all of it; returns the last row's logits [1, V]. A prompt longer than
+        `prefill_chunk` runs in chunks: each is committed before the next, which attends to it through the cache
+        (causal within itself), so a forward's T x T mask and attention buffers stay at most chunk x chunk."""
+        chunk = self.prefill_chunk or len(prompt)
+        for begin in range(0, len(prompt), chunk):
+            piece = prompt[begin : begin + chunk]
+            count, start = len(piece), self.cache.num_cached
+            causal = np.tril(np.ones((count, count), dtype=bool))
+            out = self._target("prefill", piece, np.arange(start, start + count), causal, [count - 1])
+            self.cache.commit_target(out["new_latent_kv"], out["taps"], rows=None)
         return out["logits"]
 
     def decode(self, token: int) -> torch.Tensor:
