@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    info = {**environment(args.device == "cpu"), "command": " ".join(sys.argv), "prompt": args.prompt,
+    info = {**environment(False), "command": " ".join(sys.argv), "prompt": args.prompt,
             "device": args.device, "dtype": dtype, "rows": []}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = convert_pair(Path(tmp) / "ckpt", dtype)

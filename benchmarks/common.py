@@ -87,7 +87,7 @@ def environment(smoke: bool) -> dict:
     info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
             "commit": os.environ.get("DDTREE_COMMIT")}  # fmt: skip
     if smoke or not torch.cuda.is_available():
-        return {**info, "gpu": "cpu (smoke)"}
+        return {**info, "gpu": "none: the CPU" + (" (smoke)" if smoke else ""), "cpus": os.cpu_count()}
     import triton
 
     return {**info, "gpu": torch.cuda.get_device_name(), "gpus": torch.cuda.device_count(), "cuda": torch.version.cuda,

@@ -73,3 +73,16 @@ def test_kimi_rank_int4_smoke(tmp_path):
     assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == 9
     for r in result["rows"]:
         assert "INT4 experts" in r["ranks"] and r["tokens_equal_to_autoregressive"] == r["tokens"] == 16, r
+
+
+def test_chunked_prefill_benchmark_smoke(tmp_path):
+    """The chunked-prefill benchmark at a short prompt on the CPU: a process per chunk size, the chunked logits equal
+    to the whole prompt's, and a smaller peak with chunks."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "benchmarks/chunked_prefill.py", str(tmp_path), "--prompt", "768",
+                           "--chunks", "0,128", "--repeats", "1"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "chunked_prefill.json").read_text())["rows"]
+    assert [r["chunk"] for r in rows] == [0, 128] and rows[1]["max_abs_logit_difference"] < 1e-3
+    assert 0 < rows[1]["peak_above_ranks_bytes"] < rows[0]["peak_above_ranks_bytes"]
