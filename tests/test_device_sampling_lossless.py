@@ -113,14 +113,29 @@ def test_sampled_device_steps_are_lossless(ranks, hf_model, expected):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", ["greedy acceptance", "temperature twice"])
+@pytest.mark.parametrize("broken", ["greedy acceptance", "temperature twice", "bonus redrawn"])
 def test_broken_samplers_are_rejected(ranks, hf_model, expected, monkeypatch, broken):
+    import runner.device.loop as device_loop
+
     loop = ranks.lead.loop
+    real = loop._choose
     if broken == "greedy acceptance":  # the walk follows argmax choices at temperature 1
         monkeypatch.setattr(loop, "_choose", lambda logits: logits.argmax(dim=-1))
-    else:  # the temperature divides the logits twice
-        real = loop._choose
+    elif broken == "temperature twice":  # the temperature divides the logits twice
         monkeypatch.setattr(loop, "_choose", lambda logits: real(logits / loop.sampling["temperature"]))
+    else:  # the bonus drawn afresh where the walk stopped, without removing the children it rejected there
+        accept = device_loop.accept_greedy_device
+
+        def choose_twice(logits):
+            loop.second_draws = real(logits)  # an independent draw at every node (the counter moved on)
+            return real(logits)
+
+        def accept_with_redrawn_bonus(tokens, parents, depths, mask, choices, depth):
+            path, length, _ = accept(tokens, parents, depths, mask, choices, depth)
+            return path, length, loop.second_draws.index_select(0, path.index_select(0, length - 1))
+
+        monkeypatch.setattr(loop, "_choose", choose_twice)
+        monkeypatch.setattr(device_loop, "accept_greedy_device", accept_with_redrawn_bonus)
     params = dict(temperature=0.7, top_k=6) if broken == "temperature twice" else PARAMS
     reference = exact(hf_model, **params) if broken == "temperature twice" else expected
     joint, third, _ = sample_counts(ranks, hf_model, params, runs=300)
