@@ -11,7 +11,8 @@ its own temperature and top-k warpers (p(t1, t2) exactly, over the 8 x 8 cells; 
 Chi-square tests at level 0.001: speculative draws against the exact joint and third-token law, autoregressive draws
 (the same device loop, no drafter) likewise, and the two samples against each other (a 2 x cells contingency
 table). Broken variants must be rejected by the same test: greedy acceptance at temperature 1 (the walk follows
-argmax choices) and the temperature applied twice (at 0.7). Draws stop at --draws or after --seconds a side.
+argmax choices), the temperature applied twice (at 0.7), and the bonus drawn afresh where the walk stopped (its
+rejected children not removed). Draws stop at --draws or after --seconds a side.
 A draw is bound by the host (one request of three tokens: prefill, two steps, a read-back), so the seeds of each
 sample can be split among --workers processes, and --parallel_samples samples drawn at once, all on the one GPU.
 Writes OUT_DIR/sampling_lossless_gpu.json.
@@ -97,22 +98,54 @@ def draw(ranks, prompt, temperature: float, seeds: range, seconds: float, autore
     return joint, third, accepted, time.perf_counter() - start
 
 
-BROKEN = {  # name: (DeviceLoop._choose replacement, the temperature the request asks for)
-    "greedy acceptance (temperature 1)": (lambda real: lambda self, logits: logits.argmax(dim=-1), 1.0),
+def _patch_choose(make):
+    """Replaces DeviceLoop._choose by make(the real one); returns the undo."""
+    real = DeviceLoop._choose
+    DeviceLoop._choose = make(real)
+    return lambda: setattr(DeviceLoop, "_choose", real)
+
+
+def _patch_bonus_redrawn():
+    """The bonus drawn afresh where the walk stopped, without removing the children it rejected there: a second,
+    independent draw at every node, and the accepted path's end takes that one."""
+    import runner.device.loop as device_loop
+
+    real, accept, second = DeviceLoop._choose, device_loop.accept_greedy_device, {}
+
+    def choose_twice(self, logits):
+        second["draws"] = real(self, logits)
+        return real(self, logits)
+
+    def accept_with_redrawn_bonus(tokens, parents, depths, mask, choices, depth):
+        path, length, _ = accept(tokens, parents, depths, mask, choices, depth)
+        return path, length, second["draws"].index_select(0, path.index_select(0, length - 1))
+
+    DeviceLoop._choose, device_loop.accept_greedy_device = choose_twice, accept_with_redrawn_bonus
+
+    def undo():
+        DeviceLoop._choose, device_loop.accept_greedy_device = real, accept
+
+    return undo
+
+
+BROKEN = {  # name: (patches the device loop before its graphs are captured and returns the undo, the temperature)
+    "greedy acceptance (temperature 1)": (
+        lambda: _patch_choose(lambda real: lambda self, logits: logits.argmax(dim=-1)),
+        1.0,
+    ),
     "temperature applied twice (0.7)": (
-        lambda real: lambda self, logits: real(self, logits / self.sampling["temperature"]),
+        lambda: _patch_choose(lambda real: lambda self, logits: real(self, logits / self.sampling["temperature"])),
         0.7,
     ),
+    "bonus redrawn without removing the rejected children (temperature 1)": (_patch_bonus_redrawn, 1.0),
 }
 
 
 def draw_job(job: dict):
     """One share of a sample's seeds, in its own process (`--workers`): builds its ranks, with a broken variant
-    patched on DeviceLoop before they are built (the CUDA graphs capture the broken step), and draws."""
-    real = DeviceLoop._choose
+    patched on the device loop before they are built (the CUDA graphs capture the broken step), and draws."""
     variant = job["variant"]
-    if variant:
-        DeviceLoop._choose = BROKEN[variant][0](real)
+    undo = BROKEN[variant][0]() if variant else (lambda: None)
     try:
         options = RankOptions("torch", job["device"], True, job["autoregressive"])
         ranks = local_ranks(CheckpointWeights(job["ckpt"]), options, SPEC, BuildConfig(128, 512))
@@ -121,7 +154,7 @@ def draw_job(job: dict):
         finally:
             ranks.close()
     finally:
-        DeviceLoop._choose = real
+        undo()
 
 
 def sample_all(jobs: list[dict], workers: int) -> list[tuple]:
@@ -158,7 +191,7 @@ def main(argv=None) -> int:
         "--parallel_samples",
         type=int,
         default=1,
-        help="samples drawn at the same time (4: all of them; processes = workers x this)",
+        help="samples drawn at the same time (5: all of them; processes = workers x this)",
     )
     parser.add_argument("--smoke", action="store_true", help="the CPU, few draws: checks the script")
     args = parser.parse_args(argv)
