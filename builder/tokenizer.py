@@ -126,12 +126,13 @@ def byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
-def write_tiktoken_tokenizer(model_dir: Path, special_base: int, vocab_size: int) -> None:
-    """The same tokenizer in Kimi K2.x's release layout: `tiktoken.model` (base64 token bytes and rank, one per
-    line, ranks [0, special_base)) and `tokenizer_config.json` naming the special block in `added_tokens_decoder`."""
+def write_tiktoken_tokenizer(model_dir: Path, special_base: int, vocab_size: int, tokenizer=None) -> None:
+    """The same tokenizer (the given byte-level BPE `tokenizers.Tokenizer`, or one trained on the built-in text) in
+    Kimi K2.x's release layout: `tiktoken.model` (base64 token bytes and rank, one per line, ranks
+    [0, special_base)) and `tokenizer_config.json` naming the special block in `added_tokens_decoder`."""
     import base64
 
-    tokenizer = train_tokenizer(special_base)
+    tokenizer = train_tokenizer(special_base) if tokenizer is None else tokenizer
     if tokenizer.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} ids, the model {vocab_size}")
     to_byte = byte_level_alphabet()

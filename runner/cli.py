@@ -186,6 +186,7 @@ def generate_all(args, generator, job: Job) -> list[dict]:
         if not args.streaming:
             print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n{text}")
         else:
+            stream.finish()
             print()
         print(format_stats(result, generator.mode(params)), flush=True)
         results.append(

@@ -138,17 +138,51 @@ def encode_prompt(tokenizer, text: str, max_input_len: int) -> list[int]:
     return tokenizer.encode(text)
 
 
+class Detokenizer:
+    """Incremental detokenisation at a constant cost a token: each `push` decodes only the tokens since the last
+    text it completed (a window from the previous read offset, as vLLM's and TGI's detokenizers keep), returns the
+    new text and holds back a partial character. Decoding the whole list every call instead costs O(n) a token and
+    O(n^2) a response. The new text is the difference of two decodes that start at the same token, so a decoder that
+    treats a sequence's first token specially gives the same text as decoding everything at once."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.tokens: list[int] = []
+        self.prefix = self.read = 0  # window start; the end of the text already returned
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, new_tokens: list[int]) -> str:
+        self.tokens.extend(new_tokens)
+        done = self._decode(self.tokens[self.prefix : self.read])
+        text = self._decode(self.tokens[self.prefix :])
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        return text[len(done) :]
+
+    def finish(self) -> str:
+        """Whatever is held back (a character that never completed ends as U+FFFD, as a whole decode shows it)."""
+        done = self._decode(self.tokens[self.prefix : self.read])
+        text = self._decode(self.tokens[self.prefix :])
+        self.prefix = self.read = len(self.tokens)
+        return text[len(done) :]
+
+
 class TextStream:
-    """Incremental detokenisation: prints the new text of the growing token list (holds back a partial char)."""
+    """Prints a generation's text as its tokens arrive (`Detokenizer`); `finish` prints what was held back."""
 
     def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out, self.tokens, self.printed = tokenizer, out, [], 0
+        self.detokenizer, self.out = Detokenizer(tokenizer), out
 
     def __call__(self, new_tokens: list[int]) -> None:
-        self.tokens.extend(new_tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[self.printed :])
-        self.out.flush()
-        self.printed = len(text)
+        self._write(self.detokenizer.push(new_tokens))
+
+    def finish(self) -> None:
+        self._write(self.detokenizer.finish())
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()

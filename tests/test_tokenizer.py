@@ -7,7 +7,7 @@ import json
 import pytest
 
 from builder.tokenizer import CORPUS, SPECIAL_TOKENS
-from runner.tokenizer import HFTokenizer, TextStream, TiktokenTokenizer, encode_prompt, load_tokenizer
+from runner.tokenizer import Detokenizer, HFTokenizer, TextStream, TiktokenTokenizer, encode_prompt, load_tokenizer
 from tests.conftest import mpirun
 
 TEXTS = [
@@ -111,3 +111,28 @@ def test_a_release_layout_engine_runs_under_mpirun(demo_hf, tmp_path):
     plain, release = outputs["kimi-k2-tiny"], outputs["kimi-k2-tiny-tiktoken"]
     assert release["prompt_ids"] == plain["prompt_ids"] and release["output_ids"] == plain["output_ids"]
     assert release["text"] == plain["text"]
+
+
+@pytest.mark.parametrize("name", ["kimi-k2-tiny", "kimi-k2-tiny-tiktoken"])
+def test_the_detokenizer_decodes_a_window_not_the_whole_text(demo_hf, name):
+    """`Detokenizer.push` decodes only the tokens since the last complete text: its pieces add up to the whole
+    decode, token by token and in uneven batches, and a long text costs no more a token at its end than at its
+    start (counted in tokens decoded)."""
+    tokenizer = load_tokenizer(demo_hf / name, 512)
+    ids = tokenizer.encode("你好 🙂 ünï<|im_end|>ok 中文, and more words. " * 40)
+    for sizes in ([1], [3, 1, 2]):
+        detokenizer, pieces, start, i = Detokenizer(tokenizer), [], 0, 0
+        while start < len(ids):
+            step = sizes[i % len(sizes)]
+            pieces.append(detokenizer.push(ids[start : start + step]))
+            start, i = start + step, i + 1
+        pieces.append(detokenizer.finish())
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+        assert all("\ufffd" not in piece for piece in pieces)
+    decoded = []
+    counting = type("Counting", (), {"decode": lambda self, t, skip_special_tokens: decoded.append(len(t)) or
+                                     tokenizer.decode(t, skip_special_tokens=skip_special_tokens)})()  # fmt: skip
+    detokenizer = Detokenizer(counting)
+    for token in ids:
+        detokenizer.push([token])
+    assert max(decoded) <= 16  # a window of a few tokens, not the whole text (len(ids) > 400)

@@ -28,7 +28,7 @@ import time
 
 from runner.sampling import SamplingParams
 from runner.speculate import check_request
-from runner.tokenizer import encode_prompt
+from runner.tokenizer import Detokenizer, encode_prompt
 
 REQUEST_FIELDS = {
     "id",
@@ -216,18 +216,16 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
             send({"id": request_id, "event": "error", "error": str(err)})
             continue
         emitted: list[int] = []
-        printed = [0]
+        detokenizer = Detokenizer(tokenizer)
         if request.id in inbox.cancelled:  # cancelled while it waited in the queue
             send({"id": request.id, "event": "cancelled", "output_ids": []})
             continue
 
-        def on_tokens(new: list[int], request=request, emitted=emitted, printed=printed) -> None:
+        def on_tokens(new: list[int], request=request, emitted=emitted, detokenizer=detokenizer) -> None:
             if request.id in inbox.cancelled:
                 raise RequestCancelled(request.id)
             emitted.extend(new)
-            text = tokenizer.decode(emitted, skip_special_tokens=True)
-            delta = "" if text.endswith("\ufffd") else text[printed[0] :]
-            printed[0] += len(delta)
+            delta = detokenizer.push(new)
             send({"id": request.id, "event": "tokens", "text": delta, "output_ids": new, "accept_length": len(new)})
 
         try:
@@ -245,10 +243,9 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
             send({"id": request.id, "event": "cancelled", "output_ids": emitted})
             continue
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
-        if len(text) > printed[0]:  # text held back for a partial character
-            send(
-                {"id": request.id, "event": "tokens", "text": text[printed[0] :], "output_ids": [], "accept_length": 0}
-            )
+        rest = detokenizer.finish()
+        if rest:  # text held back for a partial character
+            send({"id": request.id, "event": "tokens", "text": rest, "output_ids": [], "accept_length": 0})
         send(
             {
                 "id": request.id,
