@@ -86,3 +86,14 @@ def test_chunked_prefill_benchmark_smoke(tmp_path):
     rows = json.loads((tmp_path / "chunked_prefill.json").read_text())["rows"]
     assert [r["chunk"] for r in rows] == [0, 128] and rows[1]["max_abs_logit_difference"] < 1e-3
     assert 0 < rows[1]["peak_above_ranks_bytes"] < rows[0]["peak_above_ranks_bytes"]
+
+
+def test_tokenizer_speed_benchmark_smoke(tmp_path):
+    """Both tokenizer layouts of the trained pair's BPE: round trips through encode, decode and streaming."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "benchmarks/tokenizer_speed.py", str(tmp_path), "--repeats", "1",
+                           "--stream_tokens", "100"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "tokenizer_speed.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["round_trip"] and r["tokens"] > 100000 for r in rows)
