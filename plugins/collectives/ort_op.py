@@ -6,6 +6,10 @@ from __future__ import annotations
 import numpy as np
 from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
+from plugins import ort_pyop
+
+ort_pyop.install()  # outputs handed back as arrays, not lists
+
 _F = PyCustomOpDef.dt_float
 
 

@@ -7,6 +7,10 @@ from __future__ import annotations
 import numpy as np
 from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
+from plugins import ort_pyop
+
+ort_pyop.install()  # outputs handed back as arrays, not lists
+
 _F, _I32, _I64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 import numpy as np
 from onnxruntime_extensions import PyCustomOpDef, onnx_op
 
+from plugins import ort_pyop
+
+ort_pyop.install()  # outputs handed back as arrays, not lists
+
 _F, _I64, _B = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64, PyCustomOpDef.dt_bool
 
 
