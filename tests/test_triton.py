@@ -312,6 +312,19 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, cli_output
     assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
 
 
+def test_request_bodies_of_megabytes_get_errors_and_the_server_keeps_serving(server, cli_outputs):
+    """Bodies of 4 and 8 MB (a prompt far past max_input_len): each gets an error reply, tritonserver stays up and
+    the next request is served."""
+    for megabytes in (4, 8):
+        status, text = post(server["http"], "generate", {"text_input": "x" * (megabytes << 20), "max_tokens": 4})
+        assert 400 <= status < 500, (megabytes, status, text[:300])
+        assert server["process"].poll() is None, f"tritonserver exited on a {megabytes} MB body"
+        status, text = post(
+            server["http"], "generate", {"text_input": PROMPTS[0], "max_tokens": 16, "exclude_input_in_output": True}
+        )
+        assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
+
+
 def test_the_runner_job_listens_on_loopback_only(server):
     """Triton listens on 127.0.0.1; the MPI job it starts listened on 0.0.0.0 (hydra's port) and each rank on the
     external interface (UCX). Now every socket of the job, launcher and ranks, is a loopback one, if any."""
