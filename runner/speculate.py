@@ -79,6 +79,7 @@ def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: i
                      policy: BudgetPolicy | None = None) -> StepResult:  # fmt: skip
     """One DDTree round from the last committed token `bonus` (already emitted, not yet in the target cache).
     policy: the tree budget is chosen for this step (`runner/budget.py`) among the engine's, up to spec.budget."""
+    started = time.perf_counter()
     with timer("draft"):  # one drafter forward over [bonus, mask x (block_size - 1)]
         draft_logits = engine.draft(bonus)  # [block_size - 1, V]
         top = torch.log_softmax(draft_logits.to(torch.float32), dim=-1).topk(spec.tree_width(draft_logits.shape[-1]))
@@ -100,7 +101,7 @@ def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: i
         engine.commit(path)
     accepted = [int(tree.tokens[node]) for node in path[1:]]
     if policy is not None:
-        policy.record(len(path))
+        policy.record(len(path), time.perf_counter() - started)
     return StepResult(accepted + [next_bonus], accept_length=len(path), tree_nodes=tree.num_nodes, budget=budget)
 
 
