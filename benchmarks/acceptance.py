@@ -9,8 +9,9 @@ it (the device loop on a GPU, one CUDA graph a step; the host loop on the CPU) o
 temperature: mean acceptance length (tokens a step emits: the accepted drafted tokens plus the bonus), its
 distribution, acceptance per draft position (the share of steps that accepted at least d drafted tokens), decode
 tokens/s (median over prompts of each prompt's rate; every mode runs the same prompts) and the speed-up over
-autoregressive decoding at the same temperature. Temperature 1.0 draws with a per-prompt seed. Writes
-OUT_DIR/acceptance.json and prints a markdown table.
+autoregressive decoding at the same temperature. Temperature 1.0 draws with a per-prompt seed. The modes run
+interleaved (each prompt through every mode in turn), so the machine's drift during the run affects them alike.
+Writes OUT_DIR/acceptance.json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -58,48 +59,69 @@ def load_prompts(tokenizer_dir: Path, count: int) -> list[list[int]]:
     return [tokenizer.encode(p["text"]) for p in prompts]
 
 
-def run_mode(ckpt: Path, device: str, mode: str, prompts, tokens: int, temperature: float, end_ids) -> dict:
-    spec = MODES[mode]
-    autoregressive = spec is None
-    options = RankOptions("torch", device, None, autoregressive)
-    build = BuildConfig(max_input_len=128, max_seq_len=128 + tokens + 64)
-    generator = Generator(local_ranks(CheckpointWeights(ckpt), options, spec or SpecConfig(8, 32), build),
-                          autoregressive)  # fmt: skip
-    requests = (SamplingParams(),) if temperature == 0 else (SamplingParams(temperature=temperature, seed=1),)
-    costs = generator.enable_auto_budget() if mode == "auto" else None
-    generator.warm_up(requests)
-    accept, rates, emitted, steps, budgets = [], [], 0, 0, []
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, seed=1000 + i) if temperature else SamplingParams()
-        result = generator.generate(prompt, tokens, params, end_ids=end_ids)
-        accept += result.accept_lengths
-        budgets += result.budgets
-        emitted += len(result.tokens)
-        steps += len(result.accept_lengths)
+class ModeRun:
+    """One mode's ranks and what its requests gave (`run_modes` runs the modes interleaved, prompt by prompt)."""
+
+    def __init__(self, ckpt: Path, device: str, mode: str, tokens: int, temperature: float):
+        self.mode, self.spec, self.temperature = mode, MODES[mode], temperature
+        self.autoregressive = self.spec is None
+        options = RankOptions("torch", device, None, self.autoregressive)
+        build = BuildConfig(max_input_len=128, max_seq_len=128 + tokens + 64)
+        ranks = local_ranks(CheckpointWeights(ckpt), options, self.spec or SpecConfig(8, 32), build)
+        self.generator = Generator(ranks, self.autoregressive)
+        self.requests = (SamplingParams(),) if temperature == 0 else (SamplingParams(temperature=temperature, seed=1),)
+        self.costs = dict(self.generator.enable_auto_budget()) if mode == "auto" else None  # as measured at start-up
+        self.generator.warm_up(self.requests)
+        self.accept, self.rates, self.emitted, self.budgets, self.seconds = [], [], 0, [], 0.0
+
+    def request(self, i: int, prompt: list[int], tokens: int, end_ids) -> None:
+        t = self.temperature
+        params = SamplingParams(temperature=t, seed=1000 + i) if t else SamplingParams()
+        start = time.perf_counter()
+        result = self.generator.generate(prompt, tokens, params, end_ids=end_ids)
+        self.seconds += time.perf_counter() - start
+        self.accept += result.accept_lengths
+        self.budgets += result.budgets
+        self.emitted += len(result.tokens)
         if result.decode_tokens_per_s:
-            rates.append(result.decode_tokens_per_s)
-    seconds = time.perf_counter() - start
-    description = generator.mode(requests[0])
-    policy = generator.policy
-    generator.ranks.close()
-    row = {"mode": mode, "temperature": temperature, "runs": description, "prompts": len(prompts),
-           "tokens": emitted, "seconds": round(seconds, 2),
-           "decode_tokens_per_s_median": round(statistics.median(rates), 1) if rates else 0.0}  # fmt: skip
-    if not autoregressive:
-        depth = spec.draft_depth
-        row["steps"] = len(accept)
-        row["mean_accept_length"] = round(sum(accept) / len(accept), 3)
-        row["accept_length_histogram"] = {n: accept.count(n) for n in range(1, depth + 2)}
-        # accept_length counts the bonus: at least d drafted tokens accepted <=> accept_length >= d + 1
-        row["accepted_by_position"] = [round(sum(a >= d + 1 for a in accept) / len(accept), 4)
-                                       for d in range(1, depth + 1)]  # fmt: skip
-    if costs is not None:  # the budgets auto chose, their measured step costs, predicted vs observed acceptance
-        row["step_ms"] = {b: round(s * 1e3, 3) for b, s in costs.items()}
-        row["budgets_chosen"] = {b: budgets.count(b) for b in sorted(set(budgets))}
-        row["drafted_accepted_predicted_per_step"] = round(policy.predicted / max(1, sum(policy.chosen.values())), 3)
-        row["drafted_accepted_observed_per_step"] = round(policy.observed / max(1, sum(policy.chosen.values())), 3)
-    return row
+            self.rates.append(result.decode_tokens_per_s)
+
+    def row(self, prompts: int) -> dict:
+        accept, policy = self.accept, self.generator.policy
+        rate = round(statistics.median(self.rates), 1) if self.rates else 0.0
+        row = {"mode": self.mode, "temperature": self.temperature, "runs": self.generator.mode(self.requests[0]),
+               "prompts": prompts, "tokens": self.emitted, "seconds": round(self.seconds, 2),
+               "decode_tokens_per_s_median": rate}  # fmt: skip
+        if not self.autoregressive:
+            depth = self.spec.draft_depth
+            row["steps"] = len(accept)
+            row["mean_accept_length"] = round(sum(accept) / len(accept), 3)
+            row["accept_length_histogram"] = {n: accept.count(n) for n in range(1, depth + 2)}
+            # accept_length counts the bonus: at least d drafted tokens accepted <=> accept_length >= d + 1
+            row["accepted_by_position"] = [round(sum(a >= d + 1 for a in accept) / len(accept), 4)
+                                           for d in range(1, depth + 1)]  # fmt: skip
+        if self.costs is not None:  # the budgets auto chose, step costs at start-up and at the end (moving average)
+            row["step_ms"] = {b: round(c * 1e3, 3) for b, c in self.costs.items()}
+            row["step_ms_at_end"] = {b: round(c * 1e3, 3) for b, c in policy.step_seconds.items()}
+            row["budgets_chosen"] = {b: self.budgets.count(b) for b in sorted(set(self.budgets))}
+            taken = max(1, sum(policy.chosen.values()))
+            row["drafted_accepted_predicted_per_step"] = round(policy.predicted / taken, 3)
+            row["drafted_accepted_observed_per_step"] = round(policy.observed / taken, 3)
+        return row
+
+
+def run_modes(ckpt: Path, device: str, modes: list[str], prompts, tokens: int, temperature: float,
+              end_ids) -> list[dict]:  # fmt: skip
+    """Every mode's ranks built first, then each prompt through every mode in turn (the order rotating), so a
+    machine whose speed drifts during the run slows every mode alike."""
+    runs = [ModeRun(ckpt, device, mode, tokens, temperature) for mode in modes]
+    for i, prompt in enumerate(prompts):
+        for k in range(len(runs)):
+            runs[(i + k) % len(runs)].request(i, prompt, tokens, end_ids)
+    rows = [run.row(len(prompts)) for run in runs]
+    for run in runs:
+        run.generator.ranks.close()
+    return rows
 
 
 def markdown(rows: list[dict]) -> str:
@@ -133,8 +155,7 @@ def main(argv=None) -> int:
         stop = json.loads((ROOT / "kimi-k2-py" / "generation_config.json").read_text())["eos_token_id"]
         end_ids = frozenset(stop if isinstance(stop, list) else [stop])
         for temperature in args.temperatures:
-            for mode in modes:
-                row = run_mode(ckpt, args.device, mode, prompts, args.tokens, temperature, end_ids)
+            for row in run_modes(ckpt, args.device, modes, prompts, args.tokens, temperature, end_ids):
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     table = markdown(rows)
