@@ -3,9 +3,10 @@
 For the best-first tree of the largest budget, the b best nodes form the tree of budget b, and node i is accepted
 only if the target agrees along its whole path; with the drafter's own probabilities as the estimate, budget b
 emits E_b = 1 + sum of exp(path log-probability) over its b nodes (the bonus counts one). Each budget's step costs
-what warm-up measured on the running hardware (draft, tree, verify and commit), then a moving average (weight
-COST_WEIGHT) of the steps taken at that budget, so the costs follow what requests really pay (a longer cache makes
-wide verifies dearer than a short warm-up request shows); the policy takes the budget that maximises
+what warm-up measured on the running hardware (draft, tree, verify and commit), then, once COST_MIN_STEPS steps
+have been taken at it, the median of its last COST_WINDOW step times, so the costs follow what requests really pay
+(a longer cache makes wide verifies dearer than a short warm-up request shows) without one slow step (a page
+fault, another process) steering the choice; the policy takes the budget that maximises
 calibration * (E_b - 1) + 1 over that cost. `calibration` scales the drafter's probabilities to what
 the target accepts: the observed over the predicted drafted tokens of the steps so far (with a prior of PRIOR
 tokens at 1.0), so a drafter that is more (or less) often right than its probabilities say widens (or narrows)
@@ -14,13 +15,13 @@ the trees it gets.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 PRIOR = 8.0  # drafted tokens of pseudo-evidence for calibration 1.0
-COST_WEIGHT = 0.1  # weight of a step's measured time in its budget's moving-average cost
+COST_WINDOW, COST_MIN_STEPS = 64, 8  # a budget's cost: the median of its last 64 step times, once it has 8
 
 
 @dataclass
@@ -32,6 +33,7 @@ class BudgetPolicy:
     predicted: float = 0.0  # sums over the steps taken: drafted tokens expected and accepted
     observed: float = 0.0
     last: int | None = None  # the budget of the step being taken
+    times: dict = field(default_factory=dict)  # budget -> its recent step times
 
     def __post_init__(self) -> None:
         missing = [b for b in self.budgets if b not in self.step_seconds]
@@ -57,5 +59,7 @@ class BudgetPolicy:
         self.observed += accept_length - 1
         self.calibration = (self.observed + PRIOR) / (self.predicted + PRIOR)
         if seconds is not None and self.last is not None:
-            old = self.step_seconds[self.last]
-            self.step_seconds[self.last] = (1.0 - COST_WEIGHT) * old + COST_WEIGHT * seconds
+            recent = self.times.setdefault(self.last, deque(maxlen=COST_WINDOW))
+            recent.append(seconds)
+            if len(recent) >= COST_MIN_STEPS:
+                self.step_seconds[self.last] = float(np.median(recent))
