@@ -6,11 +6,15 @@ emits E_b = 1 + sum of exp(path log-probability) over its b nodes (the bonus cou
 what warm-up measured on the running hardware (draft, tree, verify and commit), then, once COST_MIN_STEPS steps
 have been taken at it, the median of its last COST_WINDOW step times, so the costs follow what requests really pay
 (a longer cache makes wide verifies dearer than a short warm-up request shows) without one slow step (a page
-fault, another process) steering the choice; the policy takes the budget that maximises
-calibration * (E_b - 1) + 1 over that cost. `calibration` scales the drafter's probabilities to what
-the target accepts: the observed over the predicted drafted tokens of the steps so far (with a prior of PRIOR
-tokens at 1.0), so a drafter that is more (or less) often right than its probabilities say widens (or narrows)
-the trees it gets.
+fault, another process) steering the choice. The policy takes the budget that maximises
+calibration_b * (E_b - 1) + 1 over that cost. `calibration_b` scales the drafter's probabilities to what the
+target accepts, one factor a budget: the observed over the predicted drafted tokens at b, with a prior of PRIOR
+tokens at the factor of all the steps taken (itself with a prior of PRIOR tokens at 1.0).
+Every step informs every budget up to the one it took: best-first, a smaller budget's tree is the first nodes of
+the larger one and a child comes after its parent, so the tokens budget b would have accepted are the accepted
+path's nodes numbered b or less (the target's choices at those nodes are the same). A drafter that is more (or
+less) often right than its probabilities say, at some widths more than at others, gets trees widened (or narrowed)
+where that holds.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ COST_WINDOW, COST_MIN_STEPS = 64, 8  # a budget's cost: the median of its last 6
 class BudgetPolicy:
     budgets: tuple[int, ...]  # the tree budgets the engines verify, ascending
     step_seconds: dict[int, float]  # measured cost of one step at each budget
-    calibration: float = 1.0  # updated from the steps taken (`record`)
+    calibration: float = 1.0  # all steps taken: observed over predicted drafted tokens (`record`), reported
     chosen: Counter = field(default_factory=Counter)
     predicted: float = 0.0  # sums over the steps taken: drafted tokens expected and accepted
     observed: float = 0.0
     last: int | None = None  # the budget of the step being taken
+    last_drafted: dict = field(default_factory=dict)  # its expected drafted tokens at every budget
+    predicted_at: Counter = field(default_factory=Counter)  # per budget, over the steps that inform it
+    observed_at: Counter = field(default_factory=Counter)
     times: dict = field(default_factory=dict)  # budget -> its recent step times
 
     def __post_init__(self) -> None:
@@ -45,19 +52,28 @@ class BudgetPolicy:
         cumulative = np.concatenate(([0.0], np.cumsum(np.exp(scores[1:]))))
         return {b: float(cumulative[min(b, len(cumulative) - 1)]) for b in self.budgets}
 
+    def calibration_at(self, budget: int) -> float:
+        return (self.observed_at[budget] + PRIOR * self.calibration) / (self.predicted_at[budget] + PRIOR)
+
     def choose(self, scores: np.ndarray) -> int:
         drafted = self.expected_drafted(scores)
-        rate = {b: (1.0 + self.calibration * drafted[b]) / self.step_seconds[b] for b in self.budgets}
+        rate = {b: (1.0 + self.calibration_at(b) * drafted[b]) / self.step_seconds[b] for b in self.budgets}
         best = max(self.budgets, key=lambda b: (rate[b], -b))
         self.chosen[best] += 1
         self.predicted += drafted[best]
-        self.last = best
+        self.last, self.last_drafted = best, drafted
         return best
 
-    def record(self, accept_length: int, seconds: float | None = None) -> None:
-        """The step just taken: its accepted nodes (root included) and, where measured, its time."""
+    def record(self, accept_length: int, seconds: float | None = None, path: list[int] | None = None) -> None:
+        """The step just taken: its accepted nodes (root included), where measured its time, and where given its
+        accepted path (node indices, root first), which informs every budget up to the one taken."""
         self.observed += accept_length - 1
         self.calibration = (self.observed + PRIOR) / (self.predicted + PRIOR)
+        if path is not None and self.last is not None:
+            for b in self.budgets:
+                if b <= self.last:
+                    self.predicted_at[b] += self.last_drafted[b]
+                    self.observed_at[b] += sum(1 for node in path[1:] if node <= b)
         if seconds is not None and self.last is not None:
             recent = self.times.setdefault(self.last, deque(maxlen=COST_WINDOW))
             recent.append(seconds)

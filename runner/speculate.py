@@ -101,7 +101,7 @@ def speculative_step(engine: Ranks, spec: SpecConfig, sampler: Sampler, bonus: i
         engine.commit(path)
     accepted = [int(tree.tokens[node]) for node in path[1:]]
     if policy is not None:
-        policy.record(len(path), time.perf_counter() - started)
+        policy.record(len(path), time.perf_counter() - started, path)
     return StepResult(accepted + [next_bonus], accept_length=len(path), tree_nodes=tree.num_nodes, budget=budget)
 
 

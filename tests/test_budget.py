@@ -38,6 +38,28 @@ def test_the_policy_maximises_expected_tokens_per_second():
         BudgetPolicy((4, 8), {4: 1.0})
 
 
+def test_every_step_informs_each_budget_up_to_the_one_taken():
+    """A step at budget 32 whose accepted path is nodes 2, 6 and 20 would have accepted node 2 at budget 4 and
+    nodes 2 and 6 at budget 8 (best-first: smaller trees are prefixes, children come after parents): each budget's
+    calibration learns from that, and a budget the steps show to gain nothing is no longer taken."""
+    scores = np.log(np.array([1.0, 0.9, 0.8, 0.7, 0.6] + [0.3] * 28))
+    policy = BudgetPolicy((4, 8, 32), {4: 1.0, 8: 1.05, 32: 1.2})
+    assert policy.choose(scores) == 32  # 12.4 expected tokens for 1.2 s beat 4.0 for 1 s
+    drafted = policy.expected_drafted(scores)
+    policy.record(4, path=[0, 2, 6, 20])
+    assert policy.observed_at == {4: 1, 8: 2, 32: 3}
+    assert policy.predicted_at == {b: pytest.approx(drafted[b]) for b in (4, 8, 32)}
+    for _ in range(40):  # steps that accept nothing past node 4: the wider trees' extra nodes never pay
+        policy.choose(scores)
+        policy.record(3, path=[0, 1, 3])
+    assert policy.calibration_at(32) < policy.calibration_at(4)
+    assert policy.choose(scores) == 4  # each budget's learnt gain is the same 2 tokens: the cheapest wins
+    small = BudgetPolicy((4, 8), {4: 1.0, 8: 1.0})
+    small.choose(scores)
+    small.record(2, path=[0, 1])  # a step at 8 informs 4 and 8, never a larger budget
+    assert set(small.observed_at) == {4, 8}
+
+
 def test_auto_budget_generation_equals_autoregressive(demo_ckpt):
     """`--ddtree_budget auto` in process: costs measured for every budget of the spec, every step verifies one of
     them, greedy output equals autoregressive decoding (the oracle)."""
