@@ -11,6 +11,7 @@ import torch
 import transformers
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper
 
+from benchmarks.sampling_lossless_gpu import BROKEN  # the broken variants, patched on the device loop
 from benchmarks.sampling_lossless_gpu import gof as p_value  # chi-square goodness of fit, small cells merged
 from engines.spec import BuildConfig, SpecConfig
 from runner.device.loop import generate_on_device
@@ -113,32 +114,19 @@ def test_sampled_device_steps_are_lossless(ranks, hf_model, expected):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", ["greedy acceptance", "temperature twice", "bonus redrawn"])
-def test_broken_samplers_are_rejected(ranks, hf_model, expected, monkeypatch, broken):
-    import runner.device.loop as device_loop
-
-    loop = ranks.lead.loop
-    real = loop._choose
-    if broken == "greedy acceptance":  # the walk follows argmax choices at temperature 1
-        monkeypatch.setattr(loop, "_choose", lambda logits: logits.argmax(dim=-1))
-    elif broken == "temperature twice":  # the temperature divides the logits twice
-        monkeypatch.setattr(loop, "_choose", lambda logits: real(logits / loop.sampling["temperature"]))
-    else:  # the bonus drawn afresh where the walk stopped, without removing the children it rejected there
-        accept = device_loop.accept_greedy_device
-
-        def choose_twice(logits):
-            loop.second_draws = real(logits)  # an independent draw at every node (the counter moved on)
-            return real(logits)
-
-        def accept_with_redrawn_bonus(tokens, parents, depths, mask, choices, depth):
-            path, length, _ = accept(tokens, parents, depths, mask, choices, depth)
-            return path, length, loop.second_draws.index_select(0, path.index_select(0, length - 1))
-
-        monkeypatch.setattr(loop, "_choose", choose_twice)
-        monkeypatch.setattr(device_loop, "accept_greedy_device", accept_with_redrawn_bonus)
-    params = dict(temperature=0.7, top_k=6) if broken == "temperature twice" else PARAMS
-    reference = exact(hf_model, **params) if broken == "temperature twice" else expected
-    joint, third, _ = sample_counts(ranks, hf_model, params, runs=300)
+@pytest.mark.parametrize("broken", list(BROKEN))
+def test_broken_samplers_are_rejected(ranks, hf_model, expected, broken):
+    """The GPU test's broken variants (`benchmarks/sampling_lossless_gpu.py`: greedy acceptance at temperature 1,
+    the temperature applied twice, the bonus redrawn without removing the rejected children), patched on the device
+    loop the same way, are rejected here too."""
+    patch, temperature = BROKEN[broken]
+    params = {**PARAMS, "temperature": temperature}
+    reference = expected if temperature == PARAMS["temperature"] else exact(hf_model, **params)
+    undo = patch()
+    try:
+        joint, third, _ = sample_counts(ranks, hf_model, params, runs=300)
+    finally:
+        undo()
     assert min(p_value(joint, reference[0]), p_value(third, reference[1])) < LEVEL
 
 
