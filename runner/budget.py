@@ -28,6 +28,13 @@ PRIOR = 8.0  # drafted tokens of pseudo-evidence for calibration 1.0
 COST_WINDOW, COST_MIN_STEPS = 64, 8  # a budget's cost: the median of its last 64 step times, once it has 8
 
 
+def require_several(budgets: tuple[int, ...], flag: str) -> None:
+    """`auto` (the CLI's `--ddtree_budget auto`, a request's `ddtree_budget`) needs an engine with several budgets."""
+    if len(budgets) < 2:
+        raise ValueError(f"{flag} auto chooses among several tree budgets; this engine verifies only {list(budgets)} "
+                         "(build it with --extra_budgets, e.g. 8,16)")  # fmt: skip
+
+
 @dataclass
 class BudgetPolicy:
     budgets: tuple[int, ...]  # the tree budgets the engines verify, ascending

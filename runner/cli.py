@@ -127,9 +127,9 @@ def prepare(args, comm) -> Job:
     base = engine.spec
     topk = args.max_topk if args.max_topk is not None else base.max_topk
     if args.ddtree_budget == "auto":  # every budget the engine verifies; steps take up to the largest
-        if len(base.budgets) < 2:
-            raise ValueError(f"--ddtree_budget auto chooses among several tree budgets; the engine verifies only "
-                             f"{list(base.budgets)} (build it with --extra_budgets, e.g. 8,16)")  # fmt: skip
+        from runner.budget import require_several
+
+        require_several(base.budgets, "--ddtree_budget")
         spec = SpecConfig(base.block_size, max(base.budgets), topk, extra_budgets=base.budgets)
     else:
         budget = args.ddtree_budget if args.ddtree_budget is not None else base.budget  # 0 is an error

@@ -56,16 +56,12 @@ class Generator:
         """Measures one step's cost at every tree budget the ranks' engines verify (a short greedy request each, on
         this hardware) for the policy that chooses the budget every step (`runner/budget.py`); returns the seconds
         a step."""
-        from runner.budget import BudgetPolicy
+        from runner.budget import BudgetPolicy, require_several
 
         if self.autoregressive:
             raise ValueError("--ddtree_budget auto needs speculative ranks, not autoregressive ones")
         budgets = self.spec.budgets
-        if len(budgets) < 2:
-            raise ValueError(
-                f"--ddtree_budget auto chooses among several tree budgets; this engine verifies only {list(budgets)} "
-                "(build it with --extra_budgets, e.g. 8,16)"
-            )
+        require_several(budgets, "--ddtree_budget")
         prompt = self._warm_prompt()
         tokens = max(1, min(tokens, self.capacity - len(prompt) - 2 * self.spec.block_size - 1))
         costs = {}

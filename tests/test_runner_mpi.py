@@ -110,9 +110,8 @@ def test_bad_requests_are_refused_before_any_output(demo_engine, tmp_path):
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "64")
     assert done.returncode == 2 and "budget=64 needs a 65-token verify_tree profile; the engine verifies" in done.stderr
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "auto")
-    assert (
-        done.returncode == 2 and "auto chooses among several tree budgets; the engine verifies only [32]" in done.stderr
-    )
+    assert done.returncode == 2
+    assert "auto chooses among several tree budgets; this engine verifies only [32]" in done.stderr
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "0")  # 0 was taken as "the engine's budget"
     assert done.returncode == 2 and "budget=0 must be >= 1 tree node" in done.stderr
     for temperature in ("nan", "inf", "1e-40", "-1"):  # each crashed every rank inside the sampler

@@ -102,9 +102,9 @@ def request_budget(value, engine, spec) -> int | str | None:
     if value is None:
         return None
     if value == "auto":
-        if len(spec.budgets) < 2:
-            raise ValueError(f"ddtree_budget auto chooses among several tree budgets; this engine verifies only "
-                             f"{list(spec.budgets)} (build it with --extra_budgets, e.g. 8,16)")  # fmt: skip
+        from runner.budget import require_several
+
+        require_several(spec.budgets, "ddtree_budget")
         return "auto"
     try:
         budget = int(value) if not isinstance(value, bool) else None
