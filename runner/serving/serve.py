@@ -215,16 +215,14 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
         except (ValueError, TypeError) as err:
             send({"id": request_id, "event": "error", "error": str(err)})
             continue
-        emitted: list[int] = []
         detokenizer = Detokenizer(tokenizer)
         if request.id in inbox.cancelled:  # cancelled while it waited in the queue
             send({"id": request.id, "event": "cancelled", "output_ids": []})
             continue
 
-        def on_tokens(new: list[int], request=request, emitted=emitted, detokenizer=detokenizer) -> None:
+        def on_tokens(new: list[int], request=request, detokenizer=detokenizer) -> None:
             if request.id in inbox.cancelled:
                 raise RequestCancelled(request.id)
-            emitted.extend(new)
             delta = detokenizer.push(new)
             send({"id": request.id, "event": "tokens", "text": delta, "output_ids": new, "accept_length": len(new)})
 
@@ -240,7 +238,7 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
                 request.budget,
             )
         except RequestCancelled:  # the next request's reset discards any step still in flight, on every rank
-            send({"id": request.id, "event": "cancelled", "output_ids": emitted})
+            send({"id": request.id, "event": "cancelled", "output_ids": detokenizer.tokens})  # what was streamed
             continue
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
         rest = detokenizer.finish()
