@@ -11,20 +11,12 @@ library that lacks the hook's inputs it leaves the default in place."""
 from __future__ import annotations
 
 import numpy as np
+from onnxruntime_extensions import PyCustomOpDef
 
-_NUMPY = {}  # PyCustomOpDef element type -> numpy dtype, filled on first use
+_NUMPY = {PyCustomOpDef.dt_float: np.float32, PyCustomOpDef.dt_double: np.float64,
+          PyCustomOpDef.dt_int64: np.int64, PyCustomOpDef.dt_int32: np.int32, PyCustomOpDef.dt_bool: np.bool_,
+          PyCustomOpDef.dt_uint8: np.uint8, PyCustomOpDef.dt_int8: np.int8}  # fmt: skip
 _INSTALLED = False
-
-
-def _dtypes():
-    from onnxruntime_extensions import PyCustomOpDef
-
-    if not _NUMPY:
-        _NUMPY.update({PyCustomOpDef.dt_float: np.float32, PyCustomOpDef.dt_double: np.float64,
-                       PyCustomOpDef.dt_int64: np.int64, PyCustomOpDef.dt_int32: np.int32,
-                       PyCustomOpDef.dt_bool: np.bool_, PyCustomOpDef.dt_uint8: np.uint8,
-                       PyCustomOpDef.dt_int8: np.int8})  # fmt: skip
-    return _NUMPY
 
 
 def array_outputs_hook(op_id: int, feed, attributes):
@@ -39,7 +31,7 @@ def array_outputs_hook(op_id: int, feed, attributes):
     declared = list(op._nativedef.output_types)
     reply = [op_id]
     for i, value in enumerate(outputs):
-        dtype = _dtypes().get(declared[i] if i < len(declared) else None)
+        dtype = _NUMPY.get(declared[i] if i < len(declared) else None)
         array = np.ascontiguousarray(value, dtype=dtype)
         reply += [array.shape, array.reshape(-1)]
     return tuple(reply)
@@ -52,7 +44,7 @@ def install() -> bool:
     if _INSTALLED:
         return True
     try:
-        from onnxruntime_extensions import PyCustomOpDef, _ocos
+        from onnxruntime_extensions import _ocos
 
         _ocos.Opdef._odlist  # noqa: B018  (the op table the hook reads)
     except (ImportError, AttributeError):
