@@ -11,7 +11,10 @@
    random drafter and with an oracle drafter (probes: every stage runs, then its logits follow a known
    continuation), on the device loop (and the host loop for moe / dense); tokens/s over the decode (after the first
    token), the split per phase and the GPU idle time between graphs. Ranks come from `runner.factory` and requests
-   go through `runner.generator.Generator`: the CLI's path.
+   go through `runner.generator.Generator`: the CLI's path. `--temperatures 0,1` adds sampled rows (temperature 1,
+   `--top-p`, seed 7) next to the greedy ones: the device loop's sampled step (target distributions, the lossless
+   tree walk, counter-based draws) against its greedy step, same ranks and prompt; sampled oracle rows keep the
+   real draws in the step and then follow the known continuation (the cost of a sampled step at full acceptance).
 Writes OUT_DIR/gpu_runtime.json; prints markdown tables.
 """
 
@@ -49,7 +52,7 @@ from models.random_weights import random_state, router_in_fp32
 from models.rope import Rotary
 from runner.factory import PresetWeights, model_ops
 from runner.probes import Probes
-from runner.sampling import SamplingParams
+from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate
 
 MODELS = ("moe", "dense", "kimi-rank")
@@ -146,11 +149,19 @@ class ModelRun:
     new_tokens: int
     continuation: list[int] | None = None
     limits: BuildConfig = BUILD  # prompt and sequence lengths the ranks are built for
+    params: SamplingParams = SamplingParams()  # the rows' sampling (greedy unless a temperature is given)
+
+    @property
+    def label(self) -> str:
+        return "" if self.params.greedy else f", T={self.params.temperature:g}, top-p {self.params.top_p:g}"
 
 
-def end_to_end(setup: Setup, models, new_tokens: int, save=None) -> list[dict]:
+def end_to_end(
+    setup: Setup, models, new_tokens: int, save=None, sampled: tuple[SamplingParams, ...] = ()
+) -> list[dict]:
     """Median of `setup.repeats` requests per row; the per-phase split from one more request with a graph per phase.
-    Speed-ups are against the faster autoregressive loop."""
+    Speed-ups are against the faster autoregressive loop of the same sampling. sampled: the device-loop rows again
+    with each of these sampling parameters."""
     rows = []
     for name in models:
         weights = PresetWeights(name, setup.dtype, seed=3, smoke=setup.smoke)
@@ -177,8 +188,20 @@ def end_to_end(setup: Setup, models, new_tokens: int, save=None) -> list[dict]:
                 model_rows.append(request_row(run, setup, f"{mode} (device loop)", drafter, spec, device_loop=True))
         baseline = max(host_ar["tokens_per_s"], device_ar["tokens_per_s"])
         for row in model_rows:
-            row.pop("tokens_list", None)
             row["speedup"] = row["tokens_per_s"] / baseline
+        for params in sampled:
+            draws = ModelRun(name, weights, prompt, new_tokens, run.continuation, run.limits, params)
+            sampled_ar = request_row(draws, setup, "autoregressive (device loop)", "-", SpecConfig(8, 32), True)
+            sampled_rows = [sampled_ar] + [
+                request_row(draws, setup, f"{mode} (device loop)", drafter, spec, device_loop=True)
+                for drafter in ("random", "oracle")
+                for mode, spec in SPEC_MODES
+            ]
+            for row in sampled_rows:
+                row["speedup"] = row["tokens_per_s"] / sampled_ar["tokens_per_s"]
+            model_rows += sampled_rows
+        for row in model_rows:
+            row.pop("tokens_list", None)
         rows += model_rows
         if save is not None:  # after each model: a run cut short keeps what it measured
             save(rows)
@@ -193,6 +216,7 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
     device-loop speculative rows also get the per-phase split from ranks with a graph per phase."""
     autoregressive = mode.startswith("autoregressive")
     oracle = torch.tensor(run.continuation) if drafter == "oracle" else None
+    params = run.params
     events = not setup.smoke
     generator = preset_ranks(run.weights, setup, spec, device_loop, autoregressive,
                              Probes(oracle=oracle if device_loop else None, record_events=events),
@@ -202,43 +226,40 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
         from benchmarks.oracle_drafter import OracleDraftRanks
 
         ranks = OracleDraftRanks(generator.ranks, run.continuation)
-    generator.warm_up()
+    generator.warm_up((params,))
     rates, idle, step_ms, outputs = [], [], [], []
     for _ in range(setup.repeats):
         if events:
             events_of(generator).clear()
         if host_oracle:
-            result = generate(ranks, run.prompt, run.new_tokens, spec, sampler_greedy())
+            result = generate(ranks, run.prompt, run.new_tokens, spec, Sampler(params))
         else:
-            result = generator.generate(run.prompt, run.new_tokens)
+            result = generator.generate(run.prompt, run.new_tokens, params)
         rates.append(result.decode_tokens_per_s)
         outputs.append(result.tokens)
         if events:
             gaps, steps = gpu_gaps(generator, device_loop, len(result.accept_lengths) or len(result.tokens))
             idle.append(gaps)
             step_ms.append(steps)
-    row = {"model": run.name, "mode": mode, "drafter": drafter, "tokens_per_s": statistics.median(rates),
+    # a sampled row's tokens are draws (seeded: the repeats agree); only greedy rows must equal the greedy continuation
+    reference = (run.continuation or result.tokens) if params.greedy else None
+    row = {"model": run.name, "mode": mode, "drafter": drafter, "temperature": params.temperature,
+           "top_p": params.top_p, "tokens_per_s": statistics.median(rates),
            "mean_accept_length": result.mean_accept_length or 1.0, "prefill_ms": result.prefill_seconds * 1e3,
            "gpu_idle_us_per_step": statistics.median(idle) if idle else None,
            "step_ms": statistics.median(step_ms) if step_ms and step_ms[0] is not None else None,
            "tokens": len(result.tokens), "tokens_list": result.tokens,
            "repeats_agree": all(o == outputs[0] for o in outputs),
-           "tokens_equal_to_autoregressive": first_difference(result.tokens, run.continuation or result.tokens),
+           "tokens_equal_to_autoregressive": None if reference is None else first_difference(result.tokens, reference),
            "mode_printed": generator.mode(), "ranks": generator.rank_description}  # fmt: skip
     generator.ranks.close()
     if device_loop and not autoregressive and events:
         row["phase_ms"] = phase_split(run, setup, spec, oracle)
-    print(f"{run.name}: {mode:30s} {drafter:6s} {row['tokens_per_s']:8.1f} tokens/s, accept "
+    print(f"{run.name}{run.label}: {mode:30s} {drafter:6s} {row['tokens_per_s']:8.1f} tokens/s, accept "
           f"{row['mean_accept_length']:.2f}, GPU idle {row['gpu_idle_us_per_step']} us/step, step {row['step_ms']} ms, "
           f"phases {row.get('phase_ms')}, equal to AR for {row['tokens_equal_to_autoregressive']}/{row['tokens']}",
           flush=True)  # fmt: skip
     return row
-
-
-def sampler_greedy():
-    from runner.sampling import Sampler
-
-    return Sampler(SamplingParams())
 
 
 def events_of(generator) -> list:
@@ -261,9 +282,9 @@ def phase_split(run: ModelRun, setup: Setup, spec: SpecConfig, oracle) -> dict:
     """Milliseconds per phase (median over the steps of one request) with one graph per phase."""
     probes = Probes(oracle=oracle, split_phases=True, record_events=True)
     generator = preset_ranks(run.weights, setup, spec, True, probes=probes, limits=run.limits)
-    generator.warm_up()
+    generator.warm_up((run.params,))
     events_of(generator).clear()
-    generator.generate(run.prompt, run.new_tokens)
+    generator.generate(run.prompt, run.new_tokens, run.params)
     torch.cuda.synchronize()
     marks = events_of(generator)
     split = {name: statistics.median(m[i].elapsed_time(m[i + 1]) for m in marks) for i, name in enumerate(PHASES)}
@@ -277,12 +298,18 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {MODELS}")
     parser.add_argument("--e2e-only", action="store_true", help="skip the layer-cost table")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens a request (default 256; smoke 24)")
+    parser.add_argument("--temperatures", default="0", help="comma-separated; each above 0 adds sampled device-loop "
+                        "rows (seed 7) next to the greedy ones")  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=1.0, help="the sampled rows' top-p")
     add_setup_args(parser)
     args = parser.parse_args(argv)
     models = args.models.split(",")
     if any(m not in MODELS for m in models):
         parser.error(f"--models must name models of {MODELS}, got {args.models!r}")
     setup = Setup.from_args(args)
+    sampled = tuple(
+        SamplingParams(float(t), top_p=args.top_p, seed=7) for t in args.temperatures.split(",") if float(t)
+    )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     ceilings = measure_ceilings(setup.smoke)
@@ -296,7 +323,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         costs = [] if args.e2e_only else layer_costs(ceilings, setup)
         info["layer_costs"] = costs
-        e2e = end_to_end(setup, models, args.new_tokens or (24 if setup.smoke else 256), save)
+        e2e = end_to_end(setup, models, args.new_tokens or (24 if setup.smoke else 256), save, sampled)
     save(e2e)
     if costs:
         print("\n| layer | S | T | layer (us) | attention (us) | MLP (us) | MB moved | floor (us) | layer/floor "
@@ -305,13 +332,14 @@ def main(argv=None) -> int:
             print(f"| {r['layer']} | {r['S']} | {r['T']} | {r['layer_us']:.1f} | {r['attention_us']:.1f} | "
                   f"{r['mlp_us']:.1f} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {r['ratio']:.2f} | "
                   f"{r['distinct_experts'] if r['distinct_experts'] is not None else '-'} |")  # fmt: skip
-    print("\n| model | mode | drafter | decode tokens/s | speedup | accept length | GPU idle us/step | step ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| model | temperature | mode | drafter | decode tokens/s | speedup | accept length | GPU idle us/step | "
+          "step ms |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in e2e:
         split = r.get("phase_ms") or r.get("step_ms")
         gap = r.get("gpu_idle_us_per_step")
-        print(f"| {r['model']} | {r['mode']} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
-              f"{r['mean_accept_length']:.2f} | {gap if gap is None else round(gap, 1)} | {split} |")  # fmt: skip
+        print(f"| {r['model']} | {r['temperature']:g} | {r['mode']} | {r['drafter']} | {r['tokens_per_s']:.1f} | "
+              f"{r['speedup']:.2f} | {r['mean_accept_length']:.2f} | {gap if gap is None else round(gap, 1)} | "
+              f"{split} |")  # fmt: skip
     return 0
 
 

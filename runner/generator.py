@@ -1,7 +1,7 @@
 """Rank 0's generation over all ranks, for the CLI, `--serve` and the benchmarks alike: it picks the loop for each
-request (the device loop for greedy requests where the ranks have one, the host loop for sampled ones and
-everywhere else), warms up (CUDA graphs are captured before the first request, as SGLang and TensorRT-LLM do at
-start-up), and says in words what runs.
+request (the device loop where the ranks have one, greedy or sampled; the host loop for requests with bad words or
+another budget than the loop's, and everywhere else), warms up (CUDA graphs are captured before the first request, as
+SGLang and TensorRT-LLM do at start-up), and says in words what runs.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_runtime_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "benchmarks/gpu_runtime.py", str(tmp_path), "--smoke", "--e2e-only",
-                           "--models=dense,kimi-rank"], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)  # fmt: skip
+                           "--models=dense,kimi-rank", "--temperatures=0,1"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_runtime.json").read_text())["end_to_end"]
     for model in ("dense", "kimi-rank"):
@@ -22,9 +22,13 @@ def test_gpu_runtime_smoke(tmp_path):
         modes = {(r["mode"], r["drafter"]) for r in mine}
         assert ("autoregressive (device loop)", "-") in modes and ("ddtree 32 (device loop)", "oracle") in modes
         assert (("ddtree 32", "oracle") in modes) == (model == "dense")  # host-loop rows for the small models only
+        sampled = [r for r in mine if r["temperature"] == 1.0]  # every device-loop row again, sampled on the device
+        assert len(sampled) == 9 and all("device loop" in r["mode_printed"] and r["repeats_agree"] for r in sampled)
         for r in mine:
             assert r["tokens_per_s"] > 0 and r["speedup"] > 0
-            if r["mode"] != "autoregressive":
+            if r in sampled:
+                assert r["tokens_equal_to_autoregressive"] is None and r["tokens"] == 24
+            elif r["mode"] != "autoregressive":
                 assert r["tokens_equal_to_autoregressive"] == r["tokens"] == 24, r
             if r["drafter"] == "oracle":
                 assert r["mean_accept_length"] > 7, r

@@ -1,5 +1,5 @@
-"""The whole greedy step on the device, one CUDA graph a step (torch backend), with the next step queued behind
-the running one so the GPU never waits for the host.
+"""The whole step on the device (greedy or sampled), one CUDA graph a step (torch backend), with the next step
+queued behind the running one so the GPU never waits for the host.
 
 The host loop (`speculate.speculative_step`) goes to the host twice a step: for the draft's top-k, to build the
 tree in Python, and for the target's argmax, to walk it. Here the step is fixed-shape tensor work end to end, in four
@@ -11,8 +11,9 @@ the same machinery with one phase (decode a token, commit it): the baseline the 
 `launch` replays the step graph and queues an asynchronous copy of the emitted tokens into a pinned host slot;
 `collect` waits for the oldest launched step and returns its tokens. `generate_on_device` keeps one step in flight
 behind the one it collects (as SGLang's overlap scheduler does), so graph replays run back to back; a step launched
-past the end of a request is discarded. Greedy only: sampling uses the host loop. The prompt's context enters the
-draft cache with the prefill (`prefill_context`, the drafter's prefill), so the first step is a device step too.
+past the end of a request is discarded. A sampled request's step draws the target's choices on the device
+(`runner/device/sampling.py`) in a graph of its own. The prompt's context enters the draft cache with the prefill
+(`prefill_context`, the drafter's prefill), so the first step is a device step too.
 
 Rows past the accepted path are written too (into cache rows past the new length, which no step reads before they
 are overwritten): fixed shapes, no data-dependent slicing. The caller keeps `2 * block_size` rows of cache spare.
