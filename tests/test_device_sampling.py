@@ -9,7 +9,8 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from runner.device.sampling import counter_uniform, sample_tokens
+from runner.device.sampling import counter_uniform, needs_filter, sample_tokens
+from runner.sampling import SamplingParams
 
 DRAWS, VOCAB, LEVEL = 20000, 64, 1e-3
 LOGITS = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)) * 0.8
@@ -20,8 +21,10 @@ def tensor(value, dtype=torch.float32):
 
 
 def draw(temperature, top_k, top_p, seed=11, counter=0, logits=LOGITS):
+    """As the device loop draws: without the top-k / top-p filter when the request has neither."""
     tokens = sample_tokens(logits.expand(DRAWS, -1), tensor(temperature), tensor(top_k, torch.int64), tensor(top_p),
-                           tensor(seed, torch.int64), tensor(counter, torch.int64))  # fmt: skip
+                           tensor(seed, torch.int64), tensor(counter, torch.int64),
+                           filtered=needs_filter(SamplingParams(temperature, top_k, top_p)))  # fmt: skip
     return torch.bincount(tokens, minlength=logits.shape[-1]).double()
 
 
@@ -93,3 +96,26 @@ def test_top_k_never_leaks_over_a_large_vocabulary():
     logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(1))
     counts = draw(1.0, 8, 1.0, seed=3, logits=logits)
     assert counts[logits[0].topk(8).indices].sum() == DRAWS
+
+
+def test_gumbel_kernel_draws_the_tensor_op_tokens_under_the_interpreter():
+    """The GPU draw (`sampling_kernel.py`, one Triton kernel) hashes the same noise as the tensor ops: the same token
+    for every row, over a vocabulary of several column blocks with a filtered-out (-inf) stretch, any seed and
+    counter (each row's argmax depends on all of its 9000 noise values, so a wrong bit anywhere shows)."""
+    from tests.interpreter import run_interpreted
+
+    done = run_interpreted("""
+        import torch
+        from runner.device.sampling import gumbel_argmax
+        from runner.device.sampling_kernel import gumbel_argmax_kernel
+        scores = torch.randn(64, 9000, generator=torch.Generator().manual_seed(1)) * 2
+        scores[:, 4000:8500] = float("-inf")
+        for seed, counter in ((11, 0), (2**32 - 1, 7), (123456789, 2**20)):
+            seed, counter = torch.tensor([seed]), torch.tensor([counter])
+            want = gumbel_argmax(scores, seed, counter)
+            got = gumbel_argmax_kernel(scores, seed, counter)
+            assert torch.equal(got, want), (got != want).sum()
+            assert want.unique().numel() > 20
+        print("OK")
+    """)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]

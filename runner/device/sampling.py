@@ -62,11 +62,29 @@ def filtered_scores(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Te
     return torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
 
 
-def sample_tokens(logits: torch.Tensor, temperature, top_k, top_p, seed, counter) -> torch.Tensor:
-    """One exact draw per row of the filtered distribution: argmax(scores + Gumbel noise) -> [R] int64."""
-    scores = filtered_scores(logits, temperature, top_k, top_p)
+def sample_tokens(
+    logits: torch.Tensor, temperature, top_k, top_p, seed, counter, filtered: bool = True
+) -> torch.Tensor:
+    """One exact draw per row of the filtered distribution: argmax(scores + Gumbel noise) -> [R] int64. filtered:
+    False when the request has neither top-k nor top-p (known on the host when it loads), which skips the sort."""
+    scores = filtered_scores(logits, temperature, top_k, top_p) if filtered else logits.to(torch.float32) / temperature
+    return gumbel_argmax(scores, seed, counter)
+
+
+def gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> [R]: argmax(scores - log(-log(u))), u = `counter_uniform`; on GPUs one Triton kernel of the same
+    hash (`sampling_kernel.py`), elsewhere these tensor ops."""
+    if scores.is_cuda:
+        from runner.device.sampling_kernel import gumbel_argmax_kernel
+
+        return gumbel_argmax_kernel(scores, seed, counter)
     uniform = counter_uniform(seed, counter, *scores.shape)
     return (scores - torch.log(-torch.log(uniform))).argmax(dim=-1)
+
+
+def needs_filter(params) -> bool:
+    """Whether a request's draws go through top-k / top-p (`sample_tokens`' filtered)."""
+    return params.top_k > 0 or params.top_p < 1.0
 
 
 def sampling_tensors(params, device) -> dict[str, torch.Tensor]:
