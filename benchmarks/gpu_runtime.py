@@ -12,7 +12,7 @@
    continuation), on the device loop (and the host loop for moe / dense); tokens/s over the decode (after the first
    token), the split per phase and the GPU idle time between graphs. Ranks come from `runner.factory` and requests
    go through `runner.generator.Generator`: the CLI's path. `--temperatures 0,1` adds sampled rows (temperature 1,
-   `--top-p`, seed 7) next to the greedy ones: the device loop's sampled step (target distributions, the lossless
+   each `--top-p`, seed 7) next to the greedy ones: the device loop's sampled step (target distributions, the lossless
    tree walk, counter-based draws) against its greedy step, same ranks and prompt; sampled oracle rows keep the
    real draws in the step and then follow the known continuation (the cost of a sampled step at full acceptance).
 Writes OUT_DIR/gpu_runtime.json; prints markdown tables.
@@ -300,16 +300,16 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens a request (default 256; smoke 24)")
     parser.add_argument("--temperatures", default="0", help="comma-separated; each above 0 adds sampled device-loop "
                         "rows (seed 7) next to the greedy ones")  # fmt: skip
-    parser.add_argument("--top-p", type=float, default=1.0, help="the sampled rows' top-p")
+    parser.add_argument("--top-p", default="1", help="comma-separated: the sampled rows' top-p values (each with every "
+                        "temperature above 0)")  # fmt: skip
     add_setup_args(parser)
     args = parser.parse_args(argv)
     models = args.models.split(",")
     if any(m not in MODELS for m in models):
         parser.error(f"--models must name models of {MODELS}, got {args.models!r}")
     setup = Setup.from_args(args)
-    sampled = tuple(
-        SamplingParams(float(t), top_p=args.top_p, seed=7) for t in args.temperatures.split(",") if float(t)
-    )
+    sampled = tuple(SamplingParams(float(t), top_p=float(p), seed=7) for t in args.temperatures.split(",") if float(t)
+                    for p in args.top_p.split(","))  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     ceilings = measure_ceilings(setup.smoke)

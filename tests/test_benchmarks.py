@@ -101,3 +101,14 @@ def test_tokenizer_speed_benchmark_smoke(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "tokenizer_speed.json").read_text())["rows"]
     assert len(rows) == 2 and all(r["round_trip"] and r["tokens"] > 100000 for r in rows)
+
+
+def test_sampling_speed_smoke(tmp_path):
+    """The sampler benchmark on the CPU (the tensor-op draw on both sides): it writes complete rows."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "benchmarks/sampling_speed.py", str(tmp_path), "--smoke"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "sampling_speed.json").read_text())["rows"]
+    assert [(r["rows"], r["same_tokens"]) for r in rows] == [(1, 1), (33, 33)]
+    assert all(r[k] > 0 for r in rows for k in r if k.endswith("_us"))

@@ -78,6 +78,10 @@ def gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, counter: torch.Tenso
         from runner.device.sampling_kernel import gumbel_argmax_kernel
 
         return gumbel_argmax_kernel(scores, seed, counter)
+    return gumbel_argmax_tensor_ops(scores, seed, counter)
+
+
+def gumbel_argmax_tensor_ops(scores: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     uniform = counter_uniform(seed, counter, *scores.shape)
     return (scores - torch.log(-torch.log(uniform))).argmax(dim=-1)
 
