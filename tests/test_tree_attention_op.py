@@ -85,8 +85,8 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
 
 
 def test_triton_kernel_causal_prefill_skips_hidden_blocks_exactly():
-    """A causal prefill (after a cached prefix, and with none): the kernel skips key blocks the mask hides from a
-    whole row tile; the result is still the reference's."""
+    """A causal prefill (after a cached prefix, and with none): the kernel stops at the key block of a row tile's
+    last token (parents first: no row sees a later one); the result is still the reference's."""
     script = """
         import torch
         from plugins.tree_attention.kernel import tree_attention_cuda

@@ -156,36 +156,37 @@ def _tree_attention_split(
             False,
         )
     if is_tree:  # the tree's own rows, under the tree mask
-        for block in range(0, T, BLOCK_N):
+        # parents come before their children (causal for a prefill), so row i sees no new row past i: the key
+        # blocks past the tile's last token are never visited (a causal prefill's upper triangle, half of its T x T
+        # work). A loop bound, not a branch on the mask's contents: a branch measured 24-32 % slower at T = 33.
+        last = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // H + 1, T)
+        for block in range(0, last, BLOCK_N):
             keys = block + offs_n
             key_ok = keys < T
             allowed = tl.load(
                 mask_ptr + token[:, None] * T + keys[None, :], mask=row_ok[:, None] & key_ok[None, :], other=0
             ).to(tl.int1)
-            # a block the mask hides from every row of the tile adds nothing: skipped (a causal prefill's upper
-            # triangle, half of its T x T work)
-            if tl.max(allowed.to(tl.int32)) > 0:
-                acc, m_i, l_i = _attend_block(
-                    acc,
-                    m_i,
-                    l_i,
-                    q_lat,
-                    q_rope,
-                    new_ptr,
-                    new_stride,
-                    keys,
-                    key_ok,
-                    allowed,
-                    offs_dl,
-                    offs_dr,
-                    D_LAT,
-                    D_ROPE,
-                    qk_scale,
-                    PRECISION,
-                    new_ptr,
-                    new_stride,
-                    False,
-                )
+            acc, m_i, l_i = _attend_block(
+                acc,
+                m_i,
+                l_i,
+                q_lat,
+                q_rope,
+                new_ptr,
+                new_stride,
+                keys,
+                key_ok,
+                allowed,
+                offs_dl,
+                offs_dr,
+                D_LAT,
+                D_ROPE,
+                qk_scale,
+                PRECISION,
+                new_ptr,
+                new_stride,
+                False,
+            )
     base = split * T * H + rows
     written = row_ok & active
     tl.store(part_m + base, m_i, mask=written)

@@ -4,7 +4,8 @@
     cache      [S, D]      committed latent rows [c_kv | k_pe]; only rows < cache_length are valid
     cache_length [1] int   number of valid cache rows
     new_kv     [T, D]      the latent rows of the T input tokens (not yet in the cache)
-    tree_mask  [T, T] bool tree_mask[i, j]: token i may see token j (ancestor-or-self; causal for prefill)
+    tree_mask  [T, T] bool tree_mask[i, j]: token i may see token j (ancestor-or-self; causal for prefill);
+                          parents precede their children, so it is lower-triangular (the GPU kernel relies on it)
     -> out     [T, H, latent_dim]   softmax(q . k * scale) @ k[:, :latent_dim]; fp32 accumulation
 
 Every token sees all valid cache rows plus the new rows its mask allows. A row that sees nothing outputs zeros.
