@@ -37,10 +37,21 @@ class DecoderLayer(nn.Module):
         self.collectives = ops.collectives
 
     def forward(self, x, cos, sin, tree_mask, cache, cache_length):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, tree_mask, cache, cache_length)
-        x = x + self.collectives.all_reduce(attn)
-        x = x + self.collectives.all_reduce(self.mlp(self.post_attention_layernorm(x)))
-        return x, new_kv
+        _, x, mlp_out, new_kv = self.deferred(x, None, cos, sin, tree_mask, cache, cache_length)
+        return x + mlp_out, new_kv
+
+    def deferred(self, x, pending, cos, sin, tree_mask, cache, cache_length):
+        """The layer with each residual add done by the RMSNorm after it (one kernel on GPUs, `add_norm`): x +
+        pending (the previous layer's MLP output, None before the first layer) by the input norm, the attention's
+        output by the post-attention norm; this layer's MLP output is left pending for the next norm. Returns (x +
+        pending: the previous layer's output, the stream before this layer's MLP output, that output, new_kv)."""
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = self.input_layernorm.add_norm(x, pending)
+        attn, new_kv = self.self_attn(normed, cos, sin, tree_mask, cache, cache_length)
+        mid, normed = self.post_attention_layernorm.add_norm(x, self.collectives.all_reduce(attn))
+        return x, mid, self.collectives.all_reduce(self.mlp(normed)), new_kv
 
 
 class KimiTarget(nn.Module):
@@ -57,13 +68,16 @@ class KimiTarget(nn.Module):
         self.rotary = Rotary(config.rope, config.qk_rope_head_dim)
 
     def forward(self, input_ids, positions, tree_mask, latent_cache, cache_length, logit_indices):
-        x = self.model.embed_tokens(input_ids)
+        x, pending = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary(positions, x.dtype)
-        outputs, new_kv = [], []
+        outputs, new_kv = [], []  # each layer's output, made by the next norm's residual add
         for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, tree_mask, latent_cache[i], cache_length)
-            outputs.append(x)
+            previous, x, pending, kv = layer.deferred(x, pending, cos, sin, tree_mask, latent_cache[i], cache_length)
+            if i:
+                outputs.append(previous)
             new_kv.append(kv)
-        logits = self.lm_head(self.model.norm(x)[logit_indices])
+        last, normed = self.model.norm.add_norm(x, pending)
+        outputs.append(last)
+        logits = self.lm_head(normed[logit_indices])
         taps = torch.cat([outputs[i] for i in self.tap_layers], dim=-1)
         return logits, torch.stack(new_kv), taps

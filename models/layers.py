@@ -19,14 +19,25 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add before the norm, then the norm: (x + delta, norm(x + delta))."""
+        total = x + delta
+        return total, self(total)
+
 
 class FusedRMSNorm(RMSNorm):
-    """The GPU form: one Triton kernel instead of six (`models/triton_ops.py`), the same roundings."""
+    """The GPU form: one Triton kernel instead of six (`models/triton_ops.py`), the same roundings; `add_norm` is
+    one kernel too (the residual add fused in)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from models.triton_ops import rms_norm
 
         return rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from models.triton_ops import add_rms_norm
+
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def linear(in_features: int, out_features: int) -> nn.Linear:

@@ -47,6 +47,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 @triton.jit
+def _add_rms_norm(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, x_stride, d_stride, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + row * d_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    h = (x + d).to(sum_ptr.dtype.element_ty)  # the residual add, rounded as torch's add rounds it
+    tl.store(sum_ptr + row * n + offs, h, mask=ok)
+    h = h.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
+    normed = (h * inv).to(sum_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, rms_norm(x + delta)) in one kernel: the residual add and the RMSNorm after it (each [rows, n],
+    contiguous; the sum in x's dtype, rounded as torch's add rounds it, then normalised as `rms_norm` does)."""
+    n = x.shape[-1]
+    if delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(
+            f"add_rms_norm: delta must be {x.dtype} {tuple(x.shape)}, got {delta.dtype} {tuple(delta.shape)}"
+        )
+    rows, delta_rows = x.reshape(-1, n).contiguous(), delta.reshape(-1, n).contiguous()
+    total = torch.empty_like(rows)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    block = triton.next_power_of_2(n)
+    _add_rms_norm[(rows.shape[0],)](rows, delta_rows, weight, total, out, rows.stride(0), delta_rows.stride(0), n, eps,
+                                    BLOCK=block, num_warps=max(1, min(8, block // 512)))  # fmt: skip
+    return total.view(x.shape), out.view(x.shape)
+
+
+@triton.jit
 def _rotary(
     x_ptr, cos_ptr, sin_ptr, out_ptr, stride_t, stride_r, out_t, out_r, rows, HALF: tl.constexpr, BLOCK_R: tl.constexpr
 ):

@@ -91,3 +91,32 @@ def test_in_place_absorbed_attention_equals_the_plain_expressions():
         assert worst < 1e-5, worst
     """)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_fused_residual_add_and_norm_equal_the_add_then_the_norm():
+    """add_rms_norm (the residual add fused into the next RMSNorm, `FusedRMSNorm.add_norm`) gives the sum torch's add
+    gives, bit for bit, and the norm `rms_norm` gives of that sum; a delta of another shape is refused."""
+    done = run_interpreted("""
+        import torch
+        from models.layers import RMSNorm
+        from models.triton_ops import add_rms_norm, rms_norm
+        gen = torch.Generator().manual_seed(1)
+        for dtype in (torch.float32, torch.float16):
+            for shape in ((1, 64), (33, 576), (2, 3, 40)):
+                x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+                delta = torch.randn(*shape, generator=gen).to(dtype)
+                weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(dtype)
+                total, normed = add_rms_norm(x, delta, weight, 1e-6)
+                want_total, want_normed = RMSNorm(shape[-1], 1e-6).to(dtype).add_norm(x, delta)
+                assert torch.equal(total, x + delta) and total.shape == x.shape
+                assert torch.equal(normed, rms_norm(x + delta, weight, 1e-6)), (dtype, shape)
+                assert normed.shape == want_normed.shape and normed.dtype == want_normed.dtype
+        try:
+            add_rms_norm(torch.ones(2, 8), torch.ones(1, 8), torch.ones(8), 1e-6)
+        except ValueError as err:
+            assert "delta must be" in str(err)
+        else:
+            raise AssertionError("a delta of another shape was accepted")
+        print("OK")
+    """)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
