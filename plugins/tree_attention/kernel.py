@@ -245,6 +245,7 @@ def _combine_splits(
 
 
 SMALL_TILE_CAPACITY = 8192  # cache rows up to which 16-row query tiles are used at any T (measured crossover)
+MEDIUM_TILE_ROWS = 264  # query rows (T x H) up to which 32-row tiles of 4 warps beat 64-row tiles of 8 (measured)
 COMBINE_COLUMNS, COMBINE_SPLIT_ROWS = 128, 128  # under 128 query rows a combine program merges 128 columns, not all
 # (more programs where there are few rows: T = 1 decode over a long cache; measured)
 SHARED_MEMORY_BUDGET = 232448 - 8192  # Hopper allows 227 KB a block; Triton adds a few KB of its own (measured)
@@ -257,12 +258,17 @@ def shared_bytes(config: dict, width: int, element_size: int) -> int:
 
 def default_config(rows: int, width: int = 576, element_size: int = 2, capacity: int = 0) -> dict:
     """Tile shapes measured on the H200 (benchmarks/tree_attention_gpu.py; the short-cache sweep in
-    benchmarks/results/HISTORY.md): 16-row query tiles when at most 16 rows exist (T = 1 decode) or the cache can
-    never be long (capacity <= SMALL_TILE_CAPACITY: more programs, and a key block re-read by more tiles costs
-    little); otherwise 64-row tiles (the wgmma M) with 64-key blocks, which read a long cache fewer times. Wider or
-    fp32 rows fall back to smaller tiles until the shared memory fits."""
+    benchmarks/results/HISTORY.md; the tile sweep in benchmarks/results/tree_attention_tiles.json): 16-row query
+    tiles when at most 16 rows exist (T = 1 decode) or the cache can never be long (capacity <= SMALL_TILE_CAPACITY:
+    more programs, and a key block re-read by more tiles costs little); 32-row tiles of 4 warps up to
+    MEDIUM_TILE_ROWS rows (a verify of 33 tokens at 8 heads: twice the programs of 64-row tiles, half the registers
+    a program; 12 % faster at T = 33 and 35 % at T = 8 over a 32k cache); otherwise 64-row tiles (the wgmma M) with
+    64-key blocks, which read a long cache fewer times. Wider or fp32 rows fall back to smaller tiles until the
+    shared memory fits."""
     small = rows <= 16 or capacity <= SMALL_TILE_CAPACITY
     preferred = [{"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 2}] if small else []
+    if rows <= MEDIUM_TILE_ROWS:
+        preferred.append({"block_m": 32, "block_n": 64, "num_warps": 4, "num_stages": 2})
     preferred += [{"block_m": 64, "block_n": 64, "num_warps": 8, "num_stages": 2},
                   {"block_m": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
                   {"block_m": 32, "block_n": 32, "num_warps": 4, "num_stages": 2},
