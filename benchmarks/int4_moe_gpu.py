@@ -136,8 +136,9 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
     }
 
 
-def sweep_tunings(tensors, config, device, dtype, smoke: bool):
-    """Times every launch shape of a small grid at T = 1 and 33 (random routing); the best by the geometric mean."""
+def sweep_tunings(tensors, config, device, dtype, smoke: bool, pipeline: bool = False):
+    """Times every launch shape of a small grid at T = 1 and 33 (random routing); the best by the geometric mean.
+    pipeline: the grid of input words a K step reads (gate/up, down) and pipeline stages, at the default shapes."""
     import itertools
     import math
 
@@ -149,6 +150,10 @@ def sweep_tunings(tensors, config, device, dtype, smoke: bool):
         cases.append((torch.randn(tokens, hidden, generator=gen).to(device, dtype), ids.to(device), weights.to(device)))
     grid = [Tuning(g, d, kw, per_sm, warps) for g, d, kw, per_sm, warps in
             itertools.product((32, 64, 128), (64, 128, 256), (8, 16), (2, 8), (4, 8))]  # fmt: skip
+    if pipeline:
+        base = vars(DEFAULT_TUNING)
+        grid = [Tuning(**{**base, "gate_kw": g, "down_kw": d, "stages": st})
+                for g, d, st in itertools.product((16, 32, 64), (8, 16, 32), (1, 2, 3, 4))]  # fmt: skip
     if smoke:
         grid = grid[:2]
     results = []
@@ -193,6 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="also each kernel's share (torch.profiler) at T 1, 33")
     what = "first time launch shapes at T 1 and 33 (random routing); the table uses the best"
     parser.add_argument("--sweep", action="store_true", help=what)
+    parser.add_argument("--sweep-pipeline", action="store_true", help="the same over K-step words and pipeline stages")
     args = parser.parse_args(argv)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
@@ -208,8 +214,8 @@ def main(argv=None) -> int:
     expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2  # packed + bf16 scales
     fixed_bytes = 3 * hidden * width * 2 + experts * hidden * 2  # shared expert + router, bf16
     tuning, sweep = DEFAULT_TUNING, []
-    if args.sweep:
-        tuning, sweep = sweep_tunings(tensors, config, device, dtype, smoke)
+    if args.sweep or args.sweep_pipeline:
+        tuning, sweep = sweep_tunings(tensors, config, device, dtype, smoke, args.sweep_pipeline)
         print("tuning", tuning, flush=True)
     rows = []
     for kind in ("random", "skewed"):

@@ -30,13 +30,16 @@ ROUTE_MAX_PAIRS = 1024  # one routing program sorts up to this many (token, expe
 @dataclass(frozen=True)
 class Tuning:
     """Launch shapes (`benchmarks/int4_moe_gpu.py --sweep` times the choices): columns a gate/up program and a down
-    program compute, input words a down step reads, programs per SM the K split aims for, warps a program."""
+    program compute, input words a down step reads, programs per SM the K split aims for, warps a program, input
+    words a gate/up step reads (at least a group's), software-pipeline stages of both kernels' K loops."""
 
     gate_n: int = 64
     down_n: int = 256
     down_kw: int = 8
     programs_per_sm: int = 8
     num_warps: int = 4
+    gate_kw: int = 16
+    stages: int = 3  # Triton's default for CUDA launches
 
 
 # the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
@@ -241,7 +244,7 @@ def int4_moe_cuda(
         order, token, start, count, slot_expert = route(expert_ids, experts)
         pairs, slots = expert_ids.numel(), slot_expert.numel()
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
-        block_m, block_kw = 16, max(16, group_size // 8)
+        block_m, block_kw = 16, max(tuning.gate_kw, group_size // 8)
         block_k, block_n = 8 * block_kw, tuning.gate_n
         tiles = triton.cdiv(width, block_n)
         split = _split_k(slots * tiles, hidden, block_k, x.device, tuning.programs_per_sm)
@@ -252,7 +255,7 @@ def int4_moe_cuda(
             x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width,
             pairs, gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1),
             GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, K_PER_SPLIT=k_per_split,
-            PRECISION=precision, num_warps=tuning.num_warps,
+            PRECISION=precision, num_warps=tuning.num_warps, num_stages=tuning.stages,
         )  # fmt: skip
         routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
         down_kw = max(group_size // 8, 2, min(tuning.down_kw, triton.next_power_of_2(triton.cdiv(width, 8))))
@@ -262,7 +265,7 @@ def int4_moe_cuda(
             part, split, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width,
             pairs, down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
             ACT_DTYPE=_TL_DTYPES[x.dtype], GROUP=group_size, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_KW=down_kw,
-            PRECISION=precision, num_warps=tuning.num_warps,
+            PRECISION=precision, num_warps=tuning.num_warps, num_stages=tuning.stages,
         )  # fmt: skip
         result = routed.view(tokens, -1, hidden).sum(dim=1)
         return result.to(x.dtype) if out is None else out.copy_(result)
