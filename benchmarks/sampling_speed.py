@@ -1,6 +1,7 @@
 """The device sampler's cost on the GPU, one draw of R rows over a V-token vocabulary, in a CUDA graph: the
-Gumbel-max draw as one Triton kernel against the same draw as tensor ops, the whole `sample_tokens` with and
-without the top-p filter, and greedy argmax for reference; plus how many rows' tokens the two draws agree on.
+Gumbel-max draw as one Triton kernel against the same draw as tensor ops, the whole `sample_tokens` without a
+filter, with top-p alone (sort-free on GPUs) and with top-p through the sort, and greedy argmax for reference; plus
+how many rows' tokens the two draws, and the two top-p forms, agree on.
 
     PYTHONPATH=. python3 benchmarks/sampling_speed.py OUT_DIR      (one GPU)
     PYTHONPATH=. python3 benchmarks/sampling_speed.py OUT_DIR --smoke      (the CPU, tensor ops only: checks the script)
@@ -30,14 +31,17 @@ def shape_row(r: int, v: int, device: torch.device, smoke: bool, plain: dict, nu
     scores, seed = logits.float(), plain["seed"]
     counter = torch.ones(1, dtype=torch.long, device=device)
     kernel, ops = gumbel_argmax(scores, seed, counter), gumbel_argmax_tensor_ops(scores, seed, counter)
+    top_p, top_p_sort = (sample_tokens(logits, **nucleus, counter=counter, filter=f) for f in ("top_p", "sort"))
     times = {
         "draw_kernel_us": lambda: gumbel_argmax(scores, seed, counter),
         "draw_tensor_ops_us": lambda: gumbel_argmax_tensor_ops(scores, seed, counter),
-        "sample_temperature_us": lambda: sample_tokens(logits, **plain, counter=counter, filtered=False),
-        "sample_top_p_us": lambda: sample_tokens(logits, **nucleus, counter=counter),
+        "sample_temperature_us": lambda: sample_tokens(logits, **plain, counter=counter, filter="none"),
+        "sample_top_p_us": lambda: sample_tokens(logits, **nucleus, counter=counter, filter="top_p"),
+        "sample_top_p_sort_us": lambda: sample_tokens(logits, **nucleus, counter=counter, filter="sort"),
         "greedy_argmax_us": lambda: logits.argmax(dim=-1),
     }
     return {"rows": r, "vocab": v, "same_tokens": int((kernel == ops).sum()),
+            "same_tokens_top_p": int((top_p == top_p_sort).sum()),
             **{name: graph_time_us(fn, device, smoke) for name, fn in times.items()}}  # fmt: skip
 
 
@@ -57,11 +61,14 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "sampling_speed.json").write_text(json.dumps(result, indent=1) + "\n")
     print("\n| R | V | draw: kernel (µs) | draw: tensor ops (µs) | sample, temperature (µs) | sample, top-p 0.95 (µs) "
-          "| greedy argmax (µs) | same tokens |\n|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+          "| top-p 0.95 by sort (µs) | greedy argmax (µs) | same tokens (draw; top-p) |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in rows:
-        print(f"| {r['rows']} | {r['vocab']} | {r['draw_kernel_us']:.1f} | {r['draw_tensor_ops_us']:.1f} | "
-              f"{r['sample_temperature_us']:.1f} | {r['sample_top_p_us']:.1f} | {r['greedy_argmax_us']:.1f} | "
-              f"{r['same_tokens']}/{r['rows']} |")  # fmt: skip
+        print(
+            f"| {r['rows']} | {r['vocab']} | {r['draw_kernel_us']:.1f} | {r['draw_tensor_ops_us']:.1f} | "
+            f"{r['sample_temperature_us']:.1f} | {r['sample_top_p_us']:.1f} | {r['sample_top_p_sort_us']:.1f} | "
+            f"{r['greedy_argmax_us']:.1f} | {r['same_tokens']}/{r['rows']}; {r['same_tokens_top_p']}/{r['rows']} |"
+        )
     return 0
 
 

@@ -264,8 +264,9 @@ def main_on_rank(comm, argv=None) -> int:
             costs = generator.enable_auto_budget()
             print("budget auto: one step costs " + ", ".join(f"{b}: {s * 1e3:.1f} ms" for b, s in costs.items()))
         built = time.perf_counter() - started
-        # --serve: the three step graphs a request can take (greedy, sampled, sampled through top-k / top-p)
-        requests = (SamplingParams(), SamplingParams(1.0), SamplingParams(1.0, top_p=0.95)) if args.serve else (params,)
+        # --serve: the step graphs a request can take (greedy; sampled with no filter, top-p alone, top-k)
+        forms = (SamplingParams(), SamplingParams(1.0), SamplingParams(1.0, top_p=0.95), SamplingParams(1.0, top_k=50))
+        requests = forms if args.serve else (params,)
         warm = generator.warm_up(requests)
         startup = {"build_seconds": built, "warm_up_seconds": warm, "ranks": worker.description}
         if args.serve:

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from runner.device.sampling import counter_uniform, needs_filter, sample_tokens
+from runner.device.sampling import counter_uniform, filter_kind, sample_tokens
 from runner.sampling import SamplingParams
 
 DRAWS, VOCAB, LEVEL = 20000, 64, 1e-3
@@ -21,10 +21,10 @@ def tensor(value, dtype=torch.float32):
 
 
 def draw(temperature, top_k, top_p, seed=11, counter=0, logits=LOGITS):
-    """As the device loop draws: without the top-k / top-p filter when the request has neither."""
+    """As the device loop draws: with the filter kind of the request."""
     tokens = sample_tokens(logits.expand(DRAWS, -1), tensor(temperature), tensor(top_k, torch.int64), tensor(top_p),
                            tensor(seed, torch.int64), tensor(counter, torch.int64),
-                           filtered=needs_filter(SamplingParams(temperature, top_k, top_p)))  # fmt: skip
+                           filter=filter_kind(SamplingParams(temperature, top_k, top_p)))  # fmt: skip
     return torch.bincount(tokens, minlength=logits.shape[-1]).double()
 
 
@@ -118,4 +118,32 @@ def test_gumbel_kernel_draws_the_tensor_op_tokens_under_the_interpreter():
             assert want.unique().numel() > 20
         print("OK")
     """)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+def test_nucleus_kernel_draws_the_sort_based_tokens_under_the_interpreter():
+    """Top-p without a sort (`nucleus_argmax_kernel`) gives the token of the sort-based filter then the same draw, for
+    peaked and flat rows over several column blocks, at top-p values where the unrestricted draw often falls outside
+    the nucleus (further rounds) and where the nucleus is one token; the gumbel kernel test above covers the noise."""
+    from tests.interpreter import run_interpreted
+
+    done = run_interpreted(
+        """
+        import torch
+        from runner.device.sampling import filtered_scores, gumbel_argmax
+        from runner.device.sampling_kernel import nucleus_argmax_kernel
+        gen = torch.Generator().manual_seed(2)
+        logits = torch.randn(48, 9000, generator=gen) * torch.linspace(0.2, 6.0, 48)[:, None]  # flat .. peaked
+        rounds = 0
+        for top_p, seed in ((0.95, 3), (0.5, 4), (0.1, 5), (1e-4, 6)):
+            seed, counter, p = torch.tensor([seed]), torch.tensor([1]), torch.tensor([top_p])
+            want = gumbel_argmax(filtered_scores(logits, torch.tensor([1.0]), torch.tensor([0]), p), seed, counter)
+            got = nucleus_argmax_kernel(logits, p, seed, counter)
+            assert torch.equal(got, want), (top_p, (got != want).sum())
+            rounds += int((gumbel_argmax(logits, seed, counter) != want).sum())  # rows that needed a second round
+        assert rounds > 20, rounds
+        print("OK", rounds)
+    """,
+        timeout=900,
+    )
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]

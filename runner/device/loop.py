@@ -28,7 +28,7 @@ from collections import deque
 import torch
 
 from engines.spec import SpecConfig
-from runner.device.sampling import needs_filter, sample_tokens, sampling_tensors
+from runner.device.sampling import filter_kind, sample_tokens, sampling_tensors
 from runner.device.tree import accept_greedy_device, tree_forms
 from runner.probes import Probes
 from runner.sampling import SamplingParams
@@ -69,8 +69,8 @@ class DeviceLoop:
         # a sampled request's settings and draw counter (`runner/device/sampling.py`), set by `load`
         self.sampling = sampling_tensors(SamplingParams(1.0), device)
         self.draws = torch.zeros(1, **long)
-        # the mode of the request loaded: greedy, sampled, and sampled through top-k / top-p are graphs of their own
-        self.sampled = self.filtered = False
+        # the mode of the request loaded: greedy, and sampled with each filter kind, are graphs of their own
+        self.sampled, self.filter = False, "none"
         # the phases, in groups: one graph a step holds them all; probes.split_phases captures a graph per group
         groups = [[self._decode]] if autoregressive else [[self._draft], [self._tree], [self._verify], [self._accept]]
         probes = probes or Probes()
@@ -115,7 +115,7 @@ class DeviceLoop:
         self.bonus.fill_(bonus)
         self.prompt_length.fill_(prompt_length)
         self.sampled = params is not None and not params.greedy
-        self.filtered = self.sampled and needs_filter(params)
+        self.filter = filter_kind(params) if self.sampled else "none"
         if self.sampled:
             for name, value in sampling_tensors(params, self.device).items():
                 self.sampling[name].copy_(value)
@@ -179,7 +179,7 @@ class DeviceLoop:
         if not self.sampled:
             return logits.argmax(dim=-1)
         self.draws += 1
-        return sample_tokens(logits, **self.sampling, counter=self.draws, filtered=self.filtered)
+        return sample_tokens(logits, **self.sampling, counter=self.draws, filter=self.filter)
 
     # --- benchmarks' oracle (probes.oracle): after the real forward, logits that follow the known continuation ---
 
@@ -207,7 +207,7 @@ class DeviceLoop:
                 _run(group)
             self.host[slot].copy_(self.emitted)
         else:
-            mode = (self.sampled, self.filtered)
+            mode = (self.sampled, self.filter)
             if mode not in self.graphs:
                 self.graphs[mode] = self._capture()
             marks = [] if self.events is not None else None
@@ -245,8 +245,8 @@ class DeviceLoop:
             self.collect()
 
     def _capture(self) -> list:
-        """The step's graphs in the current mode (greedy, sampled or sampled with top-k / top-p: `_choose` branches
-        at capture time)."""
+        """The step's graphs in the current mode (greedy, or sampled with a filter kind: `_choose` branches at
+        capture time)."""
         state = (self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context, self.draws)
         saved = [t.clone() for t in state]
         warm_up(lambda: [_run(group) for group in self.groups], self.device)
@@ -281,7 +281,7 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
         if sampled:
             draw = sampling_tensors(params, logits.device)
             first = sample_tokens(logits, **draw, counter=torch.zeros(1, dtype=torch.long, device=logits.device),
-                                  filtered=needs_filter(params))  # fmt: skip
+                                  filter=filter_kind(params))  # fmt: skip
         else:
             first = logits.argmax(dim=-1)
         first = first.tolist()

@@ -62,13 +62,17 @@ def filtered_scores(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Te
     return torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
 
 
-def sample_tokens(
-    logits: torch.Tensor, temperature, top_k, top_p, seed, counter, filtered: bool = True
-) -> torch.Tensor:
-    """One exact draw per row of the filtered distribution: argmax(scores + Gumbel noise) -> [R] int64. filtered:
-    False when the request has neither top-k nor top-p (known on the host when it loads), which skips the sort."""
-    scores = filtered_scores(logits, temperature, top_k, top_p) if filtered else logits.to(torch.float32) / temperature
-    return gumbel_argmax(scores, seed, counter)
+def sample_tokens(logits: torch.Tensor, temperature, top_k, top_p, seed, counter, filter: str = "sort") -> torch.Tensor:
+    """One exact draw per row of the filtered distribution: argmax(scores + Gumbel noise) -> [R] int64. filter
+    (`filter_kind`, known on the host when a request loads): "none" skips top-k / top-p, "top_p" is top-p alone (on
+    GPUs without a sort: `sampling_kernel.nucleus_argmax_kernel`), "sort" the sorted filter of `filtered_scores`."""
+    if filter == "none":
+        return gumbel_argmax(logits.to(torch.float32) / temperature, seed, counter)
+    if filter == "top_p" and logits.is_cuda:
+        from runner.device.sampling_kernel import nucleus_argmax_kernel
+
+        return nucleus_argmax_kernel(logits.to(torch.float32) / temperature, top_p, seed, counter)
+    return gumbel_argmax(filtered_scores(logits, temperature, top_k, top_p), seed, counter)
 
 
 def gumbel_argmax(scores: torch.Tensor, seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
@@ -86,9 +90,11 @@ def gumbel_argmax_tensor_ops(scores: torch.Tensor, seed: torch.Tensor, counter: 
     return (scores - torch.log(-torch.log(uniform))).argmax(dim=-1)
 
 
-def needs_filter(params) -> bool:
-    """Whether a request's draws go through top-k / top-p (`sample_tokens`' filtered)."""
-    return params.top_k > 0 or params.top_p < 1.0
+def filter_kind(params) -> str:
+    """`sample_tokens`' filter for a request: "none" (neither top-k nor top-p), "top_p" (top-p alone), "sort"."""
+    if params.top_k > 0:
+        return "sort"
+    return "top_p" if params.top_p < 1.0 else "none"
 
 
 def sampling_tensors(params, device) -> dict[str, torch.Tensor]:
