@@ -114,6 +114,7 @@ def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
             got = build_tree_kernel(top, ids, budget, torch.tensor(3), rows, pad_token=9)
             for name, a, b in zip(("tokens", "parents", "depths", "mask", "count"), expected, got):
                 assert a.dtype == b.dtype and torch.equal(a, b), (depth, budget, k, name, a, b)
+            assert torch.equal(got[3], got[3].tril())  # parents first: what the TreeAttention kernel relies on
         print("ok", len(cases))
     """)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -61,6 +61,7 @@ def test_contract_parents_first_depths_mask_positions_and_padding():
             ancestors.add(n)
         assert set(np.flatnonzero(mask[node])) == ancestors  # ancestor-or-self
     assert mask[0].tolist() == [True] + [False] * 32
+    assert (mask == np.tril(mask)).all()  # lower-triangular: the GPU TreeAttention kernel stops at a row's own node
     assert not mask[21:].any() and not mask[:, 21:].any()  # padding: sees nothing, seen by nothing
     assert (tree.tokens[21:] == 5).all() and (tree.depths[21:] == 0).all()
     assert (tree.positions(100)[: tree.num_nodes] == 100 + tree.depths[: tree.num_nodes]).all()
