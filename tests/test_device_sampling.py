@@ -142,6 +142,8 @@ def test_nucleus_kernel_draws_the_sort_based_tokens_under_the_interpreter():
             assert torch.equal(got, want), (top_p, (got != want).sum())
             rounds += int((gumbel_argmax(logits, seed, counter) != want).sum())  # rows that needed a second round
         assert rounds > 20, rounds
+        empty = torch.full((2, 9000), float("-inf"))  # nothing to draw from: the kernel returns, it does not loop
+        assert nucleus_argmax_kernel(empty, torch.tensor([0.9]), seed, counter).tolist() == [0, 0]
         print("OK", rounds)
     """,
         timeout=900,

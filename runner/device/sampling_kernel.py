@@ -115,7 +115,9 @@ def _nucleus_rounds(scores_ptr, stride, seed_ptr, counter_ptr, top_p_ptr, chosen
     chosen = tl.load(chosen_ptr + row)
     key = _row_key(seed_ptr, counter_ptr, row)
     offs = tl.arange(0, BLOCK)
-    while above >= limit:  # ends: the most probable token has nothing above it
+    # ends: the most probable token has nothing above it (limit > 0: a row of -inf scores has no mass to split and
+    # keeps its first draw instead of looping)
+    while (above >= limit) & (limit > 0):
         pivot = tl.load(scores_ptr + row * stride + chosen)
         best, best_col = float("-inf"), chosen
         for start in range(0, columns, BLOCK):
