@@ -112,3 +112,18 @@ def test_sampling_speed_smoke(tmp_path):
     rows = json.loads((tmp_path / "sampling_speed.json").read_text())["rows"]
     assert [(r["rows"], r["same_tokens"]) for r in rows] == [(1, 1), (33, 33)]
     assert all(r[k] > 0 for r in rows for k in r if k.endswith("_us"))
+
+
+def test_budget_traces_smoke(tmp_path):
+    """The trace-driven budget evaluation on 3 prompts: traces recorded through the rank factory, the replay's rows
+    complete, every fixed budget's and auto's tokens/s positive, auto no faster than its choices allow."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "benchmarks/budget_traces.py", str(tmp_path), "--smoke"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "budget_traces.json").read_text())
+    assert {r["temperature"] for r in result["rows"]} == {0.0, 1.0} and len(result["traces"]["0.0"]) == 3
+    for r in result["rows"]:
+        rates = r["tokens_per_s"]
+        assert all(v > 0 for v in rates.values()) and sum(r["budgets_chosen"].values()) == r["steps"] > 0
+        assert rates["auto"] <= max(rates[f"ddtree {b}"] for b in (8, 16, 32)) * 1.5

@@ -1,0 +1,171 @@
+"""The cost-aware tree budget on a whole Kimi K2 rank's step costs, with acceptance traces of the trained pair.
+
+    PYTHONPATH=. python3 benchmarks/budget_traces.py OUT_DIR [--prompts 64] [--tokens 64] [--temperatures 0 1.0]
+        [--costs benchmarks/results/kimi_rank_int4.json]
+    PYTHONPATH=. python3 benchmarks/budget_traces.py OUT_DIR --smoke      (3 prompts: checks the script)
+
+1. Traces. The trained pair (`trained/`, float32, the CPU, the rank factory's host loop) generates the held-out
+   prompts with DDTree at budget 32; every step records what the policy sees, the tree's best-first path
+   log-probabilities, and what the target accepted, the path's node indices. Best-first, the tree of budget b is
+   the first b nodes of this one, so the path's nodes numbered b or less are what budget b accepts at that step
+   (greedy: exactly, the target's choices at those nodes are the same; sampled: the same law, each node's draw
+   being the target's distribution there). The steps follow budget 32's sequence of contexts.
+2. Replay. Each budget's step cost is what one H200 measured for a whole Kimi K2 TP-8 rank with INT4 experts
+   (`kimi_rank_int4.py`, the random-drafter rows: a step costs the same whatever it accepts), at each context the
+   file has. A fixed budget emits, a step, the tokens its prefix of the path holds (accepted drafts + the bonus);
+   `auto` is `runner.budget.BudgetPolicy` as the generator runs it (those costs, its calibration learnt online),
+   fed the steps in order: it chooses from the step's scores, then records the path its budget took. Tokens/s =
+   tokens emitted over the steps' summed costs; autoregressive decoding = one token a decode step.
+Writes OUT_DIR/budget_traces.json (the traces and the table) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.acceptance import ROOT as TRAINED
+from benchmarks.acceptance import convert_pair, load_prompts
+from benchmarks.common import environment
+from engines.spec import BuildConfig, SpecConfig
+from runner.budget import BudgetPolicy
+from runner.factory import CheckpointWeights, RankOptions, local_ranks
+from runner.sampling import Sampler, SamplingParams
+from runner.speculate import generate
+
+BUDGETS = (8, 16, 32)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class TraceRecorder:
+    """A policy that always keeps the largest budget and records each step's scores and accepted path."""
+
+    def __init__(self, budget: int):
+        self.budget, self.steps, self.scores = budget, [], None
+
+    def choose(self, scores) -> int:
+        self.scores = [round(float(s), 5) for s in scores]
+        return self.budget
+
+    def record(self, accept_length: int, seconds: float | None = None, path: list[int] | None = None) -> None:
+        self.steps.append({"scores": self.scores, "path": [int(n) for n in path]})
+
+
+def record_traces(prompts: int, tokens: int, temperature: float, smoke: bool) -> list[dict]:
+    """Every held-out prompt's steps at budget 32 (a list of {scores, path} per prompt)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = convert_pair(Path(tmp) / "ckpt", "float32")
+        spec = SpecConfig(8, max(BUDGETS))
+        options = RankOptions("torch", "cpu", None, False)
+        ranks = local_ranks(CheckpointWeights(ckpt), options, spec, BuildConfig(128, 128 + tokens + 64))
+        stop = json.loads((TRAINED / "kimi-k2-py" / "generation_config.json").read_text())["eos_token_id"]
+        end_ids = frozenset(stop if isinstance(stop, list) else [stop])
+        traces = []
+        for i, prompt in enumerate(load_prompts(TRAINED / "kimi-k2-py", prompts)):
+            params = SamplingParams(temperature=temperature, seed=1000 + i) if temperature else SamplingParams()
+            recorder = TraceRecorder(spec.budget)
+            generate(ranks, prompt, tokens, spec, Sampler(params), end_ids, policy=recorder)
+            traces.append({"prompt": i, "steps": recorder.steps})
+        ranks.close()
+    return traces
+
+
+def budget_path(path: list[int], budget: int) -> list[int]:
+    """The accepted path of the budget's tree: the largest tree's path up to its first node past the budget."""
+    taken = []
+    for node in path:
+        if node > budget:
+            break
+        taken.append(node)
+    return taken
+
+
+def step_costs(costs_file: Path) -> dict[int, dict]:
+    """context -> {"autoregressive": s, 8: s, 16: s, 32: s}: step seconds of the random-drafter rows."""
+    rows = json.loads(costs_file.read_text())["rows"]
+    costs: dict[int, dict] = {}
+    for r in rows:
+        if r["mode"].startswith("autoregressive"):
+            costs.setdefault(r["context"], {})["autoregressive"] = r["step_ms"] / 1e3
+        elif r["drafter"] == "random" and r["mode"].startswith("ddtree "):
+            costs.setdefault(r["context"], {})[int(r["mode"].split()[1])] = r["step_ms"] / 1e3
+    return {c: v for c, v in costs.items() if all(b in v for b in (*BUDGETS, "autoregressive"))}
+
+
+def replay(traces: list[dict], costs: dict) -> dict:
+    """Tokens/s of autoregressive decoding, each fixed budget and `auto` over the traces at these step costs."""
+    steps = [s for t in traces for s in t["steps"]]
+    rates = {"autoregressive": 1.0 / costs["autoregressive"]}
+    for b in BUDGETS:
+        emitted = sum(len(budget_path(s["path"], b)) for s in steps)
+        rates[f"ddtree {b}"] = emitted / (len(steps) * costs[b])
+    policy = BudgetPolicy(BUDGETS, {b: costs[b] for b in BUDGETS})
+    emitted, seconds = 0, 0.0
+    for s in steps:
+        chosen = policy.choose(np.array(s["scores"]))
+        path = budget_path(s["path"], chosen)
+        policy.record(len(path), None, path)
+        emitted += len(path)
+        seconds += costs[chosen]
+    rates["auto"] = emitted / seconds
+    fixed = [rates[f"ddtree {b}"] for b in BUDGETS]
+    return {"steps": len(steps), "tokens_per_s": {k: round(v, 2) for k, v in rates.items()},
+            "auto_over_best": round(rates["auto"] / max(fixed), 4),
+            "auto_over_worst": round(rates["auto"] / min(fixed), 4),
+            "budgets_chosen": {b: policy.chosen[b] for b in BUDGETS},
+            "mean_accept_length": {b: round(sum(len(budget_path(s["path"], b)) for s in steps) / len(steps), 3)
+                                   for b in BUDGETS},
+            "drafted_accepted_predicted_per_step": round(policy.predicted / len(steps), 3),
+            "drafted_accepted_observed_per_step": round(policy.observed / len(steps), 3)}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--costs", type=Path, default=RESULTS / "kimi_rank_int4.json")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.tokens = 3, 16
+    started = time.time()
+    costs = step_costs(args.costs)
+    if not costs:
+        raise SystemExit(f"{args.costs}: no context with autoregressive and random-drafter DDTree {BUDGETS} rows")
+    rows, traces = [], {}
+    for temperature in args.temperatures:
+        traces[temperature] = record_traces(args.prompts, args.tokens, temperature, args.smoke)
+        for context, cost in sorted(costs.items()):
+            row = {"temperature": temperature, "context": context,
+                   "step_ms": {str(k): round(v * 1e3, 2) for k, v in cost.items()},
+                   **replay(traces[temperature], cost)}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    result = {**environment(True), "command": " ".join(sys.argv), "costs_file": str(args.costs),
+              "seconds": round(time.time() - started, 1), "rows": rows,
+              "traces": {str(t): v for t, v in traces.items()}}  # fmt: skip
+    (args.out_dir / "budget_traces.json").write_text(json.dumps(result) + "\n")
+    print("\n| temperature | context | autoregressive | DDTree 8 | DDTree 16 | DDTree 32 | auto | auto / best | "
+          "auto / worst | budgets auto chose (8 / 16 / 32) |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    for r in rows:
+        t, c = r["tokens_per_s"], r["budgets_chosen"]
+        print(
+            f"| {r['temperature']} | {r['context']} | {t['autoregressive']:.1f} | {t['ddtree 8']:.1f} | "
+            f"{t['ddtree 16']:.1f} | {t['ddtree 32']:.1f} | {t['auto']:.1f} | {r['auto_over_best']:.3f} | "
+            f"{r['auto_over_worst']:.2f} | {c[8]} / {c[16]} / {c[32]} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
