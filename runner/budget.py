@@ -6,7 +6,10 @@ emits E_b = 1 + sum of exp(path log-probability) over its b nodes (the bonus cou
 what warm-up measured on the running hardware (draft, tree, verify and commit), then, once COST_MIN_STEPS steps
 have been taken at it, the median of its last COST_WINDOW step times, so the costs follow what requests really pay
 (a longer cache makes wide verifies dearer than a short warm-up request shows) without one slow step (a page
-fault, another process) steering the choice. The policy takes the budget that maximises
+fault, another process) steering the choice. A wider tree never costs less than a narrower one (the same step
+with more verify rows), so the costs the choice uses are made non-decreasing in the budget (a budget measured
+dearer than a wider one is pooled with it: isotonic regression), which keeps noise in the measured costs from
+swinging the choice between two budgets of nearly equal cost. The policy takes the budget that maximises
 calibration_b * (E_b - 1) + 1 over that cost. `calibration_b` scales the drafter's probabilities to what the
 target accepts, one factor a budget: the observed over the predicted drafted tokens at b, with a prior of PRIOR
 tokens at the factor of all the steps taken (itself with a prior of PRIOR tokens at 1.0).
@@ -62,9 +65,21 @@ class BudgetPolicy:
     def calibration_at(self, budget: int) -> float:
         return (self.observed_at[budget] + PRIOR * self.calibration) / (self.predicted_at[budget] + PRIOR)
 
+    def costs(self) -> dict[int, float]:
+        """The measured step costs made non-decreasing in the budget (pool adjacent violators, equal weights)."""
+        blocks: list[list] = []  # [summed cost, budgets pooled]
+        for b in self.budgets:
+            blocks.append([self.step_seconds[b], [b]])
+            while len(blocks) > 1 and blocks[-2][0] / len(blocks[-2][1]) > blocks[-1][0] / len(blocks[-1][1]):
+                total, pooled = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += pooled
+        return {b: total / len(pooled) for total, pooled in blocks for b in pooled}
+
     def choose(self, scores: np.ndarray) -> int:
         drafted = self.expected_drafted(scores)
-        rate = {b: (1.0 + self.calibration_at(b) * drafted[b]) / self.step_seconds[b] for b in self.budgets}
+        costs = self.costs()
+        rate = {b: (1.0 + self.calibration_at(b) * drafted[b]) / costs[b] for b in self.budgets}
         best = max(self.budgets, key=lambda b: (rate[b], -b))
         self.chosen[best] += 1
         self.predicted += drafted[best]

@@ -33,9 +33,22 @@ def test_the_policy_maximises_expected_tokens_per_second():
     assert policy.step_seconds == {4: 1.0, 8: 1.1, 32: 2.0}
     policy.record(3, seconds=50.0)  # one slow step does not move the median of the steps taken
     assert policy.step_seconds[4] == pytest.approx(3.0)
-    assert policy.choose(scores) == 8  # steps costing 3 s make budget 4 dearer than 8 per expected token
+    # budget 4 measured at 3 s, dearer than the wider 8 (1.1 s) and 32 (2.0 s): a wider verify never costs less, so
+    # the three are pooled at their mean, and at equal cost the widest tree expects the most
+    assert policy.costs() == {b: pytest.approx(6.1 / 3) for b in (4, 8, 32)}
+    assert policy.choose(scores) == 32
     with pytest.raises(ValueError, match="no measured cost for budgets"):
         BudgetPolicy((4, 8), {4: 1.0})
+
+
+def test_the_costs_used_never_fall_as_the_budget_grows():
+    """Measured costs out of order (noise) are pooled with their neighbours; costs in order are kept as measured."""
+    policy = BudgetPolicy((4, 8, 16, 32), {4: 10.4, 8: 9.4, 16: 12.1, 32: 14.0})
+    assert policy.costs() == {4: pytest.approx(9.9), 8: pytest.approx(9.9), 16: 12.1, 32: 14.0}
+    ordered = BudgetPolicy((4, 8, 16, 32), {4: 8.3, 8: 9.0, 16: 9.4, 32: 10.3})
+    assert ordered.costs() == ordered.step_seconds
+    tangled = BudgetPolicy((4, 8, 16), {4: 3.0, 8: 2.0, 16: 1.0})
+    assert tangled.costs() == {b: pytest.approx(2.0) for b in (4, 8, 16)}
 
 
 def test_every_step_informs_each_budget_up_to_the_one_taken():
