@@ -14,6 +14,11 @@
 #   acceptance benchmarks/acceptance.py: the trained pair, every mode, greedy and temperature 1.0, device loop
 #   rank      benchmarks/kimi_rank_int4.py: a whole Kimi K2.x TP-8 rank with INT4 experts (memory, 1k and 32k context)
 #   sampling  benchmarks/sampling_lossless_gpu.py: chi-square tests of sampled DDTree on the device loop (16 processes)
+#   sampler   benchmarks/sampling_speed.py (the sampler alone) and gpu_runtime.py's kimi-rank rows greedy against
+#             temperature 1 with top-p 0.95
+#   peer      benchmarks/flashmla_peer.py: FlashMLA built from .peers/flashmla (a copy of ../shared/peers/flashmla in
+#             an ignored folder, carried with the call) and timed next to TreeAttention
+#   profile   benchmarks/profile_forward.py: the kimi-rank forward's kernels and gaps
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
@@ -80,6 +85,22 @@ if has e2e || has layers; then
   FLAGS=$(has layers || echo --e2e-only)
   python3 benchmarks/gpu_runtime.py "$OUT" $FLAGS > "$OUT/gpu_runtime.log" 2>&1; echo "runtime rc=$?"
   tail -50 "$OUT/gpu_runtime.log"
+fi
+if has sampler; then
+  python3 benchmarks/sampling_speed.py "$OUT" > "$OUT/sampling_speed.log" 2>&1; echo "sampler rc=$?"
+  tail -8 "$OUT/sampling_speed.log"
+  python3 benchmarks/gpu_runtime.py "$OUT" --e2e-only --models kimi-rank --temperatures 0,1 --top-p 0.95 \
+    > "$OUT/gpu_runtime_sampled.log" 2>&1; echo "sampled rows rc=$?"
+  tail -21 "$OUT/gpu_runtime_sampled.log"
+fi
+if has peer; then
+  (cd .peers/flashmla && python3 build_dense.py > "$OUT/flashmla_build.log" 2>&1); echo "flashmla build rc=$?"
+  PYTHONPATH=.peers/flashmla:. python3 benchmarks/flashmla_peer.py "$OUT" > "$OUT/flashmla_peer.log" 2>&1
+  echo "peer rc=$?"; tail -11 "$OUT/flashmla_peer.log"
+fi
+if has profile; then
+  python3 benchmarks/profile_forward.py "$OUT" > "$OUT/profile_forward.log" 2>&1; echo "profile rc=$?"
+  grep -A14 "^target T=1:" "$OUT/profile_forward.log"
 fi
 if has kernel; then
   python3 benchmarks/tree_attention_gpu.py "$OUT" > "$OUT/kernel.log" 2>&1; echo "kernel rc=$?"
