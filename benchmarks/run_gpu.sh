@@ -94,7 +94,7 @@ if has sampler; then
   tail -21 "$OUT/gpu_runtime_sampled.log"
 fi
 if has peer; then
-  (cd .peers/flashmla && python3 build_dense.py > "$OUT/flashmla_build.log" 2>&1); echo "flashmla build rc=$?"
+  python3 .peers/flashmla/build_dense.py > "$OUT/flashmla_build.log" 2>&1; echo "flashmla build rc=$?"  # it builds in its folder
   PYTHONPATH=.peers/flashmla:. python3 benchmarks/flashmla_peer.py "$OUT" > "$OUT/flashmla_peer.log" 2>&1
   echo "peer rc=$?"; tail -11 "$OUT/flashmla_peer.log"
 fi
