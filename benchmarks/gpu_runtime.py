@@ -150,6 +150,7 @@ class ModelRun:
     continuation: list[int] | None = None
     limits: BuildConfig = BUILD  # prompt and sequence lengths the ranks are built for
     params: SamplingParams = SamplingParams()  # the rows' sampling (greedy unless a temperature is given)
+    context_rows: int = 0  # synthetic cached rows before the prompt (`runner/probes.py`)
 
     @property
     def label(self) -> str:
@@ -219,7 +220,8 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
     params = run.params
     events = not setup.smoke
     generator = preset_ranks(run.weights, setup, spec, device_loop, autoregressive,
-                             Probes(oracle=oracle if device_loop else None, record_events=events),
+                             Probes(oracle=oracle if device_loop else None, record_events=events,
+                                    context_rows=run.context_rows),
                              run.limits)  # fmt: skip
     host_oracle = drafter == "oracle" and not device_loop
     if host_oracle:  # the host loop's oracle wraps the ranks (benchmarks/oracle_drafter.py)
@@ -280,7 +282,7 @@ def gpu_gaps(generator, device_loop: bool, steps: int) -> tuple[float, float | N
 
 def phase_split(run: ModelRun, setup: Setup, spec: SpecConfig, oracle) -> dict:
     """Milliseconds per phase (median over the steps of one request) with one graph per phase."""
-    probes = Probes(oracle=oracle, split_phases=True, record_events=True)
+    probes = Probes(oracle=oracle, split_phases=True, record_events=True, context_rows=run.context_rows)
     generator = preset_ranks(run.weights, setup, spec, True, probes=probes, limits=run.limits)
     generator.warm_up((run.params,))
     events_of(generator).clear()

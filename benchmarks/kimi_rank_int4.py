@@ -9,7 +9,8 @@ slice of all 384 experts kept INT4 (W4A16, groups of 32) and run by the W4A16 ke
 vocab-parallel head's shard, and the DFlash drafter's rank share, built in memory through the rank factory with
 random weights (no files), ranks built for a 131072-token sequence (the latent cache of every layer). Reported:
 the bytes of the weights and of the caches, and peak GPU memory. Then, for each context length (a random prompt of
-that many tokens, prefilled for real): autoregressive decoding vs DFlash chain vs DDTree 8/16/32, with the random
+that many tokens, prefilled for real; with --synthetic-context, random cached rows and then a --prompt-token prompt):
+autoregressive decoding vs DFlash chain vs DDTree 8/16/32, with the random
 drafter and with an oracle drafter (probes: every stage runs, then the logits follow the autoregressive
 continuation), on the device loop; decode tokens/s (median of --repeats), mean acceptance, the per-phase split and
 the verify-to-decode cost ratio. One GPU holds one rank: there is no all-reduce in these numbers.
@@ -52,13 +53,20 @@ def main(argv=None) -> int:
         default=1,
         help="timed requests a row at contexts over 4096 tokens (each prefills the whole prompt)",
     )
+    parser.add_argument("--synthetic-context", action="store_true", help="a context longer than --prompt is that "
+                        "many cached rows of random K/V and then a prompt of --prompt tokens, not one long prefill "
+                        "(runner/probes.py: the steps cost the same; their tokens continue nothing real)")  # fmt: skip
+    parser.add_argument("--prompt", type=int, default=1024, help="the real prompt's tokens with --synthetic-context")
     add_setup_args(parser)
     args = parser.parse_args(argv)
     setup = Setup.from_args(args)
     contexts = [int(c) for c in (args.contexts or ("40,100" if setup.smoke else "1024,32768")).split(",")]
     new_tokens = args.new_tokens or (16 if setup.smoke else 128)
     sequence = 512 if setup.smoke else SEQUENCE
-    limits = BuildConfig(max_input_len=max(contexts), max_seq_len=sequence)
+    prompt_cap = min(args.prompt, max(contexts)) if args.synthetic_context else max(contexts)
+    if args.synthetic_context:  # the cache holds the synthetic rows, the prompt, the request and the steps' spare rows
+        sequence = max(sequence, max(contexts) + new_tokens + 64)
+    limits = BuildConfig(max_input_len=prompt_cap, max_seq_len=sequence)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     info = {**environment(setup.smoke), "command": " ".join(sys.argv), "sequence": sequence, "rows": []}
@@ -72,16 +80,19 @@ def main(argv=None) -> int:
     shard = target_cfg.vocab_size // target_cfg.mapping.tp_size
     with torch.no_grad():
         for context in contexts:
-            prompt = torch.randint(0, shard - 2, (context,), generator=torch.Generator().manual_seed(0)).tolist()
-            run = ModelRun("kimi-rank-int4", weights, prompt, new_tokens, limits=limits)
-            row_setup = replace(setup, repeats=args.long_repeats) if context > 4096 else setup
+            synthetic = max(0, context - args.prompt) if args.synthetic_context else 0
+            length = context - synthetic
+            prompt = torch.randint(0, shard - 2, (length,), generator=torch.Generator().manual_seed(0)).tolist()
+            run = ModelRun("kimi-rank-int4", weights, prompt, new_tokens, limits=limits, context_rows=synthetic)
+            long_prefill = context - synthetic > 4096  # each timed request prefills it again
+            row_setup = replace(setup, repeats=args.long_repeats) if long_prefill else setup
             ar = request_row(run, row_setup, "autoregressive (device loop)", "-", SpecConfig(8, 32), device_loop=True)
             run.continuation = ar.pop("tokens_list")
             if "memory" not in info:  # the first ranks built: weights, caches and the peak so far
                 # the modules the ranks were built with (PresetWeights keeps them by rank, device and forms)
                 device = rank_device(RankOptions("torch", setup.device.type), 0)  # the factory's own (cuda:0)
                 lead = weights.models(0, model_ops(device, SingleRank(), target_cfg, setup.dtype), device)
-                cache = SEQUENCE * target_cfg.num_hidden_layers * target_cfg.latent_dim * setup.dtype.itemsize
+                cache = sequence * target_cfg.num_hidden_layers * target_cfg.latent_dim * setup.dtype.itemsize
                 info["memory"] = {
                     "target_weight_bytes": module_bytes(lead[0]), "drafter_weight_bytes": module_bytes(lead[1]),
                     "latent_cache_bytes": cache if not setup.smoke else None,
@@ -101,7 +112,7 @@ def main(argv=None) -> int:
                 row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
                 verify = (row.get("phase_ms") or {}).get("verify")
                 row["verify_over_decode"] = verify / decode_ms if verify and decode_ms else None
-                info["rows"].append({**row, "context": context})
+                info["rows"].append({**row, "context": context, "synthetic_rows": synthetic})
                 if not setup.smoke:
                     info["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
                 save()  # after every row: a run cut short keeps what it measured

@@ -16,7 +16,7 @@ preset with random weights built on the device (`PresetWeights`, `models/presets
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -284,4 +284,4 @@ def describe_ops(ops: ModelOps, int4_experts: bool = False) -> str:
 def _on_device(probes: Probes | None, device: torch.device) -> Probes | None:
     if probes is None or probes.oracle is None:
         return probes
-    return Probes(torch.as_tensor(probes.oracle).to(device), probes.split_phases, probes.record_events)
+    return replace(probes, oracle=torch.as_tensor(probes.oracle).to(device))

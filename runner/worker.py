@@ -35,6 +35,8 @@ class RankWorker:
         self.cache = SequenceCache(latent, draft, dtype, self.device)
         self._pending: dict[str, torch.Tensor] = {}
         self.loop = None  # `enable_device_loop`
+        self.context_rows = 0  # benchmarks' synthetic context (`runner/probes.py`), set with the device loop's probes
+        self._context_written = False
         self.prefill_chunk = 0  # tokens a prefill forward takes at most (0: the whole prompt); the factory sets it
         self.description = session.backend  # what the rank runs, in words (set by the rank factory)
 
@@ -60,6 +62,29 @@ class RankWorker:
             self.loop.discard()  # steps still in flight (a request that failed mid-way) must not write later
         self.cache.reset()
         self._pending = {}
+        if self.context_rows:  # benchmarks' synthetic context (`runner/probes.py`)
+            self._synthetic_context(self.context_rows)
+
+    def _synthetic_context(self, rows: int) -> None:
+        """Rows [0, rows) of both caches hold seeded random K/V, written at the first request (a request writes only
+        past them), and count as cached: the prompt is prefilled after them."""
+        cache = self.cache
+        if rows + 1 > cache.capacity:
+            raise ValueError(f"a synthetic context of {rows} rows needs a larger cache than {cache.capacity} rows")
+        if not self._context_written:
+            gen = torch.Generator(device=self.device).manual_seed(1234)
+            for layer in range(cache.latent.shape[0]):  # a layer at a time: no float32 copy of the whole cache
+                shape = (rows, cache.latent.shape[2])
+                cache.latent[layer, :rows] = torch.randn(shape, generator=gen, device=self.device).to(
+                    cache.latent.dtype
+                )
+            for layer in range(cache.draft.shape[0]):
+                shape = (2, rows, *cache.draft.shape[3:])
+                cache.draft[layer, :, :rows] = torch.randn(shape, generator=gen, device=self.device).to(
+                    cache.draft.dtype
+                )
+            self._context_written = True
+        cache.num_cached = cache.num_drafted = rows
 
     def prefill(self, prompt: list[int]) -> torch.Tensor:
         """Runs the prompt, commits all of it; returns the last row's logits [1, V]. A prompt longer than
@@ -119,6 +144,7 @@ class RankWorker:
 
         self.close()  # the previous loop's graphs and pinned slots go now, not whenever the garbage collector runs
         self.loop = DeviceLoop(self, self.spec, self.device.type == "cuda", autoregressive, probes)
+        self.context_rows = probes.context_rows if probes is not None else 0
 
     def close(self) -> None:
         if self.loop is not None:

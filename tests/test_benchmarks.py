@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,18 +67,22 @@ def test_int4_moe_gpu_smoke(tmp_path):
         assert 0 < r["distinct_experts"] <= 4 * r["tokens"] and r["floor_us"] > 0 and r["layer_us"] > 0
 
 
-def test_kimi_rank_int4_smoke(tmp_path):
+@pytest.mark.parametrize("synthetic", [False, True])
+def test_kimi_rank_int4_smoke(tmp_path, synthetic):
     """The whole-rank INT4 benchmark at tiny shapes: packed experts through the factory, every mode at one context,
-    every generation equal to the autoregressive one, the memory block written."""
+    every generation equal to the autoregressive one, the memory block written; with --synthetic-context, the
+    context is 30 random cached rows and a 10-token prompt."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    extra = ["--synthetic-context", "--prompt", "10"] if synthetic else []
     done = subprocess.run([sys.executable, "benchmarks/kimi_rank_int4.py", str(tmp_path), "--smoke", "--repeats", "1",
-                           "--contexts", "40"], capture_output=True, text=True, env=env, cwd=ROOT,
+                           "--contexts", "40", *extra], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "kimi_rank_int4.json").read_text())
     assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == 9
     for r in result["rows"]:
         assert "INT4 experts" in r["ranks"] and r["tokens_equal_to_autoregressive"] == r["tokens"] == 16, r
+        assert r["synthetic_rows"] == (30 if synthetic else 0)
 
 
 def test_chunked_prefill_benchmark_smoke(tmp_path):
@@ -127,3 +133,32 @@ def test_budget_traces_smoke(tmp_path):
         rates = r["tokens_per_s"]
         assert all(v > 0 for v in rates.values()) and sum(r["budgets_chosen"].values()) == r["steps"] > 0
         assert rates["auto"] <= max(rates[f"ddtree {b}"] for b in (8, 16, 32)) * 1.5
+
+
+def test_synthetic_context_rows_are_cached_and_attended():
+    """`Probes.context_rows` (benchmarks' long context without a long prefill): every request starts after that many
+    cached rows of seeded random K/V, the steps attend to them (the output differs from the same prompt without
+    them), the same rows every request, and greedy speculation over them still equals autoregressive decoding."""
+    import torch
+
+    from benchmarks.common import Setup, preset_ranks
+    from engines.spec import BuildConfig, SpecConfig
+    from runner.factory import PresetWeights
+    from runner.probes import Probes
+
+    setup = Setup(True, torch.device("cpu"), torch.float32, 1)
+    weights = PresetWeights("kimi-rank", torch.float32, seed=3, smoke=True)
+    prompt, limits = [3, 17, 29, 5, 11], BuildConfig(64, 256)
+
+    def tokens(autoregressive: bool, rows: int) -> list[int]:
+        spec = SpecConfig(8, 32)
+        generator = preset_ranks(weights, setup, spec, True, autoregressive, Probes(context_rows=rows), limits)
+        first = generator.generate(prompt, 20).tokens
+        assert generator.ranks.lead.cache.num_cached >= rows + len(prompt)
+        again = generator.generate(prompt, 20).tokens
+        generator.ranks.close()
+        assert again == first  # the same synthetic rows for every request
+        return first
+
+    with_context = tokens(True, 100)
+    assert tokens(False, 100) == with_context != tokens(True, 0)

@@ -113,7 +113,8 @@ class DeviceLoop:
         self.num_cached.fill_(self.cache.num_cached)
         self.num_drafted.fill_(self.cache.num_drafted)
         self.bonus.fill_(bonus)
-        self.prompt_length.fill_(prompt_length)
+        # where the continuation starts, for the benchmarks' oracle: after the prompt (and a synthetic context's rows)
+        self.prompt_length.fill_(prompt_length + self.worker.context_rows)
         self.sampled = params is not None and not params.greedy
         self.filter = filter_kind(params) if self.sampled else "none"
         if self.sampled:
