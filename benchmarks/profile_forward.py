@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-attention", action="store_true", help="the drafter with each form of its attention")
     parser.add_argument("--steps", action="store_true", help="the device loop's step graphs (GPU only)")
     parser.add_argument("--draft-capacities", action="store_true", help="the drafter against its cache's capacity")
+    parser.add_argument("--cache-length", type=int, default=256, help="cached rows the target forwards attend to "
+                        "(random latent rows; the capacity holds them): long context's share of attention")  # fmt: skip
     add_setup_args(parser)
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,8 +147,9 @@ def main(argv=None) -> int:
     target_cfg, drafter_cfg = weights.rank_configs(0)
     generator = preset_ranks(weights, setup, SpecConfig(8, 32), device_loop=False)
     target, drafter = (generator.ranks.lead.session.modules[role] for role in ("target", "draft"))
-    length, capacity = 256, 1024
-    cache = (torch.randn(target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim, device=device) * 0.5).to(dtype)
+    length = args.cache_length
+    capacity = max(1024, length + 64)
+    cache = torch.randn(target_cfg.num_hidden_layers, capacity, target_cfg.latent_dim, device=device, dtype=dtype)
     cache_length = torch.tensor([length], device=device)
     shard = target_cfg.vocab_size // target_cfg.mapping.tp_size
     results = {"model": args.model, "layers": target_cfg.num_hidden_layers, **environment(smoke), "forwards": {},
@@ -190,8 +193,15 @@ def main(argv=None) -> int:
                         "top": sorted(table.items(), key=lambda kv: -kv[1][1])[:30]}  # fmt: skip
             else:
                 prof = replay_profile(fn, device)
-            results["forwards"][name] = {"graph_us": replay, **prof}
+            # attention's share: the TreeAttention kernels (split and combine) among the forward's kernels (GPU; the
+            # CPU runs attention as torch operators)
+            kernels = prof["top"] if not smoke else []
+            attention = sum(t for kernel, (_, t) in kernels if "tree_attention" in kernel or "combine_splits" in kernel)
+            results["forwards"][name] = {"graph_us": replay, **prof, "cache_length": length, "attention_us": attention}
             print_replay_profile(name, replay, prof)
+            if name.startswith("target") and not smoke:
+                print(f"  attention (TreeAttention kernels) {attention:.1f} us of {prof['kernel_us']:.1f} us in "
+                      f"kernels at {length} cached rows", flush=True)  # fmt: skip
         if args.steps and not smoke:
             results["steps"] = device_loop_steps(weights, setup, shard)
     if args.draft_capacities:
