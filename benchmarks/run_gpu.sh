@@ -19,6 +19,8 @@
 #   peer      benchmarks/flashmla_peer.py: FlashMLA built from .peers/flashmla (a copy of ../shared/peers/flashmla in
 #             an ignored folder, carried with the call) and timed next to TreeAttention
 #   profile   benchmarks/profile_forward.py: the kimi-rank forward's kernels and gaps
+#   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
+#             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
@@ -101,6 +103,15 @@ fi
 if has profile; then
   python3 benchmarks/profile_forward.py "$OUT" > "$OUT/profile_forward.log" 2>&1; echo "profile rc=$?"
   grep -A14 "^target T=1:" "$OUT/profile_forward.log"
+fi
+if has long; then
+  python3 benchmarks/kimi_rank_int4.py "$OUT" --synthetic-context --contexts 32768,131072 \
+    > "$OUT/kimi_rank_long.log" 2>&1; echo "long rc=$?"; tail -20 "$OUT/kimi_rank_long.log"
+  for S in 32768 131072; do
+    mkdir -p "$OUT/profile_$S"
+    python3 benchmarks/profile_forward.py "$OUT/profile_$S" --cache-length $S > "$OUT/profile_$S.log" 2>&1
+    echo "profile $S rc=$?"; grep "^target T=\|attention (" "$OUT/profile_$S.log"
+  done
 fi
 if has kernel; then
   python3 benchmarks/tree_attention_gpu.py "$OUT" > "$OUT/kernel.log" 2>&1; echo "kernel rc=$?"
