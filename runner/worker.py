@@ -36,7 +36,6 @@ class RankWorker:
         self._pending: dict[str, torch.Tensor] = {}
         self.loop = None  # `enable_device_loop`
         self.context_rows = 0  # benchmarks' synthetic context (`runner/probes.py`), set with the device loop's probes
-        self._context_written = False
         self.prefill_chunk = 0  # tokens a prefill forward takes at most (0: the whole prompt); the factory sets it
         self.description = session.backend  # what the rank runs, in words (set by the rank factory)
 
@@ -62,29 +61,21 @@ class RankWorker:
             self.loop.discard()  # steps still in flight (a request that failed mid-way) must not write later
         self.cache.reset()
         self._pending = {}
-        if self.context_rows:  # benchmarks' synthetic context (`runner/probes.py`)
-            self._synthetic_context(self.context_rows)
+        # benchmarks' synthetic context (`runner/probes.py`): its rows, written once, count as cached
+        self.cache.num_cached = self.cache.num_drafted = self.context_rows
 
-    def _synthetic_context(self, rows: int) -> None:
-        """Rows [0, rows) of both caches hold seeded random K/V, written at the first request (a request writes only
-        past them), and count as cached: the prompt is prefilled after them."""
+    def _write_synthetic_context(self, rows: int) -> None:
+        """Rows [0, rows) of both caches get seeded random K/V; requests write only past them."""
         cache = self.cache
         if rows + 1 > cache.capacity:
             raise ValueError(f"a synthetic context of {rows} rows needs a larger cache than {cache.capacity} rows")
-        if not self._context_written:
-            gen = torch.Generator(device=self.device).manual_seed(1234)
-            for layer in range(cache.latent.shape[0]):  # a layer at a time: no float32 copy of the whole cache
-                shape = (rows, cache.latent.shape[2])
-                cache.latent[layer, :rows] = torch.randn(shape, generator=gen, device=self.device).to(
-                    cache.latent.dtype
-                )
-            for layer in range(cache.draft.shape[0]):
-                shape = (2, rows, *cache.draft.shape[3:])
-                cache.draft[layer, :, :rows] = torch.randn(shape, generator=gen, device=self.device).to(
-                    cache.draft.dtype
-                )
-            self._context_written = True
-        cache.num_cached = cache.num_drafted = rows
+        gen = torch.Generator(device=self.device).manual_seed(1234)
+        for layer in range(cache.latent.shape[0]):  # a layer at a time: no float32 copy of the whole cache
+            values = torch.randn((rows, cache.latent.shape[2]), generator=gen, device=self.device)
+            cache.latent[layer, :rows] = values.to(cache.latent.dtype)
+        for layer in range(cache.draft.shape[0]):
+            values = torch.randn((2, rows, *cache.draft.shape[3:]), generator=gen, device=self.device)
+            cache.draft[layer, :, :rows] = values.to(cache.draft.dtype)
 
     def prefill(self, prompt: list[int]) -> torch.Tensor:
         """Runs the prompt, commits all of it; returns the last row's logits [1, V]. A prompt longer than
@@ -138,13 +129,16 @@ class RankWorker:
         return out["logits"]
 
     def enable_device_loop(self, autoregressive: bool = False, probes=None) -> None:
-        """Runs later greedy steps as one tensor program (a CUDA graph on GPUs): `runner/device/loop.py`. The rank
-        factory calls it; `probes` are benchmarks' hooks (`runner/probes.py`)."""
+        """Runs later steps (greedy or sampled) as one tensor program (a CUDA graph on GPUs): `runner/device/loop.py`.
+        The rank factory calls it; `probes` are benchmarks' hooks (`runner/probes.py`)."""
         from runner.device.loop import DeviceLoop
 
         self.close()  # the previous loop's graphs and pinned slots go now, not whenever the garbage collector runs
         self.loop = DeviceLoop(self, self.spec, self.device.type == "cuda", autoregressive, probes)
         self.context_rows = probes.context_rows if probes is not None else 0
+        if self.context_rows:
+            self._write_synthetic_context(self.context_rows)
+        self.reset()
 
     def close(self) -> None:
         if self.loop is not None:
