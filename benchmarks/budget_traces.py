@@ -101,10 +101,10 @@ def step_costs(costs_file: Path) -> dict[int, dict]:
 def replay(traces: list[dict], costs: dict) -> dict:
     """Tokens/s of autoregressive decoding, each fixed budget and `auto` over the traces at these step costs."""
     steps = [s for t in traces for s in t["steps"]]
+    emitted_at = {b: sum(len(budget_path(s["path"], b)) for s in steps) for b in BUDGETS}  # tokens budget b emits
     rates = {"autoregressive": 1.0 / costs["autoregressive"]}
     for b in BUDGETS:
-        emitted = sum(len(budget_path(s["path"], b)) for s in steps)
-        rates[f"ddtree {b}"] = emitted / (len(steps) * costs[b])
+        rates[f"ddtree {b}"] = emitted_at[b] / (len(steps) * costs[b])
     policy = BudgetPolicy(BUDGETS, {b: costs[b] for b in BUDGETS})
     emitted, seconds = 0, 0.0
     for s in steps:
@@ -119,8 +119,7 @@ def replay(traces: list[dict], costs: dict) -> dict:
             "auto_over_best": round(rates["auto"] / max(fixed), 4),
             "auto_over_worst": round(rates["auto"] / min(fixed), 4),
             "budgets_chosen": {b: policy.chosen[b] for b in BUDGETS},
-            "mean_accept_length": {b: round(sum(len(budget_path(s["path"], b)) for s in steps) / len(steps), 3)
-                                   for b in BUDGETS},
+            "mean_accept_length": {b: round(emitted_at[b] / len(steps), 3) for b in BUDGETS},
             "drafted_accepted_predicted_per_step": round(policy.predicted / len(steps), 3),
             "drafted_accepted_observed_per_step": round(policy.observed / len(steps), 3)}  # fmt: skip
 

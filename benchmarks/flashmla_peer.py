@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 from benchmarks.common import environment
 from benchmarks.tree_attention_gpu import LATENT, ROPE, ceilings, floor_us, graph_time_us, inputs, relative_error
@@ -54,7 +55,7 @@ def shape_row(tokens: int, length: int, ceil: dict) -> dict:
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
     q, cache, length_t, new_kv, mask = inputs(tokens, HEADS, length, seed=tokens + length)
-    pages = triton_cdiv(length + tokens, PAGE)
+    pages = triton.cdiv(length + tokens, PAGE)
     paged = torch.zeros(pages * PAGE, LATENT + ROPE, dtype=torch.bfloat16, device="cuda")
     paged[:length] = cache[:length]
     if tokens == 1:
@@ -90,10 +91,6 @@ def shape_row(tokens: int, length: int, ceil: dict) -> dict:
     for name in ("ours", "flashmla_cache_part", "flashmla_verify"):
         row[f"{name}_x_floor"] = row[f"{name}_us"] / floor
     return row
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def main(argv=None) -> int:

@@ -17,15 +17,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _weighted_norm(x, x_ptr, w_ptr, offs, ok, n, eps):
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x_ptr's dtype), float32: `layers.RMSNorm`'s roundings; x float32
+    (zeros past n)."""
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    normed = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # x.to(input dtype), as transformers does
+    return tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) * normed
+
+
+@triton.jit
 def _rms_norm(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    normed = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # x.to(input dtype), as transformers does
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+    out = _weighted_norm(x, x_ptr, w_ptr, offs, ok, n, eps)
+    tl.store(out_ptr + row * out_stride + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,11 +62,8 @@ def _add_rms_norm(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, x_stride, d_stride, n, 
     d = tl.load(d_ptr + row * d_stride + offs, mask=ok, other=0.0).to(tl.float32)
     h = (x + d).to(sum_ptr.dtype.element_ty)  # the residual add, rounded as torch's add rounds it
     tl.store(sum_ptr + row * n + offs, h, mask=ok)
-    h = h.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n + eps)
-    normed = (h * inv).to(sum_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+    out = _weighted_norm(h.to(tl.float32), sum_ptr, w_ptr, offs, ok, n, eps)
+    tl.store(out_ptr + row * n + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
