@@ -43,6 +43,20 @@ def runner_pids(engine_dir: Path) -> list[int]:
     return [int(p) for p in found.stdout.split()]
 
 
+def rank_pids(engine_dir: Path) -> list[int]:
+    """The runner's MPI ranks (not the launcher): the processes whose environment carries a rank (MPICH's PMI_RANK,
+    Open MPI's OMPI_COMM_WORLD_RANK)."""
+    ranks = []
+    for pid in runner_pids(engine_dir):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(entry.startswith((b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=")) for entry in environ):
+            ranks.append(pid)
+    return ranks
+
+
 def listening_addresses(pids: list[int]) -> list[str]:
     """The local addresses of the TCP sockets the processes listen on (from /proc: no tool needed)."""
     inodes = set()
@@ -387,23 +401,29 @@ def test_a_client_that_goes_away_does_not_hold_up_the_next(server, cli_outputs):
 
 
 def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs):
-    """A rank dies mid-request: that request fails; the one queued behind it is served by the new runner."""
+    """A rank dies mid-request (after the request's first streamed tokens): that request ends with an error; the one
+    queued behind it is served by the new runner."""
+    import http.client
+
     reply = {}
-    long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1}
+    long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1, "stream": True}  # no early end token
     queued = {"text_input": PROMPTS[1], "max_tokens": 16, "exclude_input_in_output": True}
-    asker = threading.Thread(target=lambda: reply.update(r=post(server["http"], "generate", long)))
-    asker.start()
-    time.sleep(0.5)
+    connection = http.client.HTTPConnection("127.0.0.1", server["http"], timeout=120)
+    connection.request("POST", "/v2/models/ddtree/generate_stream", json.dumps(long),
+                       {"Content-Type": "application/json"})  # fmt: skip
+    stream = connection.getresponse()
+    assert stream.status == 200 and stream.readline().startswith(b"data: ")  # generating now
     waiter = threading.Thread(target=lambda: reply.update(q=post(server["http"], "generate", queued)))
     waiter.start()
-    time.sleep(0.5)
-    pids = runner_pids(server["engine"])
-    assert pids
-    os.kill(pids[-1], 9)  # a rank dies mid-request
-    asker.join(120)
+    time.sleep(0.3)  # queued behind the long one (a whole long request takes about 3 s on the CI machine kind)
+    ranks = rank_pids(server["engine"])
+    assert ranks, "no MPI rank of the runner found"
+    os.kill(ranks[-1], 9)  # a rank dies mid-request
+    rest = stream.read().decode()
+    connection.close()
     waiter.join(180)
-    status, text = reply["r"]
-    assert status == 400 and "the ddtree runner exited" in text
+    events = [json.loads(line[len("data: ") :]) for line in rest.splitlines() if line.startswith("data: ")]
+    assert events and "the ddtree runner exited" in events[-1].get("error", ""), rest[-500:]
     status, text = reply["q"]
     assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][1]
     deadline, last = time.monotonic() + 120, None
