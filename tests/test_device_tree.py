@@ -51,6 +51,22 @@ def test_device_tree_equals_host_tree(seed):
     assert not mask[n:].any() and not mask[:, n:].any()
 
 
+def test_a_confident_drafter_gives_no_orphan_nodes():
+    """Draft tokens of log-probability exactly 0 in float32 (one logit 30 above the rest, as a very confident
+    drafter or the benchmarks' oracle gives): children tie with their parents and the alternatives tie with each
+    other. Every node's parent is still in the tree (ties go to the lower depth), as the host build has it."""
+    logits = torch.zeros(7, 512)
+    logits[torch.arange(7), 10 + torch.arange(7)] = 30.0
+    top = torch.log_softmax(logits, dim=-1).topk(32, dim=-1)
+    assert (top.values[:, 0] == 0).all()
+    tokens, parents, depths, mask, count = build_tree_device(top.values, top.indices, 32, torch.tensor(1), 33)
+    assert int(count) == 33
+    for node in range(1, 33):
+        assert 0 <= parents[node] < node and depths[node] == depths[parents[node]] + 1, node
+    chain = [n for n in range(33) if _node_path(tokens, parents, n) == tuple(range(10, 10 + int(depths[n])))]
+    assert len(chain) == 8  # the root and the whole confident chain
+
+
 def _node_path(tokens, parents, node):
     path = []
     while node > 0:
@@ -100,13 +116,19 @@ def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
         from runner.device.tree import build_tree_device
         from runner.device.tree_kernel import build_tree_kernel
         cases = [(int(d), int(b), int(k)) for d, b, k in np.random.default_rng(7).integers(1, [9, 34, 9], size=(20, 3))]
-        cases += [(7, 32, 32), (15, 16, 4), (1, 1, 1), (7, 7, 1), (8, 64, 16), (3, 40, 40)]
+        cases += [(7, 32, 32), (15, 16, 4), (1, 1, 1), (7, 7, 1), (8, 64, 16), (3, 40, 40), (7, 32, 32), (7, 16, 8)]
         for seed, (depth, budget, k) in enumerate(cases):
             rng = np.random.default_rng(seed)
             k = min(k, budget)
             logits = rng.normal(size=(depth, 80)) * 2
+            if seed >= len(cases) - 2:  # a confident drafter: log-probabilities of exactly 0, ties everywhere
+                logits = np.zeros((depth, 80))
+                logits[np.arange(depth), 10 + np.arange(depth)] = 30.0
             logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-            order = np.argsort(-logprobs, -1)[:, :k]
+            if seed >= len(cases) - 2:  # in float32, as the step computes them: exactly 0 for the winners
+                logprobs = torch.log_softmax(torch.tensor(logits, dtype=torch.float32), -1).double().numpy()
+                assert (logprobs.max(-1) == 0).all()
+            order = np.argsort(-logprobs, -1, kind="stable")[:, :k]
             top = torch.tensor(np.take_along_axis(logprobs, order, -1), dtype=torch.float32)
             ids = torch.tensor(order)
             rows = budget + 1 + seed % 3
@@ -118,7 +140,7 @@ def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
         print("ok", len(cases))
     """)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-1] == "26"
+    assert done.stdout.split()[-1] == "28"
 
 
 def test_top_logprobs_kernel_equals_log_softmax_topk_under_the_interpreter():

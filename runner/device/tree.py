@@ -40,15 +40,15 @@ def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
     # beam at depth 1: the K best tokens, padded to `budget` slots with -inf; a slot's flat index is parent * K + k
     scores = torch.nn.functional.pad(top_logprobs[0], (0, budget - width), value=float("-inf"))
     beam_scores, beam_index = [scores], [torch.arange(budget, device=device).clamp_max(width - 1)]
-    for depth in range(1, depth_limit):  # two kernels a depth: the candidates and their top `budget`
-        scores, index = (scores[:, None] + top_logprobs[depth][None, :]).reshape(-1).topk(budget)
+    for depth in range(1, depth_limit):  # two kernels a depth: the candidates and their best `budget`
+        scores, index = _best(scores[:, None] + top_logprobs[depth][None, :], budget)
         beam_scores.append(scores)
         beam_index.append(index)
     all_scores = torch.stack(beam_scores)  # [L, budget]
     flat = torch.stack(beam_index)  # [L, budget]
     beam_tokens = top_ids.gather(1, flat % width)
     beam_parent = torch.where(torch.arange(depth_limit, device=device)[:, None] > 0, flat // width, 0)
-    chosen_scores, chosen = all_scores.reshape(-1).topk(budget)
+    chosen_scores, chosen = _best(all_scores, budget)
     valid = chosen_scores > float("-inf")
     # parents first: order by depth, then by score (the flat index is depth-major, score-sorted within a depth)
     order = torch.where(valid, chosen, chosen + depth_limit * budget).argsort()
@@ -67,6 +67,16 @@ def build_tree_device(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget:
     depths = pad(torch.where(valid, chosen_depth + 1, 0), (1, padding))
     real = pad(pad(valid, (1, 0), value=True), (0, padding), value=False)
     return tokens, parents, depths, ancestor_mask(parents, real, depth_limit), real.sum().reshape(1)
+
+
+def _best(scores: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` best of the flattened scores and their flat indices; ties go to the lower index (as the Triton
+    build's do). For the global choice that keeps every node's parent in: a child never scores above its parent,
+    and where it scores the same (a drafted token of log-probability 0 in float32, as a very confident drafter
+    gives) the parent, one depth up, has the lower flat index. `topk` breaks ties in no stated order: it could take
+    the child and leave its parent out (an orphan node, never accepted)."""
+    values, index = scores.reshape(-1).sort(descending=True, stable=True)
+    return values[:count], index[:count]
 
 
 def ancestor_mask(parents: torch.Tensor, real: torch.Tensor, depth_limit: int) -> torch.Tensor:
