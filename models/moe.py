@@ -33,6 +33,9 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts))
         self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        # the device loop's narrow steps (`runner/device/budget.py`): [T] bool, rows outside the step's budget take
+        # row 0's experts with zero weight, so they add no expert to the forward's reads; None (always, in exports)
+        self.row_active: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (expert ids [T, k], weights [T, k] fp32)."""
@@ -47,6 +50,9 @@ class Router(nn.Module):
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.row_active is not None:
+            active = self.row_active[:, None]
+            ids, weights = torch.where(active, ids, ids[:1]), torch.where(active, weights, 0.0)
         return ids, weights * self.scaling
 
 

@@ -76,28 +76,55 @@ class BudgetPolicy:
                 blocks[-1][1] += pooled
         return {b: total / len(pooled) for total, pooled in blocks for b in pooled}
 
-    def choose(self, scores: np.ndarray) -> int:
-        drafted = self.expected_drafted(scores)
+    def best(self, drafted: dict[int, float]) -> int:
+        """The budget with the most expected tokens a second (the smallest one on ties)."""
         costs = self.costs()
         rate = {b: (1.0 + self.calibration_at(b) * drafted[b]) / costs[b] for b in self.budgets}
-        best = max(self.budgets, key=lambda b: (rate[b], -b))
-        self.chosen[best] += 1
-        self.predicted += drafted[best]
-        self.last, self.last_drafted = best, drafted
+        return max(self.budgets, key=lambda b: (rate[b], -b))
+
+    def choose(self, scores: np.ndarray) -> int:
+        """A host step's budget, from its tree's best-first path log-probabilities; `record` follows the step."""
+        drafted = self.expected_drafted(scores)
+        best = self.best(drafted)
+        self._taken(best, drafted)
         return best
+
+    def _taken(self, budget: int, drafted: dict[int, float]) -> None:
+        self.chosen[budget] += 1
+        self.predicted += drafted[budget]
+        self.last, self.last_drafted = budget, drafted
 
     def record(self, accept_length: int, seconds: float | None = None, path: list[int] | None = None) -> None:
         """The step just taken: its accepted nodes (root included), where measured its time, and where given its
         accepted path (node indices, root first), which informs every budget up to the one taken."""
+        accepted = None
+        if path is not None and self.last is not None:
+            accepted = {b: sum(1 for node in path[1:] if node <= b) for b in self.budgets if b <= self.last}
+        self._learn(accept_length, accepted, seconds)
+
+    def observe(self, budget: int, drafted: dict[int, float], accept_length: int, accepted: dict[int, int],
+                seconds: float | None = None) -> None:  # fmt: skip
+        """A device step, chosen on the device (`runner/device/budget.py`): its budget, its expected drafted tokens
+        at every budget, its accepted nodes (root included), the drafted nodes each budget would have accepted, and
+        where measured its time."""
+        self._taken(budget, drafted)
+        self._learn(accept_length, {b: n for b, n in accepted.items() if b <= budget}, seconds)
+
+    def _learn(self, accept_length: int, accepted: dict[int, int] | None, seconds: float | None) -> None:
         self.observed += accept_length - 1
         self.calibration = (self.observed + PRIOR) / (self.predicted + PRIOR)
-        if path is not None and self.last is not None:
-            for b in self.budgets:
-                if b <= self.last:
-                    self.predicted_at[b] += self.last_drafted[b]
-                    self.observed_at[b] += sum(1 for node in path[1:] if node <= b)
+        if accepted is not None:
+            for b, count in accepted.items():
+                self.predicted_at[b] += self.last_drafted[b]
+                self.observed_at[b] += count
         if seconds is not None and self.last is not None:
             recent = self.times.setdefault(self.last, deque(maxlen=COST_WINDOW))
             recent.append(seconds)
             if len(recent) >= COST_MIN_STEPS:
                 self.step_seconds[self.last] = float(np.median(recent))
+
+    def device_inputs(self) -> tuple[list[float], list[float]]:
+        """What the device loop's choice reads, in budget order: the costs `best` uses and each budget's
+        calibration factor."""
+        costs = self.costs()
+        return [costs[b] for b in self.budgets], [self.calibration_at(b) for b in self.budgets]

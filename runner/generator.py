@@ -28,6 +28,8 @@ class Generator:
                 f"the ranks' device loop is {'autoregressive' if lead.loop.autoregressive else 'speculative'}; "
                 f"this generator is {'autoregressive' if autoregressive else 'speculative'}"
             )
+        # the budgets the device loop verifies: with several, every one of them and "auto", in one graph
+        self.device_budgets = lead.loop.budgets if self.device_loop and lead.loop.auto else (self.spec.budget,)
         self.on_gpu = lead.device.type == "cuda"
         self.rank_description = lead.description
         self.policy = None  # the cost-aware tree budget's policy (`runner/budget.py`), measured on first use
@@ -35,9 +37,11 @@ class Generator:
 
     def on_device(self, params: SamplingParams, banned: tuple[int, ...] = (), budget: int | str | None = None) -> bool:
         """Whether a request runs on the device loop: where the ranks have one, greedy or sampled, unless it bans
-        tokens (bad_words: the host loop's sampler) or its budget is not the one the loop was built for (`auto`,
-        chosen every step by the host loop's policy, or another of the engine's budgets)."""
-        return self.device_loop and not banned and self.step_budget(budget) == self.spec.budget
+        tokens (bad_words: the host loop's sampler) or its budget is not one the loop verifies (an engine with
+        several budgets: each of them, and `auto`, chosen every step on the device; else the spec's budget only)."""
+        chosen = self.step_budget(budget)
+        several = len(self.device_budgets) > 1
+        return self.device_loop and not banned and (chosen in self.device_budgets or (chosen == "auto" and several))
 
     def step_budget(self, budget: int | str | None) -> int | str:
         """What a request's `budget` (None: the job's default) runs: "auto" or a fixed tree budget."""
@@ -68,9 +72,15 @@ class Generator:
         for budget in budgets:
             step_spec = self.spec.with_budget(budget)
             for _ in range(2):  # the second run is timed: the first pays for first calls
-                result = generate(self.ranks, prompt, tokens, step_spec, Sampler(GREEDY))
+                if self.device_budgets == budgets:  # on the device loop, the path `auto` requests take
+                    result = generate_on_device(self.ranks, self.spec, prompt, tokens, self.capacity, budget=budget)
+                else:
+                    result = generate(self.ranks, prompt, tokens, step_spec, Sampler(GREEDY))
             steps = max(1, len(result.accept_lengths))
-            costs[budget] = sum(result.seconds.get(p, 0.0) for p in ("draft", "tree", "verify", "commit")) / steps
+            if self.device_budgets == budgets:  # steps overlap: the time after the first token, a step
+                costs[budget] = result.decode_seconds / steps
+            else:
+                costs[budget] = sum(result.seconds.get(p, 0.0) for p in ("draft", "tree", "verify", "commit")) / steps
         self.policy = BudgetPolicy(budgets, costs, calibration)
         return costs
 
@@ -109,8 +119,13 @@ class Generator:
         """budget: this request's tree budget, one the engines verify, or "auto" (None: the job's default); the
         device loop runs the budget it was built for, any other on the host loop."""
         if self.on_device(params, banned, budget):
+            chosen, policy = self.step_budget(budget), None
+            if chosen == "auto":
+                if self.policy is None:  # measured once, at the first request that asks
+                    self.measure_budgets()
+                policy = self.policy
             return generate_on_device(self.ranks, self.spec, prompt, max_new_tokens, self.capacity, end_ids, on_tokens,
-                                      self.autoregressive, stop_sequences, params)  # fmt: skip
+                                      self.autoregressive, stop_sequences, params, chosen, policy)  # fmt: skip
         sampler = Sampler(params, banned)
         if self.autoregressive:
             return generate_autoregressive(self.ranks, prompt, max_new_tokens, sampler, end_ids, on_tokens,

@@ -39,11 +39,12 @@ class Ranks:
     def device_prefill_context(self) -> None:
         self.call("device_prefill_context")
 
-    def device_load(self, bonus: int, prompt_length: int, params=None) -> None:
-        self.call("device_load", bonus, prompt_length, params)
+    def device_load(self, bonus: int, prompt_length: int, params=None, budget=None) -> None:
+        self.call("device_load", bonus, prompt_length, params, budget)
 
-    def device_launch(self) -> None:
-        self.call("device_launch")
+    def device_launch(self, choice=None) -> None:
+        """choice: the budget policy's inputs for this step (`DeviceLoop.launch`), the same on every rank."""
+        self.call("device_launch", choice)
 
     def device_collect(self) -> list[int]:
         return self.call("device_collect")

@@ -148,11 +148,11 @@ class RankWorker:
     def device_prefill_context(self) -> None:
         self.loop.prefill_context()
 
-    def device_load(self, bonus: int, prompt_length: int, params=None) -> None:
-        self.loop.load(bonus, prompt_length, params)
+    def device_load(self, bonus: int, prompt_length: int, params=None, budget=None) -> None:
+        self.loop.load(bonus, prompt_length, params, budget)
 
-    def device_launch(self) -> None:
-        self.loop.launch()
+    def device_launch(self, choice=None) -> None:
+        self.loop.launch(choice)
 
     def device_collect(self) -> list[int]:
         return self.loop.collect()

@@ -102,7 +102,8 @@ def test_auto_needs_several_budgets(demo_ckpt):
 
 def test_a_request_chooses_its_budget_when_served(demo_hf, tmp_path):
     """`--serve` (the Triton model's runner) on an engine with several verify profiles: a request may name any of
-    its budgets or `auto`; the device loop serves the budget it was built for, the host loop the others; every
+    its budgets or `auto`; the device loop serves each of the engine's budgets and `auto` (one graph), the host loop
+    other budgets (a chain of 4 here); every
     greedy output equals autoregressive decoding; a budget the engine lacks, a malformed one, or a budget on an
     autoregressive server is that request's own error."""
     import io
@@ -141,8 +142,11 @@ def test_a_request_chooses_its_budget_when_served(demo_hf, tmp_path):
     for name in ("default", "16", "auto", "chain"):
         assert finals[name]["event"] == "done" and finals[name]["output_ids"] == expected["output_ids"], name
     assert finals["default"]["mode"] == "DDTree budget 32 (block 8), device loop (eager tensor program)"
-    assert finals["16"]["mode"] == "DDTree budget 16 (block 8), host loop" and set(finals["16"]["budgets"]) == {16}
-    assert finals["auto"]["mode"] == "DDTree budget auto of [16, 32] (block 8), host loop"
+    on_device = "device loop (eager tensor program)"
+    assert finals["16"]["mode"] == f"DDTree budget 16 (block 8), {on_device}" and set(finals["16"]["budgets"]) == {16}
+    assert set(finals["default"]["budgets"]) == {32}
+    assert finals["auto"]["mode"] == f"DDTree budget auto of [16, 32] (block 8), {on_device}"
+    assert finals["chain"]["mode"] == "DDTree budget 4 (block 8), host loop"
     assert set(finals["auto"]["budgets"]) <= {16, 32} and finals["chain"]["budgets"][0] == 4
     assert (
         "budget=24 needs a 25-token verify_tree profile; the engine verifies tree budgets [16, 32]"
@@ -151,3 +155,159 @@ def test_a_request_chooses_its_budget_when_served(demo_hf, tmp_path):
     assert "ddtree_budget must be a tree budget (an integer >= 1) or auto, got '1.5'" in finals["bad"]["error"]
     on_ar = served(True, json.dumps({"id": "x", "text_input": "Hi", "max_tokens": 2, "ddtree_budget": 16}))["x"]
     assert "this server decodes autoregressively" in on_ar["error"]
+
+
+def test_the_device_choice_is_the_host_policys():
+    """The device loop's choice (`runner/device/budget.py`) on the largest budget's tree: for each budget b its
+    active nodes are the host's best-first tree of budget b (`build_tree` at b), E_b is the host policy's, and the
+    budget chosen is the one the host policy chooses, for costs and calibrations that favour each budget in turn."""
+    import torch
+
+    from runner.device.budget import choose_budget, expected_drafted, node_scores, rank_nodes
+    from runner.device.tree import build_tree_device, top_logprobs
+    from runner.tree import build_tree
+
+    budgets = (4, 8, 16, 32)
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(6):
+        logits = torch.randn(7, 300, generator=gen) * (1.0 + trial)  # sharper drafts as trials go on
+        values, ids = top_logprobs(logits, 32)
+        tokens, parents, depths, mask, _ = build_tree_device(values, ids, 32, torch.tensor([1]), 33)
+        rank, ordered = rank_nodes(node_scores(tokens, depths, mask, values, ids))
+
+        def paths(keep, tokens=tokens, parents=parents):
+            found = set()
+            for node in keep:
+                path, at = [], int(node)
+                while at > 0:
+                    path.append(int(tokens[at]))
+                    at = int(parents[at])
+                found.add(tuple(reversed(path)))
+            return found
+
+        host_top = values.numpy().astype(np.float64), ids.numpy()
+        for b in budgets:
+            tree = build_tree(host_top[0][:, :b], host_top[1][:, :b], b, 1, rows=b + 1)
+            host_paths = {
+                tuple(int(tree.tokens[n]) for n in _ancestry(tree.parents, node)) for node in range(tree.num_nodes)
+            }
+            assert paths(torch.nonzero(rank <= b).flatten().tolist()) == host_paths, (trial, b)
+        full = build_tree(host_top[0], host_top[1], 32, 1, rows=33)
+        policy = BudgetPolicy(budgets, {4: 1.0, 8: 1.2, 16: 1.6, 32: 2.4})
+        host_drafted = policy.expected_drafted(full.scores)
+        drafted = expected_drafted(ordered, torch.tensor(budgets))
+        assert drafted.tolist() == pytest.approx([host_drafted[b] for b in budgets], rel=1e-5)
+        for costs in ({4: 1.0, 8: 1.2, 16: 1.6, 32: 2.4}, {4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0}, {4: 1.0, 8: 3.0,
+                      16: 9.0, 32: 27.0}, {4: 1.0, 8: 1.01, 16: 1.02, 32: 1.03}):  # fmt: skip
+            policy = BudgetPolicy(budgets, dict(costs))
+            cost_list, calibration = policy.device_inputs()
+            auto = choose_budget(drafted, torch.tensor(calibration, dtype=torch.float64),
+                                 torch.tensor(cost_list, dtype=torch.float64), torch.tensor([-1]))  # fmt: skip
+            assert budgets[int(auto)] == policy.best(host_drafted), (trial, costs)
+        fixed = choose_budget(drafted, torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64),
+                              torch.tensor([1]))  # fmt: skip
+        assert int(fixed) == 1
+
+
+def _ancestry(parents, node):
+    """The nodes from the root's child down to `node`."""
+    chain = []
+    while node > 0:
+        chain.append(node)
+        node = int(parents[node])
+    return list(reversed(chain))
+
+
+def test_rows_outside_the_steps_budget_add_no_expert():
+    """`Router.row_active`: inactive rows take row 0's experts with zero weight; the active rows' output is the
+    same as without the limit."""
+    import torch
+
+    from models.layout import rank_target_shapes
+    from models.moe import MoE
+    from models.parallel import SingleRank
+    from models.presets import preset
+    from models.random_weights import random_state, router_in_fp32
+    from runner.factory import cpu_ops
+
+    config = preset("kimi-k2", smoke=True).target  # 16 experts, top-8
+    prefix = "model.layers.1.mlp."
+    shapes = {k[len(prefix) :]: v for k, v in rank_target_shapes(config).items() if k.startswith(prefix)}
+    with torch.device("meta"):
+        moe = MoE(config, 1, cpu_ops(SingleRank()))
+    moe.load_state_dict(router_in_fp32(random_state(shapes, seed=2)), strict=True, assign=True)
+    torch.manual_seed(0)
+    x = torch.randn(9, config.hidden_size)
+    with torch.no_grad():
+        full = moe(x)
+    ids, _ = moe.gate(x)
+    active = torch.tensor([True, True, False, True, False, False, True, False, False])
+    moe.gate.row_active = active
+    with torch.no_grad():
+        limited_ids, weights = moe.gate(x)
+        limited = moe(x)
+    moe.gate.row_active = None
+    assert torch.equal(limited_ids[active], ids[active]) and (limited_ids[~active] == ids[0]).all()
+    assert (weights[~active] == 0).all()
+    torch.testing.assert_close(limited[active], full[active])
+    assert set(limited_ids.flatten().tolist()) == set(ids[active].flatten().tolist())
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_auto_budget_on_the_device_loop_equals_autoregressive(demo_ckpt, tp_size):
+    """Several budgets on the device loop: one graph verifies the largest tree and each step's budget is chosen on
+    the device; fixed budgets and `auto` (costs measured on the device loop) all give autoregressive decoding's
+    tokens, on every rank alike; the policy learns from every step's statistics."""
+    from runner.device.loop import generate_on_device
+
+    spec = SpecConfig(8, 32, extra_budgets=(4, 8, 16))
+    ranks = cpu_ranks(demo_ckpt(tp_size), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True)
+    prompt = [5, 77, 300, 12, 480, 33, 250, 9, 81]
+    expected = generate_autoregressive(ranks, prompt, 40, Sampler(SamplingParams())).tokens
+    for budget in (4, 16, 32):
+        result = generate_on_device(ranks, spec, prompt, 40, 512, budget=budget)
+        assert result.tokens == expected and set(result.budgets) == {budget}, budget
+    # equal costs: the widest tree expects the most, until the policy learns this drafter's real acceptance and
+    # step times (the two steps launched before the first is collected choose on the initial inputs)
+    flat = BudgetPolicy((4, 8, 16, 32), {4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0})
+    result = generate_on_device(ranks, spec, prompt, 40, 512, budget="auto", policy=flat)
+    assert result.tokens == expected and result.budgets[:2] == [32, 32] and set(result.budgets) <= {4, 8, 16, 32}
+    assert sum(flat.chosen.values()) == len(result.budgets) and flat.observed == sum(result.accept_lengths) - len(
+        result.accept_lengths
+    )
+    steep = BudgetPolicy((4, 8, 16, 32), {4: 1.0, 8: 100.0, 16: 200.0, 32: 400.0})
+    result = generate_on_device(ranks, spec, prompt, 40, 512, budget="auto", policy=steep)
+    assert result.tokens == expected and set(result.budgets) == {4}
+    generator = Generator(ranks)
+    costs = generator.enable_auto_budget(tokens=12)
+    assert sorted(costs) == [4, 8, 16, 32] and all(c > 0 for c in costs.values())
+    assert generator.mode() == "DDTree budget auto of [4, 8, 16, 32] (block 8), device loop (eager tensor program)"
+    result = generator.generate(prompt, 40)
+    ranks.close()
+    assert result.tokens == expected and set(result.budgets) <= {4, 8, 16, 32}
+    assert sum(generator.policy.chosen.values()) >= len(result.budgets)
+
+
+def test_a_narrow_step_verifies_only_its_own_nodes(demo_ckpt):
+    """With a drafter that always knows the continuation (the benchmarks' oracle probe), budget b accepts
+    min(b, block - 1) drafted tokens a step plus the bonus: the nodes past the step's budget, though in the verified
+    graph, are never accepted."""
+    import torch
+
+    from runner.device.loop import generate_on_device
+    from runner.probes import Probes
+
+    spec = SpecConfig(8, 32, extra_budgets=(4, 8, 16))
+    prompt = [5, 77, 300, 12, 480, 33, 250]
+    reference = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS))
+    expected = generate_autoregressive(reference, prompt, 60, Sampler(SamplingParams())).tokens
+    reference.close()
+    probes = Probes(oracle=torch.tensor(expected))
+    ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, probes=probes)
+    for budget, accepted in ((4, 5), (8, 8), (32, 8)):
+        result = generate_on_device(ranks, spec, prompt, 60, 512, budget=budget)
+        assert result.tokens == expected and result.accept_lengths[:-1] == [accepted] * (len(result.accept_lengths) - 1)
+    steep = BudgetPolicy((4, 8, 16, 32), {4: 1.0, 8: 100.0, 16: 200.0, 32: 400.0})
+    result = generate_on_device(ranks, spec, prompt, 60, 512, budget="auto", policy=steep)
+    ranks.close()
+    assert result.tokens == expected and set(result.budgets) == {4} and result.accept_lengths[0] == 5

@@ -47,7 +47,7 @@ def exact(hf_model, temperature: float, top_k: int):
     return joint, {t: float(p) for t, p in enumerate(third) if p > 0}
 
 
-def follow_the_target(loop, hf_model):
+def follow_the_target(loop, hf_model, spec=SPEC):
     """The loop's drafter still runs (its caches evolve as in production), then its logits are replaced by the
     target's along its greedy continuation of the sequence so far, plus noise: drafts are often, not always, right."""
     history = list(PROMPT)
@@ -57,7 +57,7 @@ def follow_the_target(loop, hf_model):
         real_draft()
         sequence, rows = history + [int(loop.bonus)], []
         with torch.no_grad():
-            for _ in range(SPEC.draft_depth):
+            for _ in range(spec.draft_depth):
                 logits = hf_model(torch.tensor([sequence])).logits[0, -1]
                 rows.append(logits)
                 sequence.append(int(logits.argmax()))
@@ -76,17 +76,22 @@ def follow_the_target(loop, hf_model):
     loop.groups = [[remember_bonus, draft, loop._tree, loop._verify, accept]]
 
 
-def sample_counts(ranks, hf_model, params, runs=RUNS):
+def sample_counts(ranks, hf_model, params, runs=RUNS, spec=SPEC, budgets=None, **options):
+    """Counts of (t1, t2) and t3 over `runs` seeds, and the first step's mean accept length; `options`: more
+    `generate_on_device` arguments (budget, policy); the first steps' budgets are appended to `budgets`."""
     loop = ranks.lead.loop
     joint, third, accepted, groups = {}, {}, [], loop.groups
+    budgets = [] if budgets is None else budgets
     try:
         for seed in range(runs):
-            follow_the_target(loop, hf_model)
-            result = generate_on_device(ranks, SPEC, PROMPT, 3, 512, params=SamplingParams(**params, seed=seed))
+            follow_the_target(loop, hf_model, spec)
+            result = generate_on_device(ranks, spec, PROMPT, 3, 512, params=SamplingParams(**params, seed=seed),
+                                        **options)  # fmt: skip
             t1, t2, t3 = result.tokens
             joint[(t1, t2)] = joint.get((t1, t2), 0) + 1
             third[t3] = third.get(t3, 0) + 1
             accepted.append(result.accept_lengths[0])
+            budgets.extend(result.budgets[:1])
     finally:
         loop.groups = groups
     return joint, third, float(np.mean(accepted))
@@ -128,6 +133,27 @@ def test_broken_samplers_are_rejected(ranks, hf_model, expected, broken):
     finally:
         undo()
     assert min(p_value(joint, reference[0]), p_value(third, reference[1])) < LEVEL
+
+
+@pytest.mark.slow
+def test_sampled_steps_with_a_budget_chosen_per_step_are_lossless(demo_ckpt, hf_model, expected):
+    """Several budgets on the device loop, `auto`: each step verifies the largest tree's b best nodes for the b the
+    policy chooses from that tree; the nodes left out must not bias the walk."""
+    from runner.budget import BudgetPolicy
+
+    spec = SpecConfig(4, 8, extra_budgets=(2, 4))
+    engine = cpu_ranks(demo_ckpt(1), spec, BuildConfig(max_input_len=64, max_seq_len=512), device_loop=True)
+    policy, budgets = BudgetPolicy((2, 4, 8), {2: 1.0, 4: 1.04, 8: 1.08}), []
+    try:
+        joint, third, accepted = sample_counts(engine, hf_model, PARAMS, spec=spec, budget="auto", policy=policy,
+                                               budgets=budgets)  # fmt: skip
+    finally:
+        engine.close()
+    # the first step's tree is the same in every run (same prompt, same draft noise): its budget moves only as the
+    # policy learns; what matters is that narrow steps (some of the tree's nodes left out) were sampled
+    assert min(budgets) < max(spec.budgets), set(budgets)
+    assert accepted > 1.3
+    assert p_value(joint, expected[0]) > LEVEL and p_value(third, expected[1]) > LEVEL
 
 
 def test_a_seed_reproduces_its_tokens_and_seeds_differ(ranks):

@@ -15,6 +15,10 @@ past the end of a request is discarded. A sampled request's step draws the targe
 (`runner/device/sampling.py`) in a graph of its own. The prompt's context enters the draft cache with the prefill
 (`prefill_context`, the drafter's prefill), so the first step is a device step too.
 
+Several tree budgets (`spec.budgets`): the step builds and verifies the largest budget's tree in one graph, and the
+budget for the step (fixed by the request, or chosen from the tree's own probabilities: `runner/device/budget.py`)
+decides which of its nodes are verified for real; the host policy's costs and calibration ride on each launch.
+
 Rows past the accepted path are written too (into cache rows past the new length, which no step reads before they
 are overwritten): fixed shapes, no data-dependent slicing. The caller keeps `2 * block_size` rows of cache spare.
 """
@@ -28,6 +32,8 @@ from collections import deque
 import torch
 
 from engines.spec import SpecConfig
+from models.moe import Router
+from runner.device.budget import accepted_at, choose_budget, expected_drafted, node_scores, rank_nodes
 from runner.device.sampling import filter_kind, sample_tokens, sampling_tensors
 from runner.device.tree import accept_greedy_device, tree_forms
 from runner.probes import Probes
@@ -50,8 +56,12 @@ class DeviceLoop:
         self.cache = worker.cache
         device = self.device = self.cache.latent.device
         block, depth = spec.block_size, spec.draft_depth
-        self.rows = 1 if autoregressive else spec.verify_tokens
-        self.width = spec.tree_width(self.target.config.vocab_size)
+        # several budgets: one graph verifies the largest one's tree, each step's budget chosen on the device
+        self.budgets = () if autoregressive else spec.budgets
+        self.auto = len(self.budgets) > 1
+        self.tree_spec = spec.with_budget(max(self.budgets)) if self.auto else spec
+        self.rows = 1 if autoregressive else self.tree_spec.verify_tokens
+        self.width = self.tree_spec.tree_width(self.target.config.vocab_size)
         self.top_logprobs, self.build_tree = tree_forms(device)
         long = {"dtype": torch.long, "device": device}
         self.num_cached = torch.zeros(1, **long)
@@ -85,8 +95,34 @@ class DeviceLoop:
         self.done = [torch.cuda.Event() for _ in range(SLOTS)] if pinned else None
         self.in_flight: deque[int] = deque()
         self.launched = 0
+        if self.auto:
+            self._budget_tensors(pinned)
         # probes.record_events: per step, an event before the first graph and after each graph
         self.events: list[tuple] | None = [] if probes.record_events else None
+
+    def _budget_tensors(self, pinned: bool) -> None:
+        """The choice's inputs (costs, calibration factors, the fixed budget's index or -1: one float64 vector the
+        host refreshes from a pinned slot per launch) and the step's statistics (the budget index, E_b, and the
+        nodes each budget would have accepted), which come back with its tokens."""
+        count, device = len(self.budgets), self.device
+        self.budget_values = torch.tensor(self.budgets, dtype=torch.long, device=device)
+        self.choice_inputs = torch.ones(2 * count + 1, dtype=torch.float64, device=device)
+        self.choice_inputs[-1] = count - 1
+        self.stats = torch.zeros(1 + 2 * count, dtype=torch.float64, device=device)
+        self.active = torch.ones(self.rows, dtype=torch.bool, device=device)
+        self.inputs_host = [torch.zeros(2 * count, dtype=torch.float64, pin_memory=pinned) for _ in range(SLOTS)]
+        self.stats_host = [torch.zeros(1 + 2 * count, dtype=torch.float64, pin_memory=pinned) for _ in range(SLOTS)]
+        self.routers = [module for module in self.target.modules() if isinstance(module, Router)]
+        self.last_stats: dict | None = None
+
+    def budget_index(self, budget: int | str | None) -> int:
+        """The choice's index for a request's budget: -1 for "auto", else its place in `budgets` (None: the spec's)."""
+        if budget == "auto":
+            return -1
+        budget = self.spec.budget if budget is None else budget
+        if budget not in self.budgets:
+            raise ValueError(f"budget {budget} is not one of the device loop's tree budgets {list(self.budgets)}")
+        return self.budgets.index(budget)
 
     def prefill_context(self) -> None:
         """The drafter's prefill: the pending context (the prompt's, after the target's prefill) goes into the draft
@@ -100,10 +136,11 @@ class DeviceLoop:
             positions = torch.arange(start, start + taps.shape[0], device=self.device)
             self.cache.commit_draft(self.drafter.context_kv(taps, positions), taps.shape[0])
 
-    def load(self, bonus: int, prompt_length: int, params=None) -> None:
+    def load(self, bonus: int, prompt_length: int, params=None, budget: int | str | None = None) -> None:
         """Takes over a prefilled sequence (or one the host loop has stepped); context still pending goes through
         `prefill_context`, so the first step has no new context rows. params: a sampled request's `SamplingParams`
-        (its draws continue the counter after the first token's, drawn by `first_token`); None: greedy."""
+        (its draws continue the counter after the first token's, drawn by `first_token`); None: greedy. budget:
+        with several budgets, the request's (one of them, "auto", or None: the spec's)."""
         if self.in_flight:
             raise RuntimeError(f"{len(self.in_flight)} device steps are still in flight: collect them first")
         if not self.autoregressive:
@@ -121,6 +158,10 @@ class DeviceLoop:
             for name, value in sampling_tensors(params, self.device).items():
                 self.sampling[name].copy_(value)
             self.draws.fill_(1)
+        if self.auto:
+            self.choice_inputs[-1:].fill_(self.budget_index(budget))
+        elif budget not in (None, "auto", self.spec.budget):
+            raise ValueError(f"this device loop verifies tree budget {self.spec.budget} only, not {budget}")
 
     # --- the phases (fixed shapes, device tensors only: each can be captured in a graph) ---
 
@@ -136,15 +177,39 @@ class DeviceLoop:
         self.draft_logits = draft_logits
 
     def _tree(self) -> None:
-        """Tree: best-first under the budget."""
+        """Tree: best-first under the budget (several budgets: the largest one's tree, then the step's budget)."""
         values, indices = self.top_logprobs(self.draft_logits, self.width)
-        self.tree = self.build_tree(values, indices, self.spec.budget, self.bonus, self.rows)
+        self.tree = self.build_tree(values, indices, self.tree_spec.budget, self.bonus, self.rows)
+        if self.auto:
+            self._choose_budget(values, indices)
+
+    def _choose_budget(self, values, indices) -> None:
+        """The step's budget b (`runner/device/budget.py`); the nodes outside the b best become padding."""
+        tokens, parents, depths, mask, count = self.tree
+        budgets = len(self.budgets)
+        rank, ordered = rank_nodes(node_scores(tokens, depths, mask, values, indices))
+        drafted = expected_drafted(ordered, self.budget_values)
+        inputs = self.choice_inputs
+        index = choose_budget(drafted, inputs[budgets : 2 * budgets], inputs[:budgets], inputs[-1:].to(torch.long))
+        active = mask.diagonal() & (rank <= self.budget_values.index_select(0, index))
+        self.active.copy_(active)
+        self.rank = rank
+        self.stats[:1].copy_(index)
+        self.stats[1 : 1 + budgets].copy_(drafted)
+        self.tree = (tokens, parents, depths, mask & active[:, None] & active[None, :], count)
 
     def _verify(self) -> None:
         """Every node at position start + depth, one target forward; the target's greedy choice per node."""
         tokens, _, depths, mask, _ = self.tree
-        logits, self.new_kv, self.taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent,
-                                                     self.num_cached, self.arange_rows)  # fmt: skip
+        if self.auto:  # the MoE reads the experts of the step's own nodes only
+            for router in self.routers:
+                router.row_active = self.active
+        try:
+            logits, self.new_kv, self.taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent,
+                                                         self.num_cached, self.arange_rows)  # fmt: skip
+        finally:
+            for router in self.routers if self.auto else ():
+                router.row_active = None
         self.choices = self._choose(logits)
 
     def _accept(self) -> None:
@@ -161,6 +226,8 @@ class DeviceLoop:
         self.emitted[: depth + 1].copy_(emitted)
         self.emitted[depth + 1 :].copy_(length)
         self.bonus.copy_(next_bonus)
+        if self.auto:
+            self.stats[1 + len(self.budgets) :].copy_(accepted_at(self.rank, path, length, self.budget_values))
 
     def _decode(self) -> None:
         """Autoregressive: the bonus token's forward, its KV committed, the greedy next token."""
@@ -197,16 +264,25 @@ class DeviceLoop:
 
     # --- launching and collecting steps ---
 
-    def launch(self) -> None:
-        """Queues one step (a graph replay on the GPU; eager elsewhere) and the copy of its tokens to the host."""
+    def launch(self, choice: tuple[list[float], list[float]] | None = None) -> None:
+        """Queues one step (a graph replay on the GPU; eager elsewhere) and the copy of its tokens to the host.
+        choice: with several budgets, the host policy's costs and calibration factors (`BudgetPolicy.device_inputs`)
+        for this step's choice; None keeps the last ones."""
         if len(self.in_flight) == SLOTS:
             raise RuntimeError(f"{SLOTS} device steps in flight: collect one before launching another")
         slot = self.launched % SLOTS
         self.launched += 1
+        if self.auto and choice is not None:
+            # the slot's previous copy finished before its step, which `collect` waited for
+            staged = self.inputs_host[slot]
+            staged.copy_(torch.tensor([*choice[0], *choice[1]], dtype=torch.float64))
+            self.choice_inputs[:-1].copy_(staged, non_blocking=True)
         if not self.use_graph:
             for group in self.groups:
                 _run(group)
             self.host[slot].copy_(self.emitted)
+            if self.auto:
+                self.stats_host[slot].copy_(self.stats)
         else:
             mode = (self.sampled, self.filter)
             if mode not in self.graphs:
@@ -219,6 +295,8 @@ class DeviceLoop:
             if marks is not None:
                 self.events.append((*marks, timing_event()))
             self.host[slot].copy_(self.emitted, non_blocking=True)
+            if self.auto:
+                self.stats_host[slot].copy_(self.stats, non_blocking=True)
             self.done[slot].record()
         self.in_flight.append(slot)
 
@@ -229,6 +307,11 @@ class DeviceLoop:
             self.done[slot].synchronize()
         values = self.host[slot].tolist()  # the one device -> host transfer of a step
         count = values[-1]
+        if self.auto:
+            stats, budgets = self.stats_host[slot].tolist(), len(self.budgets)
+            self.last_stats = {"budget": self.budgets[int(stats[0])],
+                               "drafted": dict(zip(self.budgets, stats[1 : 1 + budgets])),
+                               "accepted": {b: int(n) for b, n in zip(self.budgets, stats[1 + budgets :])}}  # fmt: skip
         self.cache.num_cached += count  # the host's mirror, for the capacity check
         return values[:count]
 
@@ -267,10 +350,13 @@ def _run(phases) -> None:
 
 def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_tokens: int, capacity: int,
                        end_ids: set[int] = frozenset(), on_tokens=None, autoregressive: bool = False,
-                       stop_sequences: tuple[tuple[int, ...], ...] = (), params=None) -> GenerationResult:  # fmt: skip
+                       stop_sequences: tuple[tuple[int, ...], ...] = (), params=None, budget: int | str | None = None,
+                       policy=None) -> GenerationResult:  # fmt: skip
     """Generation with device steps, one queued behind the one collected; the prefill runs on the host loop. params:
     a sampled request's `SamplingParams` (the first token is its draw 0, the steps draw on from 1); None: greedy.
-    Every rank's worker must have called `enable_device_loop` (with the same `autoregressive`)."""
+    budget: with several tree budgets, one of them or "auto" (None: the spec's); policy: auto's `BudgetPolicy`,
+    whose inputs ride on each launch and which learns from each step's statistics. Every rank's worker must have
+    called `enable_device_loop` (with the same `autoregressive`)."""
     timer, start = PhaseTimer(), time.perf_counter()
     result = GenerationResult(prompt=list(prompt), tokens=[])
     sampled = params is not None and not params.greedy
@@ -290,7 +376,10 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
     _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, stop_sequences, on_tokens)
     if not finished:
         with timer("device_load"):
-            engine.device_load(result.tokens[-1], len(prompt), params if sampled else None)
+            engine.device_load(result.tokens[-1], len(prompt), params if sampled else None, budget)
+    loop = engine.lead.loop
+    several = not autoregressive and loop.auto  # each step reports the budget it verified
+    last = time.perf_counter()
     most = 1 if autoregressive else spec.draft_depth + 1  # tokens (and committed rows) a step adds at most
     spare = 1 if autoregressive else 2 * spec.block_size  # rows a step writes past the committed ones
     in_flight = 0
@@ -301,11 +390,17 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
                 break  # the steps in flight may end the request, or one more might not fit: no run-ahead
             if ahead > capacity:
                 raise ValueError(f"the sequence reached the cache capacity ({capacity} rows)")
-            engine.device_launch()
+            engine.device_launch(policy.device_inputs() if policy is not None and several else None)
             in_flight += 1
         with timer("device_step"):
             step_tokens = engine.device_collect()
         in_flight -= 1
+        if several:  # the step's time: from the previous step's tokens to its own (the GPU runs them back to back)
+            now, stats = time.perf_counter(), loop.last_stats
+            result.budgets.append(stats["budget"])
+            if policy is not None:
+                policy.observe(stats["budget"], stats["drafted"], len(step_tokens), stats["accepted"], now - last)
+            last = now
         result.target_forwards += 1
         result.accept_lengths.append(len(step_tokens))
         _, finished = _emit(result.tokens, step_tokens, max_new_tokens, end_ids, stop_sequences, on_tokens)
