@@ -212,9 +212,12 @@ def end_to_end(
     return rows
 
 
-def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecConfig, device_loop: bool) -> dict:
+def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecConfig, device_loop: bool,
+                budget: int | str | None = None) -> dict:  # fmt: skip
     """One row: ranks from the factory, a warm-up request, then `setup.repeats` timed requests (the median);
-    device-loop speculative rows also get the per-phase split from ranks with a graph per phase."""
+    device-loop speculative rows also get the per-phase split from ranks with a graph per phase. budget: a spec with
+    several budgets verifies this one, or "auto" (its costs measured first, as `--ddtree_budget auto` does); the
+    row records the budgets the steps took."""
     autoregressive = mode.startswith("autoregressive")
     oracle = torch.tensor(run.continuation) if drafter == "oracle" else None
     params = run.params
@@ -228,6 +231,7 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
         from benchmarks.oracle_drafter import OracleDraftRanks
 
         ranks = OracleDraftRanks(generator.ranks, run.continuation)
+    costs = generator.enable_auto_budget() if budget == "auto" else None
     generator.warm_up((params,))
     rates, idle, step_ms, outputs = [], [], [], []
     for _ in range(setup.repeats):
@@ -236,7 +240,7 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
         if host_oracle:
             result = generate(ranks, run.prompt, run.new_tokens, spec, Sampler(params))
         else:
-            result = generator.generate(run.prompt, run.new_tokens, params)
+            result = generator.generate(run.prompt, run.new_tokens, params, budget=budget)
         rates.append(result.decode_tokens_per_s)
         outputs.append(result.tokens)
         if events:
@@ -253,10 +257,13 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
            "tokens": len(result.tokens), "tokens_list": result.tokens,
            "repeats_agree": all(o == outputs[0] for o in outputs),
            "tokens_equal_to_autoregressive": None if reference is None else first_difference(result.tokens, reference),
-           "mode_printed": generator.mode(), "ranks": generator.rank_description}  # fmt: skip
+           "mode_printed": generator.mode(params, budget=budget), "ranks": generator.rank_description}  # fmt: skip
+    if len(spec.budgets) > 1 and not autoregressive:
+        row["budgets_chosen"] = {str(b): result.budgets.count(b) for b in sorted(set(result.budgets))}
+        row["measured_step_ms"] = {str(b): c * 1e3 for b, c in costs.items()} if costs else None
     generator.ranks.close()
-    if device_loop and not autoregressive and events:
-        row["phase_ms"] = phase_split(run, setup, spec, oracle)
+    if device_loop and not autoregressive and events and budget != "auto":
+        row["phase_ms"] = phase_split(run, setup, spec, oracle, budget)
     print(f"{run.name}{run.label}: {mode:30s} {drafter:6s} {row['tokens_per_s']:8.1f} tokens/s, accept "
           f"{row['mean_accept_length']:.2f}, GPU idle {row['gpu_idle_us_per_step']} us/step, step {row['step_ms']} ms, "
           f"phases {row.get('phase_ms')}, equal to AR for {row['tokens_equal_to_autoregressive']}/{row['tokens']}",
@@ -280,13 +287,13 @@ def gpu_gaps(generator, device_loop: bool, steps: int) -> tuple[float, float | N
     return idle, statistics.median(m[0].elapsed_time(m[-1]) for m in marks)
 
 
-def phase_split(run: ModelRun, setup: Setup, spec: SpecConfig, oracle) -> dict:
+def phase_split(run: ModelRun, setup: Setup, spec: SpecConfig, oracle, budget: int | None = None) -> dict:
     """Milliseconds per phase (median over the steps of one request) with one graph per phase."""
     probes = Probes(oracle=oracle, split_phases=True, record_events=True, context_rows=run.context_rows)
     generator = preset_ranks(run.weights, setup, spec, True, probes=probes, limits=run.limits)
     generator.warm_up((run.params,))
     events_of(generator).clear()
-    generator.generate(run.prompt, run.new_tokens, run.params)
+    generator.generate(run.prompt, run.new_tokens, run.params, budget=budget)
     torch.cuda.synchronize()
     marks = events_of(generator)
     split = {name: statistics.median(m[i].elapsed_time(m[i + 1]) for m in marks) for i, name in enumerate(PHASES)}

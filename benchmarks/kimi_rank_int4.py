@@ -13,7 +13,10 @@ that many tokens, prefilled for real; with --synthetic-context, random cached ro
 autoregressive decoding vs DFlash chain vs DDTree 8/16/32, with the random
 drafter and with an oracle drafter (probes: every stage runs, then the logits follow the autoregressive
 continuation), on the device loop; decode tokens/s (median of --repeats), mean acceptance, the per-phase split and
-the verify-to-decode cost ratio. One GPU holds one rank: there is no all-reduce in these numbers.
+the verify-to-decode cost ratio. --auto-budget adds, per drafter, an engine spec with budgets 8, 16 and 32 on the
+device loop: `auto` (costs measured on the device loop first, as `--ddtree_budget auto` does; the budgets the steps
+took are recorded) and budget 8 verified inside the budget-32 graph (what the one-graph choice costs a narrow step).
+One GPU holds one rank: there is no all-reduce in these numbers.
 Writes OUT_DIR/kimi_rank_int4.json.
 """
 
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
                         "many cached rows of random K/V and then a prompt of --prompt tokens, not one long prefill "
                         "(runner/probes.py: the steps cost the same; their tokens continue nothing real)")  # fmt: skip
     parser.add_argument("--prompt", type=int, default=1024, help="the real prompt's tokens with --synthetic-context")
+    parser.add_argument("--auto-budget", action="store_true", help="add rows of budgets 8/16/32 in one device-loop "
+                        "graph: auto, and budget 8 inside it")  # fmt: skip
     add_setup_args(parser)
     args = parser.parse_args(argv)
     setup = Setup.from_args(args)
@@ -101,13 +106,17 @@ def main(argv=None) -> int:
                 }  # fmt: skip
                 print("memory", info["memory"], flush=True)
             decode_ms = ar.get("step_ms") or (1e3 / ar["tokens_per_s"] if ar["tokens_per_s"] else None)
-            for drafter, mode, spec in [("-", None, None)] + [
-                (d, m, s) for d in ("random", "oracle") for m, s in SPEC_MODES
+            modes = [(m, s, None) for m, s in SPEC_MODES]
+            if args.auto_budget:
+                several = SpecConfig(8, 32, extra_budgets=(8, 16))
+                modes += [("ddtree auto of 8/16/32", several, "auto"), ("ddtree 8 of 8/16/32", several, 8)]
+            for drafter, mode, spec, budget in [("-", None, None, None)] + [
+                (d, m, s, b) for d in ("random", "oracle") for m, s, b in modes
             ]:
                 if mode is None:
                     row = ar
                 else:
-                    row = request_row(run, row_setup, f"{mode} (device loop)", drafter, spec, device_loop=True)
+                    row = request_row(run, row_setup, f"{mode} (device loop)", drafter, spec, True, budget)
                     row.pop("tokens_list", None)
                 row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
                 verify = (row.get("phase_ms") or {}).get("verify")

@@ -19,6 +19,8 @@
 #   peer      benchmarks/flashmla_peer.py: FlashMLA built from .peers/flashmla (a copy of ../shared/peers/flashmla in
 #             an ignored folder, carried with the call) and timed next to TreeAttention
 #   profile   benchmarks/profile_forward.py: the kimi-rank forward's kernels and gaps
+#   budget    kimi_rank_int4.py --auto-budget at 1k context: budgets 8/16/32 in one device-loop graph, auto and budget 8
+#             inside it, next to the fixed-budget rows
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
 #             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share)
 set -uo pipefail
@@ -103,6 +105,11 @@ fi
 if has profile; then
   python3 benchmarks/profile_forward.py "$OUT" > "$OUT/profile_forward.log" 2>&1; echo "profile rc=$?"
   grep -A14 "^target T=1:" "$OUT/profile_forward.log"
+fi
+if has budget; then
+  mkdir -p "$OUT/budget"
+  python3 benchmarks/kimi_rank_int4.py "$OUT/budget" --contexts 1024 --auto-budget > "$OUT/kimi_rank_budget.log" 2>&1
+  echo "budget rc=$?"; tail -14 "$OUT/kimi_rank_budget.log"
 fi
 if has long; then
   python3 benchmarks/kimi_rank_int4.py "$OUT" --synthetic-context --contexts 32768,131072 \

@@ -73,16 +73,24 @@ def test_kimi_rank_int4_smoke(tmp_path, synthetic):
     every generation equal to the autoregressive one, the memory block written; with --synthetic-context, the
     context is 30 random cached rows and a 10-token prompt."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    extra = ["--synthetic-context", "--prompt", "10"] if synthetic else []
+    extra = ["--synthetic-context", "--prompt", "10"] if synthetic else ["--auto-budget"]
     done = subprocess.run([sys.executable, "benchmarks/kimi_rank_int4.py", str(tmp_path), "--smoke", "--repeats", "1",
                            "--contexts", "40", *extra], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "kimi_rank_int4.json").read_text())
-    assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == 9
+    assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == (9 if synthetic else 13)
     for r in result["rows"]:
         assert "INT4 experts" in r["ranks"] and r["tokens_equal_to_autoregressive"] == r["tokens"] == 16, r
         assert r["synthetic_rows"] == (30 if synthetic else 0)
+    several = [r for r in result["rows"] if "of 8/16/32" in r["mode"]]  # --auto-budget: one graph, three budgets
+    assert len(several) == (0 if synthetic else 4)
+    for r in several:
+        assert "device loop" in r["mode_printed"] and sum(r["budgets_chosen"].values()) > 0, r
+        if r["mode"].startswith("ddtree 8"):
+            assert list(r["budgets_chosen"]) == ["8"]
+        else:
+            assert set(r["measured_step_ms"]) == {"8", "16", "32"}
 
 
 def test_chunked_prefill_benchmark_smoke(tmp_path):
