@@ -21,6 +21,23 @@ from models.layers import linear
 from models.rope import deinterleave_permutation
 
 
+def per_request(attention):
+    """The tree attention of several requests' trees in one forward (batched steps: `runner/device/batch.py`):
+    `cache` a tuple of each request's [S, D] layer cache, cache_length [B], tree_mask [B, T, T], request b's rows at
+    [b * T, (b + 1) * T); the op runs once per request, everything else in the layer once for all rows. One request
+    (a tensor cache, as every engine profile has it): the op itself."""
+
+    def attend(query, cache, cache_length, new_kv, tree_mask, scale, latent_dim):
+        if torch.is_tensor(cache):
+            return attention(query, cache, cache_length, new_kv, tree_mask, scale, latent_dim)
+        rows = query.shape[0] // len(cache)
+        return torch.cat([attention(query[b * rows : (b + 1) * rows], layer, cache_length[b : b + 1],
+                                    new_kv[b * rows : (b + 1) * rows], tree_mask[b], scale, latent_dim)
+                          for b, layer in enumerate(cache)])  # fmt: skip
+
+    return attend
+
+
 class MultiLatentAttention(nn.Module):
     def __init__(self, config: TargetConfig, layer_idx: int, ops):
         """ops: `models.ops.ModelOps` (the tree attention, norm and rotary forms)."""
@@ -29,7 +46,7 @@ class MultiLatentAttention(nn.Module):
         self.heads, self.nope, self.rope = c.heads_per_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
         self.kv_lora, self.v_dim, self.scale = c.kv_lora_rank, c.v_head_dim, c.softmax_scale
         self.rope_interleave = c.rope_interleave
-        self.tree_attention, self.apply_rotary = ops.tree_attention, ops.rotary
+        self.tree_attention, self.apply_rotary = per_request(ops.tree_attention), ops.rotary
         self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
         self.q_a_layernorm = ops.norm(c.q_lora_rank, 1e-6)
         self.q_b_proj = linear(c.q_lora_rank, self.heads * c.qk_head_dim)

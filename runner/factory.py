@@ -43,7 +43,8 @@ class RankOptions:
     autoregressive: the device loop decodes one token a step (the baseline) instead of speculating. probes:
     benchmarks' hooks (`runner/probes.py`), None for users. chunked_prefill_size: a prompt's forward in chunks of at
     most this many tokens, each attending to the ones before through the cache (0: the whole prompt at once), so
-    a long prompt's T x T work and buffers stay bounded."""
+    a long prompt's T x T work and buffers stay bounded. max_batch_size: requests a step serves at most (in-flight
+    batching on the device loop, `runner/device/batch.py`: a slot of caches each); 1: one request at a time."""
 
     backend: str = "torch"
     device: str = "auto"
@@ -51,6 +52,7 @@ class RankOptions:
     autoregressive: bool = False
     probes: Probes | None = None
     chunked_prefill_size: int = DEFAULT_PREFILL_CHUNK
+    max_batch_size: int = 1
 
     def __post_init__(self) -> None:
         if (
@@ -66,6 +68,11 @@ class RankOptions:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.device_loop and self.backend != "torch":
             raise ValueError(f"the device loop runs on the torch backend; got backend={self.backend!r}")
+        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {self.max_batch_size!r}")
+        if self.max_batch_size > 1 and (self.backend != "torch" or self.device_loop is False):
+            raise ValueError(f"max_batch_size={self.max_batch_size}: batched steps run on the device loop of the torch "
+                             f"backend; got backend={self.backend!r}, device_loop={self.device_loop}")  # fmt: skip
 
 
 class CheckpointWeights:
@@ -252,6 +259,11 @@ def build_rank(model, rank: int, options: RankOptions = RankOptions(), spec: Spe
     device_loop = options.device_loop if options.device_loop is not None else device.type == "cuda"
     if device_loop and options.backend == "torch":
         worker.enable_device_loop(options.autoregressive, _on_device(options.probes, device))
+    if options.max_batch_size > 1:
+        if not device_loop:
+            raise ValueError(f"max_batch_size={options.max_batch_size}: batched steps run on the device loop "
+                             f"(--loop device on {device.type})")  # fmt: skip
+        worker.enable_batching(options.max_batch_size)
     worker.description = f"{options.backend} backend on {device}: {forms}"
     log.info("rank %d: %s", rank, worker.description)
     return worker

@@ -35,6 +35,7 @@ class RankWorker:
         self.cache = SequenceCache(latent, draft, dtype, self.device)
         self._pending: dict[str, torch.Tensor] = {}
         self.loop = None  # `enable_device_loop`
+        self.batch = None  # `enable_batching`: slots of requests stepped together
         self.context_rows = 0  # benchmarks' synthetic context (`runner/probes.py`), set with the device loop's probes
         self.prefill_chunk = 0  # tokens a prefill forward takes at most (0: the whole prompt); the factory sets it
         self.description = session.backend  # what the rank runs, in words (set by the rank factory)
@@ -141,9 +142,43 @@ class RankWorker:
         self.reset()
 
     def close(self) -> None:
+        if self.batch is not None:
+            self.batch.close()
+            self.batch = None
         if self.loop is not None:
             self.loop.close()
             self.loop = None
+
+    # --- in-flight batching (`runner/device/batch.py`): each request in a slot of its own caches ---
+
+    def enable_batching(self, slots: int) -> None:
+        from runner.device.batch import BatchLoop
+
+        if self.loop is None:
+            raise RuntimeError("batched steps run on the device loop: enable it first")
+        self.batch = BatchLoop(self, self.spec, slots, self.device.type == "cuda", self.loop.autoregressive)
+
+    def batch_prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
+        """The prompt into the slot's caches (the prefill profile, as a single request's); its last row's logits."""
+        cache = self.batch.loops[slot].cache
+        main, self.cache = self.cache, cache
+        try:
+            cache.reset()
+            return self.prefill(prompt)
+        finally:
+            self.cache = main
+
+    def batch_load(self, slot: int, bonus: int, prompt_length: int, params=None, budget=None) -> None:
+        self.batch.loops[slot].load(bonus, prompt_length, params, budget)
+
+    def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None):
+        """One step of slots [0, count) (`idle` ones reset first); choices: the budget policy's inputs of the slots
+        whose requests chose `auto`. Returns (each slot's tokens, each several-budget slot's statistics)."""
+        loops = self.batch.loops
+        for slot, (costs, calibration) in (choices or {}).items():
+            loops[slot].choice_inputs[:-1].copy_(torch.tensor([*costs, *calibration], dtype=torch.float64))
+        emitted = self.batch.step(count, idle)
+        return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}
 
     def device_prefill_context(self) -> None:
         self.loop.prefill_context()

@@ -308,12 +308,16 @@ class DeviceLoop:
         values = self.host[slot].tolist()  # the one device -> host transfer of a step
         count = values[-1]
         if self.auto:
-            stats, budgets = self.stats_host[slot].tolist(), len(self.budgets)
-            self.last_stats = {"budget": self.budgets[int(stats[0])],
-                               "drafted": dict(zip(self.budgets, stats[1 : 1 + budgets])),
-                               "accepted": {b: int(n) for b, n in zip(self.budgets, stats[1 + budgets :])}}  # fmt: skip
+            self.last_stats = self.read_stats(self.stats_host[slot].tolist())
         self.cache.num_cached += count  # the host's mirror, for the capacity check
         return values[:count]
+
+    def read_stats(self, values: list[float]) -> dict:
+        """A step's statistics (`stats`, several budgets): the budget it verified, its expected drafted tokens at
+        every budget, the drafted tokens each budget would have accepted."""
+        count = len(self.budgets)
+        return {"budget": self.budgets[int(values[0])], "drafted": dict(zip(self.budgets, values[1 : 1 + count])),
+                "accepted": {b: int(n) for b, n in zip(self.budgets, values[1 + count :])}}  # fmt: skip
 
     def close(self) -> None:
         """Finishes the steps in flight and frees the graphs, events and pinned slots when the engine closes, not
@@ -348,6 +352,16 @@ def _run(phases) -> None:
         phase()
 
 
+def first_token(logits: torch.Tensor, params=None) -> list[int]:
+    """The token after the prompt from the prefill's last-row logits: the argmax, or (a sampled request's
+    `SamplingParams`) its draw 0; the device steps draw on from 1."""
+    if params is None or params.greedy:
+        return logits.argmax(dim=-1).tolist()
+    draw = sampling_tensors(params, logits.device)
+    counter = torch.zeros(1, dtype=torch.long, device=logits.device)
+    return sample_tokens(logits, **draw, counter=counter, filter=filter_kind(params)).tolist()
+
+
 def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_tokens: int, capacity: int,
                        end_ids: set[int] = frozenset(), on_tokens=None, autoregressive: bool = False,
                        stop_sequences: tuple[tuple[int, ...], ...] = (), params=None, budget: int | str | None = None,
@@ -365,13 +379,7 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
         logits = engine.prefill(list(prompt))
         if not autoregressive:
             engine.device_prefill_context()
-        if sampled:
-            draw = sampling_tensors(params, logits.device)
-            first = sample_tokens(logits, **draw, counter=torch.zeros(1, dtype=torch.long, device=logits.device),
-                                  filter=filter_kind(params))  # fmt: skip
-        else:
-            first = logits.argmax(dim=-1)
-        first = first.tolist()
+        first = first_token(logits, params if sampled else None)
     result.target_forwards = 1
     _, finished = _emit(result.tokens, first, max_new_tokens, end_ids, stop_sequences, on_tokens)
     if not finished:

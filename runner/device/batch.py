@@ -1,0 +1,239 @@
+"""Batched steps on the device loop: several requests in one step (in-flight batching).
+
+Each request holds a *slot*: its own caches and its own `DeviceLoop` state (cached rows, bonus token, sampling
+settings and draw counter, tree budget), so requests at different lengths, with different trees, budgets and seeds
+share a step. One step over the first `n` slots runs, for every slot, its draft and its tree; then **one target
+forward verifies every slot's tree** (their rows side by side, each attending to its own cache: `models/mla.py`,
+`per_request`), so the target's weights are read once for the whole batch; then every slot's walk and commit. On
+GPUs the step is one CUDA graph per slot count and per slot modes (greedy or sampled, filter kind). The drafter
+still runs once per slot (it is the smaller model; batching it is the next step).
+
+A request joins at the next step after its own prefill (which runs on the host loop's prefill profile into its
+slot's caches) and leaves when it is done; slots past the last busy one are not stepped; a free slot below it is
+stepped on reset state (its rows are discarded) and is the next request's. `Batcher` (rank 0) schedules: it admits,
+steps, emits tokens to each request's callback and reports finished requests.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from runner.device.loop import DeviceLoop, first_token
+from runner.kv_cache import SequenceCache
+from runner.sessions.cuda_graphs import capture_graph, warm_up
+from runner.speculate import GenerationResult, PhaseTimer, _emit
+
+
+class _Slot:
+    """What a `DeviceLoop` reads of its worker, for one slot: the rank's session, the slot's own caches."""
+
+    def __init__(self, worker, cache: SequenceCache):
+        self.session, self.mask_token_id, self.device = worker.session, worker.mask_token_id, worker.device
+        self.cache, self.context_rows = cache, 0
+
+
+class BatchLoop:
+    """One rank's slots and its batched step (the worker's `batch_*` calls)."""
+
+    def __init__(self, worker, spec, slots: int, use_graph: bool, autoregressive: bool = False):
+        main = worker.cache
+        self.loops = []
+        for _ in range(slots):
+            cache = SequenceCache(main.latent.shape, main.draft.shape, main.latent.dtype, main.latent.device)
+            self.loops.append(DeviceLoop(_Slot(worker, cache), spec, use_graph, autoregressive))
+        lead = self.loops[0]
+        self.target, self.autoregressive, self.rows = lead.target, autoregressive, lead.rows
+        self.routers = lead.routers if lead.auto else []
+        self.logit_rows = torch.arange(slots * self.rows, device=main.latent.device)
+        self.use_graph, self.graphs = use_graph, {}
+        self.device = main.latent.device
+
+    def release(self, slot: int) -> None:
+        """A free slot below a busy one is stepped too: its state goes back to an empty sequence before each step,
+        so its discarded steps never run past the cache."""
+        loop = self.loops[slot]
+        for state in (loop.num_cached, loop.num_drafted, loop.context_count):
+            state.fill_(0)
+        loop.cache.reset()
+
+    def step(self, count: int, idle: tuple[int, ...] = ()) -> list[list[int]]:
+        """One step of slots [0, count); returns each slot's emitted tokens (an idle slot's are to be dropped)."""
+        for slot in idle:
+            self.release(slot)
+        loops = self.loops[:count]
+        if not self.use_graph:
+            self._run(count)
+        else:
+            key = (count, tuple((loop.sampled, loop.filter) for loop in loops))
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(count)
+            self.graphs[key].replay()
+        emitted = torch.stack([loop.emitted for loop in loops]).tolist()  # the one device -> host copy of a step
+        for loop in loops:
+            if loop.auto:
+                loop.last_stats = loop.read_stats(loop.stats.tolist())
+        return [values[: values[-1]] for values in emitted]
+
+    def _run(self, count: int) -> None:
+        loops = self.loops[:count]
+        if self.autoregressive:
+            return self._decode(loops)
+        for loop in loops:
+            loop._draft()
+            loop._tree()
+        self._verify(loops)
+        for loop in loops:
+            loop._accept()
+
+    def _verify(self, loops) -> None:
+        """Every slot's tree in one target forward, each over its own cache; each slot's choices from its rows."""
+        rows = self.rows
+        trees = [loop.tree for loop in loops]
+        tokens = torch.cat([tree[0] for tree in trees])
+        positions = torch.cat([loop.num_cached + tree[2] for loop, tree in zip(loops, trees)])
+        masks = torch.stack([tree[3] for tree in trees])
+        lengths = torch.cat([loop.num_cached for loop in loops])
+        caches = tuple(loop.cache.latent for loop in loops)
+        for router in self.routers:  # several budgets: each slot's nodes outside its step's budget add no expert
+            router.row_active = torch.cat([loop.active for loop in loops])
+        try:
+            logits, new_kv, taps = self.target(tokens, positions, masks, caches, lengths,
+                                               self.logit_rows[: len(loops) * rows])  # fmt: skip
+        finally:
+            for router in self.routers:
+                router.row_active = None
+        for b, loop in enumerate(loops):
+            loop.new_kv, loop.taps = new_kv[:, b * rows : (b + 1) * rows], taps[b * rows : (b + 1) * rows]
+            loop.choices = loop._choose(logits[b * rows : (b + 1) * rows])
+
+    def _decode(self, loops) -> None:
+        """Autoregressive: every slot's bonus token in one forward, each over its own cache."""
+        count = len(loops)
+        tokens = torch.cat([loop.bonus for loop in loops])
+        lengths = torch.cat([loop.num_cached for loop in loops])
+        masks = loops[0].decode_mask.expand(count, 1, 1)
+        caches = tuple(loop.cache.latent for loop in loops)
+        logits, new_kv, _ = self.target(tokens, lengths, masks, caches, lengths, self.logit_rows[:count])
+        for b, loop in enumerate(loops):
+            token = loop._choose(logits[b : b + 1])
+            loop.cache.latent.index_copy_(1, loop.num_cached, new_kv[:, b : b + 1])
+            loop.num_cached += 1
+            loop.emitted[:1].copy_(token)
+            loop.emitted[-1:].copy_(loop.decode_mask.reshape(1))
+            loop.bonus.copy_(token)
+
+    def _capture(self, count: int):
+        state = [t for loop in self.loops[:count] for t in (loop.num_cached, loop.num_drafted, loop.context_count,
+                                                            loop.bonus, loop.context, loop.draws)]  # fmt: skip
+        saved = [t.clone() for t in state]
+        warm_up(lambda: self._run(count), self.device)
+        for tensor, before in zip(state, saved):
+            tensor.copy_(before)  # the warm-up must not count as a step
+        gc.collect()  # nothing holding CUDA resources may be freed while the stream captures
+        return capture_graph(lambda: self._run(count), self.device, warmups=0)[0]
+
+    def close(self) -> None:
+        for loop in self.loops:
+            loop.close()
+        self.graphs = {}
+
+
+@dataclass
+class Member:
+    """A request in the batch (rank 0's record of it)."""
+
+    tag: object  # the caller's handle (the serving request id)
+    slot: int
+    prompt: list[int]
+    max_new_tokens: int
+    end_ids: set[int]
+    stop_sequences: tuple[tuple[int, ...], ...]
+    on_tokens: object
+    budget: int | str | None
+    result: GenerationResult
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Batcher:
+    """Rank 0's in-flight batching over the ranks' slots (`RankWorker.enable_batching`): `admit` prefills a request
+    into a free slot and emits its first token; `step` runs one batched step of every admitted request and returns
+    the ones that finished. policy: `auto` requests' `BudgetPolicy` (shared: costs are per budget, not per
+    request)."""
+
+    def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None):
+        self.ranks, self.slots, self.autoregressive, self.policy = ranks, slots, autoregressive, policy
+        self.members: dict[int, Member] = {}
+        self.batch_sizes: Counter = Counter()  # requests a step served -> steps
+
+    @property
+    def free(self) -> int:
+        return self.slots - len(self.members)
+
+    def admit(self, prompt, max_new_tokens, params=None, end_ids=frozenset(), on_tokens=None, stop_sequences=(),
+              budget=None, tag=None) -> Member:  # fmt: skip
+        """Prefills the request into the lowest free slot and emits its first token; a request that one token ends
+        is returned done (`member.result.elapsed` set) and holds no slot."""
+        slot = min(set(range(self.slots)) - set(self.members))
+        member = Member(tag, slot, list(prompt), max_new_tokens, set(end_ids), tuple(stop_sequences), on_tokens, budget,
+                        GenerationResult(prompt=list(prompt), tokens=[]))  # fmt: skip
+        sampled = params is not None and not params.greedy
+        with member.timer("prefill"):
+            logits = self.ranks.call("batch_prefill", slot, list(prompt))
+            first = first_token(logits, params if sampled else None)
+        member.result.target_forwards = 1
+        _, finished = self._emit(member, first)
+        if finished:
+            return self._finish(member)
+        self.ranks.call("batch_load", slot, member.result.tokens[-1], len(prompt), params if sampled else None,
+                        budget)  # fmt: skip
+        self.members[slot] = member
+        return member
+
+    def step(self) -> list[Member]:
+        """One batched step of every admitted request; returns those it finished (their slots are free again)."""
+        if not self.members:
+            return []
+        count = max(self.members) + 1
+        self.batch_sizes[len(self.members)] += 1
+        idle = tuple(s for s in range(count) if s not in self.members)
+        choices = {
+            s: self.policy.device_inputs() for s, m in self.members.items() if m.budget == "auto" and self.policy
+        }
+        started = time.perf_counter()
+        emitted, stats = self.ranks.call("batch_step", count, idle, choices)
+        seconds = time.perf_counter() - started
+        done = []
+        for slot, member in list(self.members.items()):
+            tokens = emitted[slot]
+            member.result.target_forwards += 1
+            member.result.accept_lengths.append(len(tokens))
+            member.timer.seconds["device_step"] += seconds
+            if stats.get(slot):
+                member.result.budgets.append(stats[slot]["budget"])
+                if member.budget == "auto" and self.policy is not None:
+                    s = stats[slot]
+                    self.policy.observe(s["budget"], s["drafted"], len(tokens), s["accepted"], seconds)
+            _, finished = self._emit(member, tokens)
+            if finished:
+                done.append(self._finish(self.members.pop(slot)))
+        return done
+
+    def remove(self, member: Member) -> None:
+        """Drops a request from the batch (cancelled): its slot is free from the next step."""
+        self.members.pop(member.slot, None)
+
+    def _emit(self, member: Member, tokens: list[int]) -> tuple[list[int], bool]:
+        return _emit(member.result.tokens, tokens, member.max_new_tokens, member.end_ids, member.stop_sequences,
+                     member.on_tokens)  # fmt: skip
+
+    @staticmethod
+    def _finish(member: Member) -> Member:
+        member.result.seconds = dict(member.timer.seconds)
+        member.result.elapsed = time.perf_counter() - member.started
+        return member

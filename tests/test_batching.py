@@ -1,0 +1,149 @@
+"""Batched steps (several requests in one step): the target's forward over several requests' trees equals one
+forward per request, and requests that join and leave a batch on the device loop get autoregressive decoding's
+tokens each."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.spec import BuildConfig, SpecConfig
+from runner.device.tree import ancestor_mask
+from tests.conftest import ENGINE_LIMITS, cpu_ranks
+
+
+def random_tree(rows: int, gen: torch.Generator):
+    """A random tree of `rows` nodes, parents first, with its ancestor mask and depths."""
+    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, rows)])
+    depths = torch.zeros(rows, dtype=torch.long)
+    for i in range(1, rows):
+        depths[i] = depths[parents[i]] + 1
+    return ancestor_mask(parents, torch.ones(rows, dtype=torch.bool), rows), depths
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_one_forward_over_several_requests_equals_a_forward_each(demo_ckpt, tp_size):
+    """Three requests with caches of different lengths and different trees: logits, new latent rows and taps of the
+    batched forward equal the per-request forwards (every rank alike)."""
+    spec = SpecConfig(8, 16)
+    ranks = cpu_ranks(demo_ckpt(tp_size), spec, BuildConfig(**ENGINE_LIMITS))
+    gen = torch.Generator().manual_seed(0)
+    rows, lengths = 17, [5, 40, 23]
+    workers = ranks.workers
+    target0 = workers[0].session.modules["target"]
+    shape = (target0.config.num_hidden_layers, 64, target0.config.latent_dim)
+    caches = [torch.randn(shape, generator=gen) for _ in lengths]
+    trees = [random_tree(rows, gen) for _ in lengths]
+    tokens = torch.randint(0, 200, (len(lengths) * rows,), generator=gen)
+    positions = torch.cat([length + depths for length, (_, depths) in zip(lengths, trees)])
+    masks = torch.stack([mask for mask, _ in trees])
+
+    def on_every_rank(fn):
+        with torch.no_grad():
+            return ranks._pool.map(fn, workers) if ranks._pool else [fn(workers[0])]
+
+    def batched(worker):
+        return worker.session.modules["target"](tokens, positions, masks, tuple(caches), torch.tensor(lengths),
+                                                torch.arange(len(tokens)))  # fmt: skip
+
+    def single(worker):
+        target = worker.session.modules["target"]
+        return [target(tokens[b * rows : (b + 1) * rows], positions[b * rows : (b + 1) * rows], masks[b], caches[b],
+                       torch.tensor([lengths[b]]), torch.arange(rows)) for b in range(len(lengths))]  # fmt: skip
+
+    together = list(on_every_rank(batched))
+    apart = list(on_every_rank(single))
+    ranks.close()
+    for got, each in zip(together, apart):
+        logits, new_kv, taps = got
+        torch.testing.assert_close(logits, torch.cat([e[0] for e in each]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(new_kv, torch.cat([e[1] for e in each], dim=1), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(taps, torch.cat([e[2] for e in each]), rtol=1e-5, atol=1e-5)
+
+
+PROMPTS = [[5, 77, 300, 12, 480, 33, 250], [200, 201, 9, 88, 17, 400, 402, 300, 11, 63, 5], list(range(40, 440, 11)),
+           [7, 7, 7, 90]]  # fmt: skip
+
+
+def run_batch(ranks, requests, slots):
+    """Requests (prompt, max tokens, params, budget) through a `Batcher`: each joins when a slot is free, at the
+    next step; returns each request's result, in request order, and the steps' batch sizes."""
+    from runner.device.batch import Batcher
+
+    batcher, waiting, results = Batcher(ranks, slots), list(enumerate(requests)), {}
+    while waiting or batcher.members:
+        while waiting and batcher.free:
+            index, (prompt, tokens, params, budget) = waiting.pop(0)
+            member = batcher.admit(prompt, tokens, params, budget=budget, tag=index)
+            if member.result.elapsed:
+                results[index] = member.result
+        for member in batcher.step():
+            results[member.tag] = member.result
+    return [results[i] for i in range(len(requests))], batcher.batch_sizes
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_requests_joining_and_leaving_a_batch_decode_as_alone(demo_ckpt, tp_size):
+    """Five requests through three slots (prompts of different lengths, different token counts; the fourth and fifth
+    join as others leave): greedy ones equal autoregressive decoding; a sampled one draws what it draws alone (the
+    same seed: counter-based draws per request)."""
+    from runner.device.loop import generate_on_device
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    spec = SpecConfig(8, 16)
+    ranks = cpu_ranks(demo_ckpt(tp_size), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
+    sampled = SamplingParams(1.0, top_k=20, seed=11)
+    requests = [(PROMPTS[0], 40, None, None), (PROMPTS[1], 12, None, None), (PROMPTS[2], 30, sampled, None),
+                (PROMPTS[3], 25, None, None), (PROMPTS[1], 1, None, None)]  # fmt: skip
+    results, sizes = run_batch(ranks, requests, 3)
+    greedy = Sampler(SamplingParams())
+    for (prompt, tokens, params, _), result in zip(requests, results):
+        if params is None:
+            assert result.tokens == generate_autoregressive(ranks, prompt, tokens, greedy).tokens
+        else:
+            assert result.tokens == generate_on_device(ranks, spec, prompt, tokens, 512, params=params).tokens
+        assert len(result.tokens) == tokens and all(1 <= a <= 8 for a in result.accept_lengths)
+    assert max(len(r.accept_lengths) for r in results) < 40  # speculation: fewer steps than tokens
+    assert max(sizes) == 3 and min(sizes) < 3  # full steps, and steps after some had left
+    ranks.close()
+
+
+def test_an_autoregressive_batch_decodes_as_alone(demo_ckpt):
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    spec = SpecConfig(8, 16)
+    ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, autoregressive=True,
+                      max_batch_size=2)  # fmt: skip
+    requests = [(PROMPTS[0], 20, None, None), (PROMPTS[2], 9, None, None), (PROMPTS[3], 14, None, None)]
+    results, sizes = run_batch(ranks, requests, 2)
+    for (prompt, tokens, _, _), result in zip(requests, results):
+        assert result.tokens == generate_autoregressive(ranks, prompt, tokens, Sampler(SamplingParams())).tokens
+        assert result.accept_lengths == [1] * (tokens - 1)
+    assert max(sizes) == 2
+    ranks.close()
+
+
+def test_batched_slots_with_several_budgets(demo_ckpt):
+    """An engine with budgets 4, 8 and 16: requests in one batch at budget 4, at 16 and at auto (the device choice
+    in each slot, the policy shared) all decode as autoregressive decoding does."""
+    from runner.budget import BudgetPolicy
+    from runner.device.batch import Batcher
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    spec = SpecConfig(8, 16, extra_budgets=(4, 8))
+    ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
+    policy = BudgetPolicy((4, 8, 16), {4: 1.0, 8: 1.02, 16: 1.04})
+    batcher = Batcher(ranks, 3, policy=policy)
+    members = [batcher.admit(PROMPTS[i], 30, budget=b, tag=i) for i, b in enumerate((4, 16, "auto"))]
+    while batcher.members:
+        batcher.step()
+    for i, member in enumerate(members):
+        assert member.result.tokens == generate_autoregressive(ranks, PROMPTS[i], 30, Sampler(SamplingParams())).tokens
+    assert set(members[0].result.budgets) == {4} and set(members[1].result.budgets) == {16}
+    assert set(members[2].result.budgets) <= {4, 8, 16} and sum(policy.chosen.values()) == len(
+        members[2].result.budgets
+    )
+    ranks.close()
