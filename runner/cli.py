@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a prompt's forward in chunks of at most this many tokens, each attending to the earlier ones "
         f"through the cache, so long prompts keep bounded buffers (default {DEFAULT_PREFILL_CHUNK}; 0: the whole "
         "prompt at once)",
+    )
+    parser.add_argument(
+        "--max_batch_size",
+        type=int,
+        default=1,
+        help="requests a step serves at most: in-flight batching on the device loop (torch backend, --loop device "
+        "where it is not the default), each request with its own caches, tree and sampling, joining and leaving "
+        "between steps; several prompts, or --serve's requests, share steps (default 1: one at a time)",
     )
     parser.add_argument("--output_json", type=Path, default=None, help="write token ids and stats (rank 0)")
     parser.add_argument(
@@ -144,6 +153,14 @@ def prepare(args, comm) -> Job:
     end_ids.discard(-1)  # --end_id -1: no end token
     if args.loop == "device" and args.backend != "torch":
         raise ValueError(f"--loop device runs on the torch backend; got --backend {args.backend}")
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max_batch_size must be >= 1, got {args.max_batch_size}")
+    if args.max_batch_size > 1 and (args.backend != "torch" or args.loop == "host"):
+        raise ValueError(f"--max_batch_size {args.max_batch_size}: batched steps run on the device loop of the torch "
+                         f"backend; got --backend {args.backend} --loop {args.loop}")  # fmt: skip
+    if args.max_batch_size > 1 and args.streaming:
+        raise ValueError("--streaming prints one request at a time; with --max_batch_size > 1 each request's text "
+                         "prints when it is done")  # fmt: skip
     job = Job(engine, spec, params, applied, end_ids)
     if comm.Get_rank() != 0:
         return job
@@ -176,12 +193,24 @@ def generate_all(args, generator, job: Job) -> list[dict]:
     from runner.tokenizer import TextStream
 
     results, tokenizer = [], job.tokenizer
+    every = [replace(job.params, seed=args.seed + i) for i in range(len(job.prompts))]
+    batched = None
+    if generator.batch_slots > 1 and all(generator.on_device(p) for p in every):  # in-flight batching
+        started = time.perf_counter()
+        batched = generator.generate_many(job.prompts, args.max_output_len, every, job.end_ids)
+        wall = time.perf_counter() - started
+        total = sum(len(r.tokens) for r in batched)
+        print(f"[batch] {len(batched)} requests, up to {generator.batch_slots} a step: {total} tokens in "
+              f"{wall * 1e3:.1f} ms = {total / wall:.1f} tokens/s together", flush=True)  # fmt: skip
     for i, prompt in enumerate(job.prompts):
-        params = replace(job.params, seed=args.seed + i)
+        params = every[i]
         if args.streaming:
             print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n", end="", flush=True)
         stream = TextStream(tokenizer) if args.streaming else None
-        result = generator.generate(prompt, args.max_output_len, params, job.end_ids, stream)
+        if batched is not None:
+            result = batched[i]
+        else:
+            result = generator.generate(prompt, args.max_output_len, params, job.end_ids, stream)
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
         if not args.streaming:
             print(f"--- prompt {i}: {tokenizer.decode(prompt)!r}\n{text}")
@@ -223,8 +252,6 @@ def format_stats(result, mode: str) -> str:
 
 
 def main_on_rank(comm, argv=None) -> int:
-    import time
-
     from runner.mpi import MpiRanks, setup_logging, worker_loop
 
     parser = build_parser()
@@ -250,7 +277,8 @@ def main_on_rank(comm, argv=None) -> int:
     params, engine, spec = job.params, job.engine, job.spec
     loop = {"device": True, "host": False, "auto": None}[args.loop]  # auto: the device loop where it is a graph
     options = RankOptions(args.backend, device_loop=loop, autoregressive=args.autoregressive,
-                          chunked_prefill_size=args.chunked_prefill_size)  # fmt: skip
+                          chunked_prefill_size=args.chunked_prefill_size,
+                          max_batch_size=args.max_batch_size)  # fmt: skip
     worker = build_rank(engine, rank, options, spec, comm=comm)
     if rank != 0:
         worker_loop(worker, comm)

@@ -31,6 +31,8 @@ class Generator:
         # the budgets the device loop verifies: with several, every one of them and "auto", in one graph
         self.device_budgets = lead.loop.budgets if self.device_loop and lead.loop.auto else (self.spec.budget,)
         self.on_gpu = lead.device.type == "cuda"
+        # in-flight batching (`runner/device/batch.py`): requests a step serves at most
+        self.batch_slots = len(lead.batch.loops) if lead.batch is not None else 1
         self.rank_description = lead.description
         self.policy = None  # the cost-aware tree budget's policy (`runner/budget.py`), measured on first use
         self.auto_default = False  # `enable_auto_budget`: requests that name no budget take `auto`
@@ -103,7 +105,42 @@ class Generator:
             what = f"DDTree budget {chosen} (block {spec.block_size})"
         if not self.on_device(params, banned, budget):
             return f"{what}, host loop"
-        return f"{what}, device loop ({'one CUDA graph a step' if self.on_gpu else 'eager tensor program'})"
+        batched = f", batched: up to {self.batch_slots} requests a step" if self.batch_slots > 1 else ""
+        return f"{what}, device loop ({'one CUDA graph a step' if self.on_gpu else 'eager tensor program'}){batched}"
+
+    def batcher(self):
+        """In-flight batching over the ranks' slots (`RankOptions.max_batch_size`): a `Batcher` to `admit` into."""
+        from runner.device.batch import Batcher
+
+        if self.batch_slots < 2:
+            raise ValueError("batched steps need ranks built with max_batch_size > 1 (--max_batch_size)")
+        return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy)
+
+    def admit(self, batcher, prompt: list[int], max_new_tokens: int, params: SamplingParams = GREEDY,
+              end_ids: set[int] = frozenset(), on_tokens=None, stop_sequences=(), budget=None, tag=None):  # fmt: skip
+        """A request into the batch (one the device loop serves: `on_device`); `auto`'s costs are measured at the
+        first request that asks, as for single requests."""
+        chosen = self.step_budget(budget)
+        if chosen == "auto" and self.policy is None:
+            self.measure_budgets()
+        batcher.policy = self.policy
+        return batcher.admit(prompt, max_new_tokens, params, end_ids, on_tokens, stop_sequences, chosen, tag)
+
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int, params: list[SamplingParams],
+                      end_ids: set[int] = frozenset(), budget=None) -> list[GenerationResult]:  # fmt: skip
+        """Several requests at once, in-flight batched: each joins when a slot is free and leaves when done; returns
+        their results in order."""
+        batcher, results = self.batcher(), {}
+        waiting = list(enumerate(zip(prompts, params)))
+        while waiting or batcher.members:
+            while waiting and batcher.free:
+                index, (prompt, request_params) = waiting.pop(0)
+                member = self.admit(batcher, prompt, max_new_tokens, request_params, end_ids, budget=budget, tag=index)
+                if member.result.elapsed:  # done at its first token
+                    results[index] = member.result
+            for member in batcher.step():
+                results[member.tag] = member.result
+        return [results[i] for i in range(len(prompts))]
 
     def generate(
         self,

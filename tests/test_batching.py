@@ -147,3 +147,52 @@ def test_batched_slots_with_several_budgets(demo_ckpt):
         members[2].result.budgets
     )
     ranks.close()
+
+
+def test_serve_batches_requests_in_flight(demo_ckpt, demo_engine):
+    """`--serve` with max_batch_size 3: requests are served in one batch, their events interleaved, each output
+    the one a one-at-a-time server gives (greedy and seeded sampled); a bad_words request runs alone on the host
+    loop, a malformed one gets its error, a cancelled one never starts."""
+    import io
+    import json
+
+    from engines.engine_dir import load_engine_dir
+    from runner.factory import CheckpointWeights, RankOptions, local_ranks
+    from runner.generator import Generator
+    from runner.serving.serve import serve
+    from runner.tokenizer import load_tokenizer
+
+    engine = load_engine_dir(demo_engine(2))
+    tokenizer = load_tokenizer(engine.tokenizer_dir, 512)
+    build = BuildConfig(**ENGINE_LIMITS)
+    requests = [{"id": "a", "text_input": "Hello world", "max_tokens": 30},
+                {"id": "b", "text_input": "The quick brown fox", "max_tokens": 12},
+                {"id": "c", "text_input": "Numbers: 1 2 3", "max_tokens": 20, "temperature": 0.8, "seed": 5},
+                {"id": "d", "text_input": "Kimi is", "max_tokens": 8, "bad_words": ["a"]},
+                {"id": "e", "text_input": "Hi", "max_tokens": 0},
+                {"id": "f", "text_input": "Hi", "max_tokens": 5}, {"cancel": "f"},
+                {"id": "g", "text_input": "One more", "max_tokens": 16}]  # fmt: skip
+    lines = "\n".join(map(json.dumps, requests))
+
+    def served(batch: int) -> list[dict]:
+        options = RankOptions(device="cpu", device_loop=True, max_batch_size=batch)
+        generator = Generator(local_ranks(CheckpointWeights(demo_ckpt(1)), options, engine.spec, build))
+        out = io.StringIO()
+        serve(generator, tokenizer, engine, engine.spec, "torch", inp=io.StringIO(lines), out=out)
+        generator.ranks.close()
+        return [json.loads(line) for line in out.getvalue().splitlines()][1:]
+
+    batched, alone = served(3), served(1)
+    finals = {e["id"]: e for e in batched if e["event"] != "tokens"}
+    expected = {e["id"]: e for e in alone if e["event"] != "tokens"}
+    for name in "abcdg":
+        assert finals[name]["event"] == "done" and finals[name]["output_ids"] == expected[name]["output_ids"], name
+    assert "batched: up to 3 requests a step" in finals["a"]["mode"] and "host loop" in finals["d"]["mode"]
+    assert finals["e"]["event"] == "error" and finals["f"]["event"] == "cancelled"
+    order = [e["id"] for e in batched if e["event"] == "tokens"]
+    assert order.index("b") < max(i for i, name in enumerate(order) if name == "a")  # a and b stepped together
+    streamed = {}
+    for e in batched:
+        if e["event"] == "tokens":
+            streamed.setdefault(e["id"], []).extend(e["output_ids"])
+    assert all(streamed[name] == finals[name]["output_ids"] for name in "abcg")

@@ -137,8 +137,10 @@ def test_tokenizer_larger_than_the_vocab_is_refused(demo_engine):
 
 def test_device_loop_under_mpirun_equals_the_reference(demo_engine, reference, tmp_path):
     """--loop device: the speculative step (tree build, walk and commit as tensor ops) and, with --autoregressive, the
-    decode step on every rank (torch backend, MPI collectives), each with the next step queued behind it."""
-    for extra in ([], ["--autoregressive"]):
+    decode step on every rank (torch backend, MPI collectives), each with the next step queued behind it; with
+    --max_batch_size 2 both prompts in one batch (in-flight batching), speculative and autoregressive."""
+    batch = ["--max_batch_size", "2"]
+    for extra in ([], ["--autoregressive"], batch, ["--autoregressive", *batch]):
         out = tmp_path / "device.json"
         args = ["-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "torch", "--loop", "device",
                 "--max_output_len", "48", "--output_json", str(out), *extra]  # fmt: skip
@@ -147,9 +149,13 @@ def test_device_loop_under_mpirun_equals_the_reference(demo_engine, reference, t
         done = mpirun(2, *args)
         assert done.returncode == 0, done.stderr
         assert [r["output_ids"] for r in json.loads(out.read_text())["results"]] == reference, extra
+        assert ("[batch] 2 requests, up to 2 a step" in done.stdout) == ("--max_batch_size" in extra)
     refused = mpirun(2, "-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "ort", "--loop", "device",
                      "--input_text", "x")  # fmt: skip
     assert refused.returncode == 2 and "--loop device runs on the torch backend; got --backend ort" in refused.stderr
+    refused = mpirun(2, "-m", "runner", "--engine_dir", str(demo_engine(2)), "--backend", "ort", "--max_batch_size",
+                     "4", "--input_text", "x")  # fmt: skip
+    assert refused.returncode == 2 and "--max_batch_size 4: batched steps run on the device loop" in refused.stderr
 
 
 def test_sampled_device_steps_under_mpirun_equal_one_rank(demo_engine, demo_ckpt, tmp_path):

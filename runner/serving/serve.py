@@ -202,18 +202,13 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
         }
     )
     inbox = Inbox(inp)
+    parse = lambda line: _parse(line, tokenizer, engine, spec, defaults, generator)  # noqa: E731
+    if generator.batch_slots > 1:
+        return _serve_batched(generator, tokenizer, inbox, parse, send)
     for line in inbox:
-        request_id = None
-        try:
-            raw = json.loads(line)
-            request_id = raw.get("id") if isinstance(raw, dict) else None
-            if not isinstance(raw, dict):
-                raise ValueError("a request must be a JSON object")
-            request = Request(raw, tokenizer, engine, spec, defaults)
-            if request.budget is not None and generator.autoregressive:
-                raise ValueError("ddtree_budget: this server decodes autoregressively (--autoregressive)")
-        except (ValueError, TypeError) as err:
-            send({"id": request_id, "event": "error", "error": str(err)})
+        request = parse(line)
+        if isinstance(request, dict):  # the request's own error
+            send(request)
             continue
         detokenizer = Detokenizer(tokenizer)
         if request.id in inbox.cancelled:  # cancelled while it waited in the queue
@@ -223,8 +218,7 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
         def on_tokens(new: list[int], request=request, detokenizer=detokenizer) -> None:
             if request.id in inbox.cancelled:
                 raise RequestCancelled(request.id)
-            delta = detokenizer.push(new)
-            send({"id": request.id, "event": "tokens", "text": delta, "output_ids": new, "accept_length": len(new)})
+            send(_tokens_event(request, detokenizer, new))
 
         try:
             result = generator.generate(
@@ -240,27 +234,112 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
         except RequestCancelled:  # the next request's reset discards any step still in flight, on every rank
             send({"id": request.id, "event": "cancelled", "output_ids": detokenizer.tokens})  # what was streamed
             continue
-        text = tokenizer.decode(result.tokens, skip_special_tokens=True)
-        rest = detokenizer.finish()
-        if rest:  # text held back for a partial character
-            send({"id": request.id, "event": "tokens", "text": rest, "output_ids": [], "accept_length": 0})
-        send(
-            {
-                "id": request.id,
-                "event": "done",
-                "text": text,
-                "prompt_text": tokenizer.decode(request.prompt),
-                "output_ids": result.tokens,
-                "accept_lengths": result.accept_lengths,
-                "target_forwards": result.target_forwards,
-                "elapsed": result.elapsed,
-                "mode": generator.mode(request.params, request.banned, request.budget),
-                "budgets": result.budgets,
-                "sampling": {
-                    "temperature": request.params.temperature,
-                    "top_k": request.params.top_k,
-                    "top_p": request.params.top_p,
-                    "from_generation_config": request.defaults_applied,
-                },
-            }  # fmt: skip
-        )
+        _finish(send, generator, tokenizer, request, detokenizer, result)
+
+
+def _parse(line: str, tokenizer, engine, spec, defaults, generator):
+    """A `Request`, or the error event of a line that is not a valid one."""
+    request_id = None
+    try:
+        raw = json.loads(line)
+        request_id = raw.get("id") if isinstance(raw, dict) else None
+        if not isinstance(raw, dict):
+            raise ValueError("a request must be a JSON object")
+        request = Request(raw, tokenizer, engine, spec, defaults)
+        if request.budget is not None and generator.autoregressive:
+            raise ValueError("ddtree_budget: this server decodes autoregressively (--autoregressive)")
+    except (ValueError, TypeError) as err:
+        return {"id": request_id, "event": "error", "error": str(err)}
+    return request
+
+
+def _tokens_event(request, detokenizer, new: list[int]) -> dict:
+    delta = detokenizer.push(new)
+    return {"id": request.id, "event": "tokens", "text": delta, "output_ids": new, "accept_length": len(new)}
+
+
+def _finish(send, generator, tokenizer, request, detokenizer, result) -> None:
+    text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+    rest = detokenizer.finish()
+    if rest:  # text held back for a partial character
+        send({"id": request.id, "event": "tokens", "text": rest, "output_ids": [], "accept_length": 0})
+    send(
+        {
+            "id": request.id,
+            "event": "done",
+            "text": text,
+            "prompt_text": tokenizer.decode(request.prompt),
+            "output_ids": result.tokens,
+            "accept_lengths": result.accept_lengths,
+            "target_forwards": result.target_forwards,
+            "elapsed": result.elapsed,
+            "mode": generator.mode(request.params, request.banned, request.budget),
+            "budgets": result.budgets,
+            "sampling": {
+                "temperature": request.params.temperature,
+                "top_k": request.params.top_k,
+                "top_p": request.params.top_p,
+                "from_generation_config": request.defaults_applied,
+            },
+        }  # fmt: skip
+    )
+
+
+def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send) -> None:
+    """In-flight batching (`--max_batch_size` > 1): requests the device loop serves join the batch at the next step
+    after their own prefill and leave when done (`runner/device/batch.py`), in arrival order while slots are free;
+    the batch steps while any is in it, and a new request waits at most one step. A request the device loop does not
+    serve (bad_words, a budget it lacks) runs alone on the host loop between two steps. A cancellation drops its
+    request before the next step."""
+    batcher = generator.batcher()
+    waiting: list = []  # parsed requests without a slot yet, in arrival order
+    streams: dict = {}  # request id -> (request, detokenizer)
+    ended = False
+    while not ended or waiting or batcher.members:
+        idle = not waiting and not batcher.members
+        try:  # block for input only when nothing else is to be done
+            lines = [inbox.requests.get(timeout=None if idle else 0)]
+        except queue.Empty:
+            lines = []
+        while True:
+            try:
+                lines.append(inbox.requests.get_nowait())
+            except queue.Empty:
+                break
+        for line in lines:
+            if line is None:
+                ended = True
+                continue
+            request = parse(line)
+            if isinstance(request, dict):
+                send(request)
+            else:
+                waiting.append(request)
+        for member in list(batcher.members.values()):  # cancelled in the batch: gone before the next step
+            if member.tag in inbox.cancelled:
+                batcher.remove(member)
+                request, detokenizer = streams.pop(member.tag)
+                send({"id": request.id, "event": "cancelled", "output_ids": detokenizer.tokens})
+        while waiting and batcher.free:
+            request = waiting.pop(0)
+            if request.id in inbox.cancelled:
+                send({"id": request.id, "event": "cancelled", "output_ids": []})
+                continue
+            detokenizer = Detokenizer(tokenizer)
+            on_tokens = lambda new, r=request, d=detokenizer: send(_tokens_event(r, d, new))  # noqa: E731
+            if not generator.on_device(request.params, request.banned, request.budget):
+                result = generator.generate(
+                    request.prompt, request.max_tokens, request.params, request.end_ids, on_tokens,
+                    request.stop_sequences, request.banned, request.budget,
+                )  # fmt: skip
+                _finish(send, generator, tokenizer, request, detokenizer, result)
+                continue
+            member = generator.admit(batcher, request.prompt, request.max_tokens, request.params, request.end_ids,
+                                     on_tokens, request.stop_sequences, request.budget, request.id)  # fmt: skip
+            if member.result.elapsed:  # done at its first token
+                _finish(send, generator, tokenizer, request, detokenizer, member.result)
+            else:
+                streams[request.id] = (request, detokenizer)
+        for member in batcher.step():
+            request, detokenizer = streams.pop(member.tag)
+            _finish(send, generator, tokenizer, request, detokenizer, member.result)
