@@ -38,16 +38,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def runner_pids(engine_dir: Path) -> list[int]:
-    found = subprocess.run(["pgrep", "-f", f"runner --serve --engine_dir {engine_dir}"], capture_output=True, text=True)
+def runner_pids(engine_dir: Path, backend: str = "") -> list[int]:
+    """The runner jobs' processes of an engine (of one backend's model where given: "ort" is the "ddtree" model's)."""
+    pattern = f"runner --serve --engine_dir {engine_dir}" + (f" --backend {backend}" if backend else "")
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return [int(p) for p in found.stdout.split()]
 
 
-def rank_pids(engine_dir: Path) -> list[int]:
+def rank_pids(engine_dir: Path, backend: str) -> list[int]:
     """The runner's MPI ranks (not the launcher): the processes whose environment carries a rank (MPICH's PMI_RANK,
     Open MPI's OMPI_COMM_WORLD_RANK)."""
     ranks = []
-    for pid in runner_pids(engine_dir):
+    for pid in runner_pids(engine_dir, backend):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -82,13 +84,16 @@ def listening_addresses(pids: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(demo_engine, release_engine, tmp_path_factory):
-    """One tritonserver with two models: "ddtree" (the demo engine, TP-2, ONNX Runtime) and "kimi-release" (the
-    release-layout engine: tiktoken tokenizer, chat template, generation defaults; TP-8, torch backend)."""
+    """One tritonserver with three models: "ddtree" (the demo engine, TP-2, ONNX Runtime), "kimi-release" (the
+    release-layout engine: tiktoken tokenizer, chat template, generation defaults; TP-8, torch backend) and
+    "ddtree-batched" (the demo engine on the torch backend's device loop, up to 4 requests a step)."""
     engine = demo_engine(2)
     work = tmp_path_factory.mktemp("triton")
     write_repository(engine, work / "repo", max_queue=MAX_QUEUE)
     write_repository(release_engine, work / "release", model_name="kimi-release", backend="torch")
     (work / "release" / "kimi-release").rename(work / "repo" / "kimi-release")
+    write_repository(engine, work / "batched", model_name="ddtree-batched", backend="torch", max_batch_size=4)
+    (work / "batched" / "ddtree-batched").rename(work / "repo" / "ddtree-batched")
     ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
     process = start_server(
         TRITON_VENV, work / "repo", work, ports["http"], ports["grpc"], ports["metrics"], work / "server.log"
@@ -202,6 +207,26 @@ def test_a_chat_request_to_the_release_layout_at_tp8(server):
         output = json.loads(text)["text_output"]
         assert output.startswith(prompt) and len(output) > len(prompt), (prompt, output)
         assert prompt.endswith("<|im_middle|>" if thinking else "<|im_middle|><think></think>")
+
+
+def test_concurrent_requests_share_steps_on_the_batched_model(server, cli_outputs):
+    """Four concurrent requests to the in-flight batching model: each gets the CLI's text (greedy), and the runner
+    says it batches."""
+    replies = {}
+
+    def ask(i):
+        body = {"text_input": PROMPTS[i], "max_tokens": 16, "exclude_input_in_output": True}
+        replies[i] = post(server["http"], "generate", body, model="ddtree-batched")
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for i, (status, text) in replies.items():
+        assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][i], (i, text)
+    assert len(replies) == len(PROMPTS)
+    assert "batched: up to 4 requests a step" in Path(server["log"]).read_text()
 
 
 def test_generate_stream_equals_cli(server, cli_outputs):
@@ -416,7 +441,7 @@ def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs)
     waiter = threading.Thread(target=lambda: reply.update(q=post(server["http"], "generate", queued)))
     waiter.start()
     time.sleep(0.3)  # queued behind the long one (a whole long request takes about 3 s on the CI machine kind)
-    ranks = rank_pids(server["engine"])
+    ranks = rank_pids(server["engine"], "ort")
     assert ranks, "no MPI rank of the runner found"
     os.kill(ranks[-1], 9)  # a rank dies mid-request
     rest = stream.read().decode()

@@ -10,9 +10,11 @@ comes as `messages` (a JSON list of {role, content}, rendered with the checkpoin
 template's switch) instead of text_input. `ddtree_budget` (a string: "auto" or one of the engine's tree budgets)
 chooses this request's budget.
 Requests are queued, at most `max_queue` (a parameter of config.pbtxt) at once; one more gets a "busy" error at
-once. The runner serves them one at a time. A request whose client goes away (Triton marks it cancelled) is cancelled
-in the runner too, queued or running, so it does not hold up the requests behind it. A malformed request gets its own
-error response; if the runner dies, every in-flight request gets an error and the runner is started again.
+once. The runner serves them one at a time, or with `max_batch_size` > 1 (torch backend) up to that many together:
+each joins the batch at the next step after its prefill and leaves when done (in-flight batching). A request whose
+client goes away (Triton marks it cancelled) is cancelled in the runner too, queued or running, so it does not hold
+up the requests behind it. A malformed request gets its own error response; if the runner dies, every in-flight
+request gets an error and the runner is started again.
 """
 
 from __future__ import annotations
@@ -128,6 +130,9 @@ class TritonPythonModel:
             "--serve_parent_pid",
             str(os.getppid()),  # the server: a job whose server has crashed ends at once
         ]
+        batch = params.get("max_batch_size", "1")
+        if batch != "1":  # in-flight batching: the runner steps up to this many requests together (device loop)
+            self.command += ["--max_batch_size", batch, "--loop", "device"]
         self.env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONHOME", "PYTHONPATH")}
         self.env.update(
             OMP_NUM_THREADS="1",

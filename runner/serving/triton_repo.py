@@ -20,7 +20,9 @@ from engines.engine_dir import load_engine_dir
 
 CONFIG = """name: "{name}"
 backend: "python"
-# The engines run batch 1 (max_batch_size={engine_batch} at build time): requests are queued by the runner.
+# Triton sends each request on its own (max_batch_size 0); the runner batches: up to the "max_batch_size" parameter
+# below step together on the torch backend's device loop (in-flight batching), the rest wait in its queue (the
+# engines' profiles are one sequence: max_batch_size={engine_batch} at build time).
 max_batch_size: 0
 model_transaction_policy {{ decoupled: true }}
 input [
@@ -54,14 +56,19 @@ parameters {{ key: "python" value: {{ string_value: "{python}" }} }}
 parameters {{ key: "mpirun" value: {{ string_value: "{mpirun}" }} }}
 parameters {{ key: "runner_log" value: {{ string_value: "{runner_log}" }} }}
 parameters {{ key: "max_queue" value: {{ string_value: "{max_queue}" }} }}
+parameters {{ key: "max_batch_size" value: {{ string_value: "{max_batch_size}" }} }}
 """
 
 
 def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort",
-                     force: bool = False, max_queue: int = 64) -> Path:  # fmt: skip
-    """max_queue: requests queued or running at once; one more gets a "busy" error at once."""
+                     force: bool = False, max_queue: int = 64, max_batch_size: int = 1) -> Path:  # fmt: skip
+    """max_queue: requests queued or running at once; one more gets a "busy" error at once. max_batch_size: requests
+    the runner steps together (in-flight batching on the torch backend's device loop; 1: one at a time)."""
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if max_batch_size < 1 or (max_batch_size > 1 and backend != "torch"):
+        raise ValueError(f"max_batch_size must be >= 1, and 1 unless the backend is torch (batched steps run on its "
+                         f"device loop); got {max_batch_size} with backend {backend}")  # fmt: skip
     from engines.output_dir import staged_output_dir
 
     engine = load_engine_dir(engine_dir)
@@ -73,12 +80,13 @@ def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtr
     if not mpirun.exists():
         mpirun = Path(shutil.which("mpirun") or "mpirun")
     with staged_output_dir(output_dir, force) as staging:
-        _write_model(staging / model_name, engine, model_name, backend, python, mpirun, output_dir, max_queue)
+        _write_model(staging / model_name, engine, model_name, backend, python, mpirun, output_dir, max_queue,
+                     max_batch_size)  # fmt: skip
     return output_dir / model_name
 
 
 def _write_model(model_dir: Path, engine, model_name: str, backend: str, python: Path, mpirun: Path,
-                 output_dir: Path, max_queue: int) -> None:  # fmt: skip
+                 output_dir: Path, max_queue: int, max_batch_size: int) -> None:  # fmt: skip
     (model_dir / "1").mkdir(parents=True)
     build = engine.build_config
     (model_dir / "config.pbtxt").write_text(
@@ -94,6 +102,7 @@ def _write_model(model_dir: Path, engine, model_name: str, backend: str, python:
             mpirun=mpirun,
             runner_log=(output_dir / f"{model_name}-runner.log").resolve(),
             max_queue=max_queue,
+            max_batch_size=max_batch_size,
         )
     )
     shutil.copy2(Path(__file__).with_name("triton_model.py"), model_dir / "1" / "model.py")
@@ -107,10 +116,12 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", choices=["trt", "ort", "torch"], default="ort")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--max_queue", type=int, default=64, help="requests queued or running at once (then: busy)")
+    parser.add_argument("--max_batch_size", type=int, default=1, help="requests stepped together (in-flight batching; "
+                        "torch backend)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         path = write_repository(args.engine_dir, args.output_dir, args.model_name, args.backend, args.force,
-                                args.max_queue)  # fmt: skip
+                                args.max_queue, args.max_batch_size)  # fmt: skip
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
