@@ -187,19 +187,21 @@ def prepare(args, comm) -> Job:
     return job
 
 
-def generate_all(args, generator, job: Job) -> list[dict]:
+def generate_all(args, generator, job: Job) -> tuple[list[dict], dict | None]:
+    """Every prompt's result (in-flight batched with --max_batch_size > 1: then also the batch's totals)."""
     from dataclasses import replace
 
     from runner.tokenizer import TextStream
 
     results, tokenizer = [], job.tokenizer
     every = [replace(job.params, seed=args.seed + i) for i in range(len(job.prompts))]
-    batched = None
+    batched = summary = None
     if generator.batch_slots > 1 and all(generator.on_device(p) for p in every):  # in-flight batching
         started = time.perf_counter()
         batched = generator.generate_many(job.prompts, args.max_output_len, every, job.end_ids)
         wall = time.perf_counter() - started
         total = sum(len(r.tokens) for r in batched)
+        summary = {"requests": len(batched), "max_batch_size": generator.batch_slots, "tokens": total, "seconds": wall}
         print(f"[batch] {len(batched)} requests, up to {generator.batch_slots} a step: {total} tokens in "
               f"{wall * 1e3:.1f} ms = {total / wall:.1f} tokens/s together", flush=True)  # fmt: skip
     for i, prompt in enumerate(job.prompts):
@@ -234,7 +236,7 @@ def generate_all(args, generator, job: Job) -> list[dict]:
                 "decode_tokens_per_s": result.decode_tokens_per_s,
             }
         )
-    return results
+    return results, summary
 
 
 def format_stats(result, mode: str) -> str:
@@ -308,7 +310,7 @@ def main_on_rank(comm, argv=None) -> int:
             print(f"sampling: {chosen} from the checkpoint's generation_config.json")
         print(f"startup: ranks built in {built:.2f} s, warm-up (a short request: graph capture, kernel compilation) "
               f"{warm:.2f} s", flush=True)  # fmt: skip
-        results = generate_all(args, generator, job)
+        results, batch = generate_all(args, generator, job)
     finally:
         ranks.close()
     if args.output_json:
@@ -327,6 +329,7 @@ def main_on_rank(comm, argv=None) -> int:
                     "end_ids": sorted(job.end_ids),
                     "startup": startup,
                     "results": results,
+                    "batch": batch,
                 },
                 indent=1,
             )

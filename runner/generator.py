@@ -126,16 +126,17 @@ class Generator:
         batcher.policy = self.policy
         return batcher.admit(prompt, max_new_tokens, params, end_ids, on_tokens, stop_sequences, chosen, tag)
 
-    def generate_many(self, prompts: list[list[int]], max_new_tokens: int, params: list[SamplingParams],
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int], params: list[SamplingParams],
                       end_ids: set[int] = frozenset(), budget=None) -> list[GenerationResult]:  # fmt: skip
         """Several requests at once, in-flight batched: each joins when a slot is free and leaves when done; returns
-        their results in order."""
+        their results in order. max_new_tokens: one for all, or each request's."""
         batcher, results = self.batcher(), {}
-        waiting = list(enumerate(zip(prompts, params)))
+        counts = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        waiting = list(enumerate(zip(prompts, params, counts)))
         while waiting or batcher.members:
             while waiting and batcher.free:
-                index, (prompt, request_params) = waiting.pop(0)
-                member = self.admit(batcher, prompt, max_new_tokens, request_params, end_ids, budget=budget, tag=index)
+                index, (prompt, request_params, tokens) = waiting.pop(0)
+                member = self.admit(batcher, prompt, tokens, request_params, end_ids, budget=budget, tag=index)
                 if member.result.elapsed:  # done at its first token
                     results[index] = member.result
             for member in batcher.step():
@@ -187,4 +188,10 @@ class Generator:
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
         for params in requests:
             self.generate(prompt, tokens, params)
+            if self.batch_slots > 1 and self.on_device(params):
+                # every slot count's step (a graph each on GPUs): requests that need one more step each, so they
+                # leave one after another whatever the acceptance
+                most = max(1, self.capacity - len(prompt) - 2 * block - 1)
+                lengths = [min(most, 1 + (i + 1) * (self.spec.draft_depth + 1)) for i in range(self.batch_slots)]
+                self.generate_many([prompt] * self.batch_slots, lengths, [params] * self.batch_slots)
         return time.perf_counter() - start
