@@ -188,9 +188,9 @@ class Generator:
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
         for params in requests:
             self.generate(prompt, tokens, params)
-            if self.batch_slots > 1 and self.on_device(params):
-                # every slot count's step (a graph each on GPUs): requests that need one more step each, so they
-                # leave one after another whatever the acceptance
+            if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
+                # every slot count's step graph: requests that need one more step each, so they leave one after
+                # another whatever the acceptance
                 most = max(1, self.capacity - len(prompt) - 2 * block - 1)
                 lengths = [min(most, 1 + (i + 1) * (self.spec.draft_depth + 1)) for i in range(self.batch_slots)]
                 self.generate_many([prompt] * self.batch_slots, lengths, [params] * self.batch_slots)

@@ -170,3 +170,22 @@ def test_synthetic_context_rows_are_cached_and_attended():
 
     with_context = tokens(True, 100)
     assert tokens(False, 100) == with_context != tokens(True, 0)
+
+
+def test_concurrency_benchmark_smoke(tmp_path):
+    """The concurrency benchmark on the tiny model: the CLI one at a time and batched (equal outputs), and a real
+    tritonserver with the four models, at one and two concurrent requests."""
+    if not (Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton")) / "bin" / "python").exists():
+        pytest.skip("no Triton venv (`make test` creates it)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "benchmarks/concurrency.py", str(tmp_path), "--smoke"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "concurrency.json").read_text())
+    assert len(result["cli"]) == 9 and all(r["tokens"] == 8 * r["requests"] for r in result["cli"])
+    batched = [r for r in result["cli"] if r["max_batch_size"] > 1]
+    assert len(batched) == 3 and all(r["equal_to_one_at_a_time"] for r in batched)
+    assert all("batched: up to 2 requests a step" in r["mode"] for r in batched)
+    assert {(r["model"], r["clients"]) for r in result["triton"]} == {
+        (m, c) for m in ("ddtree", "ddtree-batched", "ar", "ar-batched") for c in (1, 2)
+    }

@@ -133,6 +133,8 @@ class TritonPythonModel:
         batch = params.get("max_batch_size", "1")
         if batch != "1":  # in-flight batching: the runner steps up to this many requests together (device loop)
             self.command += ["--max_batch_size", batch, "--loop", "device"]
+        if params.get("autoregressive") == "true":  # the baseline: no drafter
+            self.command.append("--autoregressive")
         self.env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONHOME", "PYTHONPATH")}
         self.env.update(
             OMP_NUM_THREADS="1",

@@ -57,13 +57,16 @@ parameters {{ key: "mpirun" value: {{ string_value: "{mpirun}" }} }}
 parameters {{ key: "runner_log" value: {{ string_value: "{runner_log}" }} }}
 parameters {{ key: "max_queue" value: {{ string_value: "{max_queue}" }} }}
 parameters {{ key: "max_batch_size" value: {{ string_value: "{max_batch_size}" }} }}
+parameters {{ key: "autoregressive" value: {{ string_value: "{autoregressive}" }} }}
 """
 
 
 def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort",
-                     force: bool = False, max_queue: int = 64, max_batch_size: int = 1) -> Path:  # fmt: skip
+                     force: bool = False, max_queue: int = 64, max_batch_size: int = 1,
+                     autoregressive: bool = False) -> Path:  # fmt: skip
     """max_queue: requests queued or running at once; one more gets a "busy" error at once. max_batch_size: requests
-    the runner steps together (in-flight batching on the torch backend's device loop; 1: one at a time)."""
+    the runner steps together (in-flight batching on the torch backend's device loop; 1: one at a time).
+    autoregressive: the runner decodes without the drafter (the baseline, as the CLI's --autoregressive)."""
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if max_batch_size < 1 or (max_batch_size > 1 and backend != "torch"):
@@ -81,12 +84,12 @@ def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtr
         mpirun = Path(shutil.which("mpirun") or "mpirun")
     with staged_output_dir(output_dir, force) as staging:
         _write_model(staging / model_name, engine, model_name, backend, python, mpirun, output_dir, max_queue,
-                     max_batch_size)  # fmt: skip
+                     max_batch_size, autoregressive)  # fmt: skip
     return output_dir / model_name
 
 
 def _write_model(model_dir: Path, engine, model_name: str, backend: str, python: Path, mpirun: Path,
-                 output_dir: Path, max_queue: int, max_batch_size: int) -> None:  # fmt: skip
+                 output_dir: Path, max_queue: int, max_batch_size: int, autoregressive: bool) -> None:  # fmt: skip
     (model_dir / "1").mkdir(parents=True)
     build = engine.build_config
     (model_dir / "config.pbtxt").write_text(
@@ -103,6 +106,7 @@ def _write_model(model_dir: Path, engine, model_name: str, backend: str, python:
             runner_log=(output_dir / f"{model_name}-runner.log").resolve(),
             max_queue=max_queue,
             max_batch_size=max_batch_size,
+            autoregressive=str(autoregressive).lower(),
         )
     )
     shutil.copy2(Path(__file__).with_name("triton_model.py"), model_dir / "1" / "model.py")
@@ -118,10 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max_queue", type=int, default=64, help="requests queued or running at once (then: busy)")
     parser.add_argument("--max_batch_size", type=int, default=1, help="requests stepped together (in-flight batching; "
                         "torch backend)")  # fmt: skip
+    parser.add_argument("--autoregressive", action="store_true", help="the baseline: no drafter, a token a step")
     args = parser.parse_args(argv)
     try:
         path = write_repository(args.engine_dir, args.output_dir, args.model_name, args.backend, args.force,
-                                args.max_queue, args.max_batch_size)  # fmt: skip
+                                args.max_queue, args.max_batch_size, args.autoregressive)  # fmt: skip
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

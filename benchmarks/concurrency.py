@@ -1,0 +1,213 @@
+"""Many requests at once: in-flight batching against one request at a time, through the CLI and a real tritonserver.
+
+    PYTHONPATH=. python benchmarks/concurrency.py OUT_DIR [--levels 1,2,4,8,16] [--tokens 64] [--device cpu|cuda]
+    PYTHONPATH=. python benchmarks/concurrency.py OUT_DIR --smoke       (tiny: checks the script)
+
+The trained pair (`trained/`: a small Kimi K2.x-architecture target and its DFlash drafter, real acceptance) is built
+into a TP-1 engine directory (torch backend) and run by what users launch:
+1. The CLI (`mpirun -np 1 python -m runner --backend torch --loop device`): N prompts in one job, one at a time
+   (`--max_batch_size 1`) and in-flight batched (`--max_batch_size N`), DDTree 32, DDTree 8 and autoregressive; the
+   rate is every request's tokens over the job's generation time; the batched tokens must equal the one-at-a-time
+   ones.
+2. Triton: one tritonserver with four models of the same engine (DDTree and autoregressive, each one at a time and
+   batched up to the largest level); N clients, each sending two requests in turn (`max_tokens` tokens, no end
+   token); aggregate tokens/s over the wall time, and per-request latency (median and worst).
+Writes OUT_DIR/concurrency.json; prints markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import environment  # noqa: E402
+
+TRAINED = ROOT / "trained"
+MODELS = {"ddtree": (False, False), "ddtree-batched": (False, True), "ar": (True, False), "ar-batched": (True, True)}
+CLI_MODES = {"DDTree 32": [], "DDTree 8": ["--ddtree_budget", "8"], "autoregressive": ["--autoregressive"]}
+
+
+def build_engine(out: Path, smoke: bool) -> Path:
+    from builder.cli import main as build_main
+
+    if smoke:  # the tiny demo checkpoints: no trained weights needed
+        from builder.demo_checkpoints import write_drafter, write_target
+
+        target = write_target(out / "hf" / "kimi-k2-tiny", int4_experts=False, force=True)
+        drafter = write_drafter(out / "hf" / "kimi-k2-tiny-dflash", force=True)
+    else:
+        target, drafter = TRAINED / "kimi-k2-py", TRAINED / "kimi-k2-py-dflash"
+    engine = out / "engine"
+    args = ["--model_dir", str(target), "--draft_model_dir", str(drafter), "--output_dir", str(engine),
+            "--max_input_len", "128", "--max_seq_len", "512", "--dtype", "float32", "--no_onnx", "--force",
+            "--extra_budgets", "8"]  # fmt: skip
+    if build_main(args) != 0:
+        raise RuntimeError("build-engine failed")
+    return engine
+
+
+def prompts(count: int, smoke: bool) -> list[str]:
+    if smoke:
+        return [f"Hello {i} world" for i in range(count)]
+    held = json.loads((TRAINED / "heldout_prompts.json").read_text())
+    return [held[i % len(held)]["text"][-200:] for i in range(count)]  # the end of each: a short prompt
+
+
+def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, mode: str, device: str) -> dict:
+    path = out / f"cli-{mode.replace(' ', '')}-{len(texts)}-{batch}.json"
+    args = [sys.executable, "-m", "runner", "--engine_dir", str(engine), "--backend", "torch", "--loop", "device",
+            "--max_batch_size", str(batch), "--max_output_len", str(tokens), "--end_id", "-1",
+            "--output_json", str(path)]  # fmt: skip
+    args += CLI_MODES[mode]
+    for text in texts:
+        args += ["--input_text", text]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    launcher = Path(sys.executable).parent / "mpirun"
+    done = subprocess.run([str(launcher if launcher.exists() else "mpirun"), "-np", "1", *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=3600)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    result = json.loads(path.read_text())
+    rows = result["results"]
+    total = sum(len(r["output_ids"]) for r in rows)
+    seconds = result["batch"]["seconds"] if result["batch"] else sum(r["elapsed"] for r in rows)
+    return {"requests": len(texts), "max_batch_size": batch, "cli_mode": mode, "tokens": total,
+            "seconds": seconds, "tokens_per_s": total / seconds, "outputs": [r["output_ids"] for r in rows],
+            "latency_s": [r["elapsed"] for r in rows], "mode": rows[0]["mode"]}  # fmt: skip
+
+
+def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: bool) -> list[dict]:
+    from runner.serving.triton_repo import write_repository
+    from runner.serving.triton_server import start_server, stop_server, wait_ready
+
+    venv = Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton"))
+    repo = out / "repo"
+    for name, (autoregressive, batched) in MODELS.items():
+        staging = out / f"staging-{name}"
+        write_repository(engine, staging, model_name=name, backend="torch", force=True,
+                         max_batch_size=max(levels) if batched else 1, autoregressive=autoregressive,
+                         max_queue=4 * max(levels))  # fmt: skip
+        repo.mkdir(exist_ok=True)
+        (staging / name).rename(repo / name)
+    ports = [free_port() for _ in range(3)]
+    process = start_server(venv, repo, out, *ports, out / "server.log")
+    rows = []
+    try:
+        wait_ready(process, ports[0], out / "server.log", timeout=900)
+        texts = prompts(2 * max(levels), smoke)
+        for clients in levels:
+            for name in MODELS:
+                rows.append(load(ports[0], name, texts, clients, tokens))
+                print(f"triton {name:15s} {clients:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tokens/s, latency "
+                      f"median {rows[-1]['latency_median_s']:.2f} s, worst {rows[-1]['latency_max_s']:.2f} s",
+                      flush=True)  # fmt: skip
+    finally:
+        stop_server(process)
+    return rows
+
+
+def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per_client: int = 2) -> dict:
+    latencies, errors = [], []
+
+    def client(c: int) -> None:
+        for k in range(per_client):
+            body = {"text_input": texts[(c * per_client + k) % len(texts)], "max_tokens": tokens, "end_id": -1}
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/generate",
+                                             data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})  # fmt: skip
+            started = time.perf_counter()
+            try:
+                with urllib.request.urlopen(request, timeout=1800) as reply:
+                    reply.read()
+                latencies.append(time.perf_counter() - started)
+            except OSError as err:
+                errors.append(str(err))
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise RuntimeError(f"{model}, {clients} clients: {errors[:3]}")
+    return {"model": model, "clients": clients, "requests": len(latencies), "tokens": len(latencies) * tokens,
+            "seconds": wall, "tokens_per_s": len(latencies) * tokens / wall,
+            "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies)}  # fmt: skip
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--levels", default=None, help="concurrent requests (default 1,2,4,8,16; smoke 1,2)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens a request (default 64; smoke 8)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--no-triton", action="store_true", help="the CLI rows only")
+    parser.add_argument("--smoke", action="store_true", help="the tiny demo model, two levels: checks the script")
+    args = parser.parse_args(argv)
+    levels = [int(n) for n in (args.levels or ("1,2" if args.smoke else "1,2,4,8,16")).split(",")]
+    tokens = args.tokens or (8 if args.smoke else 64)
+    out = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "levels": levels,
+            "tokens": tokens, "cli": [], "triton": []}  # fmt: skip
+    if args.device == "cuda" and not args.smoke:
+        info.update(environment(False))
+
+    def save() -> None:
+        (out / "concurrency.json").write_text(json.dumps(info, indent=1) + "\n")
+
+    engine = build_engine(out, args.smoke)
+    for n in levels:
+        texts = prompts(n, args.smoke)
+        for mode in CLI_MODES:
+            alone = cli_row(engine, out, texts, tokens, 1, mode, args.device)
+            together = cli_row(engine, out, texts, tokens, n, mode, args.device) if n > 1 else alone
+            together["equal_to_one_at_a_time"] = together["outputs"] == alone["outputs"]
+            for row in (alone, together) if n > 1 else (alone,):
+                row.pop("outputs", None)
+                info["cli"].append(row)
+                print(f"cli {mode:14s} {n:3d} requests, max_batch_size "
+                      f"{row['max_batch_size']:2d}: {row['tokens_per_s']:8.1f} tokens/s", flush=True)  # fmt: skip
+            save()
+    if not args.no_triton:
+        info["triton"] = triton_rows(engine, out, levels, tokens, args.smoke)
+    save()
+    print("\n| requests | mode | one at a time (tokens/s) | batched (tokens/s) | batched / one at a time |")
+    print("|---|---|---|---|---|")
+    for n in levels:
+        for mode in CLI_MODES:
+            mine = [r for r in info["cli"] if r["requests"] == n and r["cli_mode"] == mode]
+            alone = next(r for r in mine if r["max_batch_size"] == 1)
+            together = next((r for r in mine if r["max_batch_size"] == n), alone)
+            print(
+                f"| {n} | {mode} | {alone['tokens_per_s']:.1f} | "
+                f"{together['tokens_per_s']:.1f} | {together['tokens_per_s'] / alone['tokens_per_s']:.2f} |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
