@@ -9,6 +9,10 @@ Context features are `hidden_norm(fc(taps))` of tokens the target has committed;
 padding. Every layer projects them with its own k/v (k_norm, rope at their absolute positions) and attends,
 non-causally, from the block to [cached context | new context | block]. The draft cache keeps context K/V only.
 The drafter borrows the target's vocab-parallel embedding and lm_head.
+
+Several requests in one forward (batched steps, `runner/device/batch.py`): draft_cache a tuple of each request's
+cache, context_length and draft_cache_length [n], request r's rows the r-th equal share of the context rows and of
+the block rows; draft_logits then [n * (B - 1), vocab], request by request.
 """
 
 from __future__ import annotations
@@ -75,14 +79,32 @@ class DraftAttention(nn.Module):
     def forward(self, h, ctx, block_rope, rows_rope, cache, key_bias, lengths):
         """h [B, hidden] block rows, ctx [C, hidden] context features, block_rope / rows_rope the (cos, sin) of the
         block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], lengths (valid cached
-        rows [1], valid context rows [1]) and key_bias (`key_bias`; None for the kernel form)."""
+        rows [1], valid context rows [1]) and key_bias (`key_bias`; None for the kernel form). Several requests
+        (batched steps): cache a tuple of each one's [2, S, ...], lengths [n] each, key_bias a list, request r's rows
+        the r-th equal share of the context rows and of the block rows (`attend_requests`)."""
         blocks, context, dim = h.shape[0], ctx.shape[0], self.head_dim
         q, k, v = self.project(h, torch.cat((ctx, h)))
         q = self.apply_rotary(self.q_norm(q.view(blocks, self.heads, dim)), *block_rope)
         k_new = self.apply_rotary(self.k_norm(k.view(context + blocks, self.kv_heads, dim)), *rows_rope)
         v_new = v.view(context + blocks, self.kv_heads, dim)  # [C + B, kv_heads, head_dim]
-        out = self.o_proj(self.attend_rows(q, cache, k_new, v_new, key_bias, lengths))
-        return out, torch.stack((k_new[:context], v_new[:context]))
+        if torch.is_tensor(cache):
+            attended = self.attend_rows(q, cache, k_new, v_new, key_bias, lengths)
+        else:
+            attended = self.attend_requests(q, cache, k_new, v_new, key_bias, lengths, context)
+        return self.o_proj(attended), torch.stack((k_new[:context], v_new[:context]))
+
+    def attend_requests(self, q, caches, k_new, v_new, key_biases, lengths, context):
+        """`attend_rows` per request: request r's block queries over its own cache, context rows and block rows."""
+        count = len(caches)
+        share, blocks = context // count, q.shape[0] // count
+        out = []
+        for r, cache in enumerate(caches):
+            own = (slice(r * share, (r + 1) * share), slice(context + r * blocks, context + (r + 1) * blocks))
+            keys, values = (torch.cat([t[rows] for rows in own]) for t in (k_new, v_new))
+            own_lengths = (lengths[0][r : r + 1], lengths[1][r : r + 1])
+            queries = q[r * blocks : (r + 1) * blocks]
+            out.append(self.attend_rows(queries, cache, keys, values, key_biases[r], own_lengths))
+        return torch.cat(out)
 
     @staticmethod
     def key_bias(capacity, context, blocks, cache_length, context_length, dtype):
@@ -200,10 +222,22 @@ class DFlashDrafter(nn.Module):
         blocks = x.shape[0]
         rows_rope = self.rotary(torch.cat((context_positions, block_positions)), x.dtype)  # context, then block rows
         block_rope = tuple(table[-blocks:] for table in rows_rope)
-        lengths = (draft_cache_length.reshape(1), context_length.reshape(1))
-        key_bias = self.key_bias(draft_cache.shape[2], ctx.shape[0], blocks, *lengths, x.dtype)
+        if torch.is_tensor(draft_cache):
+            lengths = (draft_cache_length.reshape(1), context_length.reshape(1))
+            key_bias = self.key_bias(draft_cache.shape[2], ctx.shape[0], blocks, *lengths, x.dtype)
+            caches = lambda i: draft_cache[i]  # noqa: E731
+        else:  # several requests (batched steps): a cache, lengths and key bias each; equal shares of the rows
+            count = len(draft_cache)
+            lengths = (draft_cache_length.reshape(count), context_length.reshape(count))
+            key_bias = [self.key_bias(c.shape[2], ctx.shape[0] // count, blocks // count, lengths[0][r : r + 1],
+                                      lengths[1][r : r + 1], x.dtype) for r, c in enumerate(draft_cache)]  # fmt: skip
+            caches = lambda i: tuple(c[i] for c in draft_cache)  # noqa: E731
         new_kv = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, ctx, block_rope, rows_rope, draft_cache[i], key_bias, lengths)
+            x, kv = layer(x, ctx, block_rope, rows_rope, caches(i), key_bias, lengths)
             new_kv.append(kv)
-        return self.lm_head(self.norm(x)[1:]), torch.stack(new_kv)
+        x = self.norm(x)
+        if torch.is_tensor(draft_cache):
+            return self.lm_head(x[1:]), torch.stack(new_kv)
+        count = len(draft_cache)  # each request's block rows but its first
+        return self.lm_head(x.view(count, blocks // count, -1)[:, 1:].reshape(-1, x.shape[-1])), torch.stack(new_kv)

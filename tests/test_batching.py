@@ -61,6 +61,44 @@ def test_one_forward_over_several_requests_equals_a_forward_each(demo_ckpt, tp_s
         torch.testing.assert_close(taps, torch.cat([e[2] for e in each]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_one_drafter_forward_over_several_requests_equals_a_forward_each(demo_ckpt, tp_size):
+    """Three requests' blocks with draft caches of different lengths and different counts of new context rows:
+    the batched drafter's logits and new context K/V equal the per-request forwards."""
+    spec = SpecConfig(8, 16)
+    ranks = cpu_ranks(demo_ckpt(tp_size), spec, BuildConfig(**ENGINE_LIMITS))
+    gen = torch.Generator().manual_seed(1)
+    block, lengths, counts = 8, [3, 40, 17], [8, 1, 5]
+    workers = ranks.workers
+    drafter0 = workers[0].session.modules["draft"]
+    width = drafter0.fc.weight.shape[1]
+    shape = workers[0].cache.draft.shape
+    caches = [torch.randn(shape, generator=gen) for _ in lengths]
+    context = torch.randn(len(lengths) * block, width, generator=gen)
+    context_positions = torch.cat([torch.arange(n - c, n - c + block) for n, c in zip(lengths, counts)])
+    ids = torch.randint(0, 200, (len(lengths) * block,), generator=gen)
+    positions = torch.cat([torch.arange(n, n + block) for n in lengths])
+
+    def batched(worker):
+        return worker.session.modules["draft"](context, context_positions, torch.tensor(counts), ids, positions,
+                                               tuple(caches), torch.tensor(lengths))  # fmt: skip
+
+    def single(worker):
+        draft = worker.session.modules["draft"]
+        rows = lambda b: slice(b * block, (b + 1) * block)  # noqa: E731
+        return [draft(context[rows(b)], context_positions[rows(b)], torch.tensor([counts[b]]), ids[rows(b)],
+                      positions[rows(b)], caches[b], torch.tensor([lengths[b]]))
+                for b in range(len(lengths))]  # fmt: skip
+
+    with torch.no_grad():
+        together = list(ranks._pool.map(batched, workers)) if ranks._pool else [batched(workers[0])]
+        apart = list(ranks._pool.map(single, workers)) if ranks._pool else [single(workers[0])]
+    ranks.close()
+    for (logits, new_kv), each in zip(together, apart):
+        torch.testing.assert_close(logits, torch.cat([e[0] for e in each]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(new_kv, torch.cat([e[1] for e in each], dim=2), rtol=1e-5, atol=1e-5)
+
+
 PROMPTS = [[5, 77, 300, 12, 480, 33, 250], [200, 201, 9, 88, 17, 400, 402, 300, 11, 63, 5], list(range(40, 440, 11)),
            [7, 7, 7, 90]]  # fmt: skip
 

@@ -2,11 +2,11 @@
 
 Each request holds a *slot*: its own caches and its own `DeviceLoop` state (cached rows, bonus token, sampling
 settings and draw counter, tree budget), so requests at different lengths, with different trees, budgets and seeds
-share a step. One step over the first `n` slots runs, for every slot, its draft and its tree; then **one target
-forward verifies every slot's tree** (their rows side by side, each attending to its own cache: `models/mla.py`,
-`per_request`), so the target's weights are read once for the whole batch; then every slot's walk and commit. On
-GPUs the step is one CUDA graph per slot count and per slot modes (greedy or sampled, filter kind). The drafter
-still runs once per slot (it is the smaller model; batching it is the next step).
+share a step. One step over the first `n` slots runs **one drafter forward for every slot's block** and **one target
+forward for every slot's tree** (their rows side by side, each attending to its own caches: `models/mla.py`,
+`per_request`, and `models/dflash.py`), so each model's weights are read once for the whole batch; between them
+every slot's tree, after them every slot's walk and commit. On GPUs the step is one CUDA graph per slot count and
+per slot modes (greedy or sampled, filter kind).
 
 A request joins at the next step after its own prefill (which runs on the host loop's prefill profile into its
 slot's caches) and leaves when it is done; slots past the last busy one are not stepped; a free slot below it is
@@ -47,7 +47,8 @@ class BatchLoop:
             cache = SequenceCache(main.latent.shape, main.draft.shape, main.latent.dtype, main.latent.device)
             self.loops.append(DeviceLoop(_Slot(worker, cache), spec, use_graph, autoregressive))
         lead = self.loops[0]
-        self.target, self.autoregressive, self.rows = lead.target, autoregressive, lead.rows
+        self.target, self.drafter, self.autoregressive, self.rows = lead.target, lead.drafter, autoregressive, lead.rows
+        self.block = spec.block_size
         self.routers = lead.routers if lead.auto else []
         self.logit_rows = torch.arange(slots * self.rows, device=main.latent.device)
         self.use_graph, self.graphs = use_graph, {}
@@ -83,12 +84,29 @@ class BatchLoop:
         loops = self.loops[:count]
         if self.autoregressive:
             return self._decode(loops)
+        self._draft(loops)
         for loop in loops:
-            loop._draft()
             loop._tree()
         self._verify(loops)
         for loop in loops:
             loop._accept()
+
+    def _draft(self, loops) -> None:
+        """Every slot's block in one drafter forward, each over its own draft cache (`DeviceLoop._draft`, batched)."""
+        lead, block = loops[0], self.block
+        ids = torch.cat([torch.cat((loop.bonus, loop.masks)) for loop in loops])
+        positions = torch.cat([loop.num_cached + lead.arange_block for loop in loops])
+        context = torch.cat([loop.context for loop in loops])
+        context_positions = torch.cat([loop.num_cached - loop.context_count + lead.arange_block for loop in loops])
+        counts = torch.cat([loop.context_count for loop in loops])
+        caches = tuple(loop.cache.draft for loop in loops)
+        drafted = torch.cat([loop.num_drafted for loop in loops])
+        logits, new_context_kv = self.drafter(context, context_positions, counts, ids, positions, caches, drafted)
+        for b, loop in enumerate(loops):
+            loop.cache.draft.index_copy_(2, loop.num_drafted + lead.arange_block,
+                                         new_context_kv[:, :, b * block : (b + 1) * block])  # fmt: skip
+            loop.num_drafted += loop.context_count
+            loop.draft_logits = logits[b * (block - 1) : (b + 1) * (block - 1)]
 
     def _verify(self, loops) -> None:
         """Every slot's tree in one target forward, each over its own cache; each slot's choices from its rows."""
