@@ -43,10 +43,12 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
 
 def preset_ranks(weights: PresetWeights, setup: Setup, spec: SpecConfig, device_loop: bool,
                  autoregressive: bool = False, probes: Probes | None = None,
-                 limits: BuildConfig = BUILD) -> Generator:  # fmt: skip
+                 limits: BuildConfig = BUILD, max_batch_size: int = 1) -> Generator:  # fmt: skip
     """One rank of a preset through the rank factory (the CLI's path), and rank 0's generator over it; `limits`:
-    the prompt and sequence lengths the ranks are built for (their caches' capacity)."""
-    options = RankOptions("torch", setup.device.type, device_loop, autoregressive, probes)
+    the prompt and sequence lengths the ranks are built for (their caches' capacity); max_batch_size: slots for
+    in-flight batching (`runner/device/batch.py`)."""
+    options = RankOptions("torch", setup.device.type, device_loop, autoregressive, probes,
+                          max_batch_size=max_batch_size)  # fmt: skip
     build = BuildConfig(limits.max_input_len, limits.max_seq_len, dtype=str(setup.dtype).removeprefix("torch."))
     return Generator(local_ranks(weights, options, spec, build), autoregressive)
 

@@ -271,6 +271,40 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
     return row
 
 
+def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecConfig, batch: int) -> dict:
+    """`batch` copies of the request at once, in-flight batched on the device loop (`--max_batch_size`): a
+    warm-up batch, then `setup.repeats` timed ones (the median); tokens/s = every request's tokens after its first
+    over the batch's decode time (the wall time less the prefills, which all run before the first step)."""
+    autoregressive = mode.startswith("autoregressive")
+    oracle = torch.tensor(run.continuation) if drafter == "oracle" else None
+    probes = Probes(oracle=oracle, context_rows=run.context_rows)
+    generator = preset_ranks(run.weights, setup, spec, True, autoregressive, probes, run.limits, max_batch_size=batch)
+    prompts, params = [run.prompt] * batch, [run.params] * batch
+    generator.generate_many(prompts, run.new_tokens, params)  # warm-up (every slot count's graph)
+    rates, outputs = [], []
+    for _ in range(setup.repeats):
+        started = time.perf_counter()
+        results = generator.generate_many(prompts, run.new_tokens, params)
+        wall = time.perf_counter() - started
+        first = sum(r.prefill_seconds for r in results)  # every request is admitted (prefilled) before the steps
+        rates.append(sum(len(r.tokens) - 1 for r in results) / max(wall - first, 1e-9))
+        outputs.append([r.tokens for r in results])
+    reference = run.continuation if run.params.greedy else None
+    equal = None if reference is None else min(first_difference(t, reference) for t in outputs[-1])
+    rate = statistics.median(rates)
+    row = {"model": run.name, "mode": mode, "drafter": drafter, "batch": batch, "tokens_per_s": rate,
+           "per_request_tokens_per_s": rate / batch,
+           "mean_accept_length": statistics.mean(a for r in results for a in r.accept_lengths) if not autoregressive
+           else 1.0, "tokens": run.new_tokens, "tokens_equal_to_autoregressive": equal,
+           "repeats_agree": all(o == outputs[0] for o in outputs), "mode_printed": generator.mode(run.params),
+           "ranks": generator.rank_description}  # fmt: skip
+    generator.ranks.close()
+    print(f"{run.name}{run.label}: {mode:30s} {drafter:6s} batch {batch:2d}: {row['tokens_per_s']:8.1f} tokens/s "
+          f"together, accept {row['mean_accept_length']:.2f}, equal to AR for {equal}/{run.new_tokens}",
+          flush=True)  # fmt: skip
+    return row
+
+
 def events_of(generator) -> list:
     lead = generator.ranks.lead
     return lead.loop.events if lead.loop is not None else lead.session.events

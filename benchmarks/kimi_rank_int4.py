@@ -16,7 +16,8 @@ continuation), on the device loop; decode tokens/s (median of --repeats), mean a
 the verify-to-decode cost ratio. --auto-budget adds, per drafter, an engine spec with budgets 8, 16 and 32 on the
 device loop: `auto` (costs measured on the device loop first, as `--ddtree_budget auto` does; the budgets the steps
 took are recorded) and budget 8 verified inside the budget-32 graph (what the one-graph choice costs a narrow step).
-One GPU holds one rank: there is no all-reduce in these numbers.
+--batches 4,8 adds rows of that many copies of the request in-flight batched (`--max_batch_size`): tokens/s of the
+batch together, speed-up against one autoregressive request. One GPU holds one rank: no all-reduce in these numbers.
 Writes OUT_DIR/kimi_rank_int4.json.
 """
 
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import Setup, add_setup_args, environment
-from benchmarks.gpu_runtime import SPEC_MODES, ModelRun, request_row
+from benchmarks.gpu_runtime import SPEC_MODES, ModelRun, batch_row, request_row
 from engines.spec import BuildConfig, SpecConfig
 from models.parallel import SingleRank
 from runner.factory import PresetWeights, RankOptions, model_ops, rank_device
@@ -62,6 +63,12 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=1024, help="the real prompt's tokens with --synthetic-context")
     parser.add_argument("--auto-budget", action="store_true", help="add rows of budgets 8/16/32 in one device-loop "
                         "graph: auto, and budget 8 inside it")  # fmt: skip
+    parser.add_argument(
+        "--batches",
+        default="",
+        help="comma-separated batch sizes: rows of that many copies of the "
+        "request in-flight batched (autoregressive, DDTree 8 and 32; random and oracle drafters)",
+    )
     add_setup_args(parser)
     args = parser.parse_args(argv)
     setup = Setup.from_args(args)
@@ -125,13 +132,23 @@ def main(argv=None) -> int:
                 if not setup.smoke:
                     info["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
                 save()  # after every row: a run cut short keeps what it measured
+            for batch in [int(b) for b in args.batches.split(",") if b]:
+                batch_modes = [("autoregressive (device loop)", "-", SpecConfig(8, 32))] + [
+                    (f"ddtree {b} (device loop)", d, SpecConfig(8, b)) for d in ("random", "oracle") for b in (8, 32)
+                ]
+                for mode, drafter, spec in batch_modes:
+                    row = batch_row(run, row_setup, mode, drafter, spec, batch)
+                    row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
+                    info["rows"].append({**row, "context": context, "synthetic_rows": synthetic})
+                    save()
     print("\n| context | mode | drafter | decode tokens/s | speed-up | accept | draft / tree / verify / accept (ms) "
           "| verify / decode |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in info["rows"]:
         phases = r.get("phase_ms")
         split = " / ".join(f"{phases[p]:.2f}" for p in ("draft", "tree", "verify", "accept")) if phases else "-"
         ratio = f"{r['verify_over_decode']:.2f}" if r.get("verify_over_decode") else "-"
-        print(f"| {r['context']} | {r['mode']} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
+        mode = r["mode"] + (f", batch {r['batch']}" if r.get("batch") else "")
+        print(f"| {r['context']} | {mode} | {r['drafter']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f} | "
               f"{r['mean_accept_length']:.2f} | {split} | {ratio} |")  # fmt: skip
     save()
     return 0

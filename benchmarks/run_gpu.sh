@@ -21,6 +21,8 @@
 #   profile   benchmarks/profile_forward.py: the kimi-rank forward's kernels and gaps
 #   budget    kimi_rank_int4.py --auto-budget at 1k context: budgets 8/16/32 in one device-loop graph, auto and budget 8
 #             inside it, next to the fixed-budget rows
+#   batch     in-flight batching: kimi_rank_int4.py --batches 4,8 at 1k context (the whole rank, random and oracle
+#             drafters) and benchmarks/concurrency.py --device cuda --no-triton (the trained pair through the CLI)
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
 #             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share)
 set -uo pipefail
@@ -110,6 +112,13 @@ if has budget; then
   mkdir -p "$OUT/budget"
   python3 benchmarks/kimi_rank_int4.py "$OUT/budget" --contexts 1024 --auto-budget > "$OUT/kimi_rank_budget.log" 2>&1
   echo "budget rc=$?"; tail -14 "$OUT/kimi_rank_budget.log"
+fi
+if has batch; then
+  mkdir -p "$OUT/batch"
+  python3 benchmarks/kimi_rank_int4.py "$OUT/batch" --contexts 1024 --batches 4,8 > "$OUT/kimi_rank_batch.log" 2>&1
+  echo "batch rc=$?"; tail -24 "$OUT/kimi_rank_batch.log"
+  python3 benchmarks/concurrency.py "$OUT/batch" --device cuda --no-triton > "$OUT/concurrency.log" 2>&1
+  echo "concurrency rc=$?"; tail -18 "$OUT/concurrency.log"
 fi
 if has long; then
   python3 benchmarks/kimi_rank_int4.py "$OUT" --synthetic-context --contexts 32768,131072 \

@@ -73,13 +73,15 @@ def test_kimi_rank_int4_smoke(tmp_path, synthetic):
     every generation equal to the autoregressive one, the memory block written; with --synthetic-context, the
     context is 30 random cached rows and a 10-token prompt."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    extra = ["--synthetic-context", "--prompt", "10"] if synthetic else ["--auto-budget"]
+    extra = ["--synthetic-context", "--prompt", "10"] if synthetic else ["--auto-budget", "--batches", "2"]
     done = subprocess.run([sys.executable, "benchmarks/kimi_rank_int4.py", str(tmp_path), "--smoke", "--repeats", "1",
                            "--contexts", "40", *extra], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "kimi_rank_int4.json").read_text())
-    assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == (9 if synthetic else 13)
+    assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == (9 if synthetic else 18)
+    batched = [r for r in result["rows"] if r.get("batch")]  # --batches 2: two copies of the request per step
+    assert len(batched) == (0 if synthetic else 5) and all("batched: up to 2" in r["mode_printed"] for r in batched)
     for r in result["rows"]:
         assert "INT4 experts" in r["ranks"] and r["tokens_equal_to_autoregressive"] == r["tokens"] == 16, r
         assert r["synthetic_rows"] == (30 if synthetic else 0)

@@ -25,6 +25,7 @@ import torch
 
 from runner.device.loop import DeviceLoop, first_token
 from runner.kv_cache import SequenceCache
+from runner.probes import Probes
 from runner.sessions.cuda_graphs import capture_graph, warm_up
 from runner.speculate import GenerationResult, PhaseTimer, _emit
 
@@ -42,10 +43,13 @@ class BatchLoop:
 
     def __init__(self, worker, spec, slots: int, use_graph: bool, autoregressive: bool = False):
         main = worker.cache
+        # benchmarks' oracle (`runner/probes.py`), as the rank's own loop has it: every slot follows the continuation
+        self.oracle = worker.loop.oracle if worker.loop is not None else None
+        probes = Probes(oracle=self.oracle)
         self.loops = []
         for _ in range(slots):
             cache = SequenceCache(main.latent.shape, main.draft.shape, main.latent.dtype, main.latent.device)
-            self.loops.append(DeviceLoop(_Slot(worker, cache), spec, use_graph, autoregressive))
+            self.loops.append(DeviceLoop(_Slot(worker, cache), spec, use_graph, autoregressive, probes))
         lead = self.loops[0]
         self.target, self.drafter, self.autoregressive, self.rows = lead.target, lead.drafter, autoregressive, lead.rows
         self.block = spec.block_size
@@ -86,8 +90,12 @@ class BatchLoop:
             return self._decode(loops)
         self._draft(loops)
         for loop in loops:
+            if self.oracle is not None:
+                loop._oracle_draft()
             loop._tree()
         self._verify(loops)
+        for loop in loops if self.oracle is not None else ():
+            loop._oracle_choices()
         for loop in loops:
             loop._accept()
 
