@@ -234,3 +234,65 @@ def test_serve_batches_requests_in_flight(demo_ckpt, demo_engine):
         if e["event"] == "tokens":
             streamed.setdefault(e["id"], []).extend(e["output_ids"])
     assert all(streamed[name] == finals[name]["output_ids"] for name in "abcg")
+
+
+def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, demo_engine):
+    """`{"cancel": id}` while its request is in the batch (after its first tokens): it ends with "cancelled" and
+    the tokens it streamed; the request beside it finishes, and a request sent after the cancellation is served
+    (both slots were busy until then)."""
+    import json
+    import os
+    import threading
+    import time
+
+    from engines.engine_dir import load_engine_dir
+    from runner.factory import CheckpointWeights, RankOptions, local_ranks
+    from runner.generator import Generator
+    from runner.serving.serve import serve
+    from runner.tokenizer import load_tokenizer
+
+    engine = load_engine_dir(demo_engine(2))
+    tokenizer = load_tokenizer(engine.tokenizer_dir, 512)
+    options = RankOptions(device="cpu", device_loop=True, max_batch_size=2)
+    build = BuildConfig(**ENGINE_LIMITS)
+    generator = Generator(local_ranks(CheckpointWeights(demo_ckpt(1)), options, engine.spec, build))
+
+    class Events:  # serve's output, readable while it runs
+        def __init__(self):
+            self.lines, self.lock = [], threading.Lock()
+
+        def write(self, text):
+            with self.lock:
+                self.lines += [json.loads(line) for line in text.splitlines() if line]
+
+        def flush(self):
+            pass
+
+        def seen(self, request_id, kind):
+            with self.lock:
+                return any(e.get("id") == request_id and e["event"] == kind for e in self.lines)
+
+    read, write = os.pipe()
+    inp, feed, out = os.fdopen(read), os.fdopen(write, "w"), Events()
+    server = threading.Thread(target=serve, args=(generator, tokenizer, engine, engine.spec, "torch"),
+                              kwargs={"inp": inp, "out": out})  # fmt: skip
+    server.start()
+    send = lambda r: (feed.write(json.dumps(r) + "\n"), feed.flush())  # noqa: E731
+    send({"id": "long", "text_input": "Hello world", "max_tokens": 300, "end_id": -1})
+    send({"id": "short", "text_input": "The quick brown fox", "max_tokens": 40, "end_id": -1})
+    deadline = time.monotonic() + 60
+    while not out.seen("long", "tokens") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    send({"cancel": "long"})
+    send({"id": "after", "text_input": "Numbers", "max_tokens": 10})
+    while not (out.seen("after", "done") and out.seen("short", "done")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    feed.close()
+    server.join(60)
+    generator.ranks.close()
+    finals = {e["id"]: e for e in out.lines if e.get("event") in ("done", "cancelled", "error")}
+    streamed = [t for e in out.lines if e.get("id") == "long" and e["event"] == "tokens" for t in e["output_ids"]]
+    assert finals["long"]["event"] == "cancelled" and finals["long"]["output_ids"] == streamed
+    assert 0 < len(streamed) < 300
+    assert finals["short"]["event"] == "done" and len(finals["short"]["output_ids"]) == 40
+    assert finals["after"]["event"] == "done" and len(finals["after"]["output_ids"]) == 10
