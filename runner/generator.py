@@ -110,11 +110,13 @@ class Generator:
 
     def batcher(self):
         """In-flight batching over the ranks' slots (`RankOptions.max_batch_size`): a `Batcher` to `admit` into."""
-        from runner.device.batch import Batcher
+        from runner.device.batch import BatchBudgetPolicy, Batcher
 
         if self.batch_slots < 2:
             raise ValueError("batched steps need ranks built with max_batch_size > 1 (--max_batch_size)")
-        return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy)
+        several = len(self.device_budgets) > 1  # `auto` requests share one budget a step, chosen for the batch
+        batch_policy = BatchBudgetPolicy(self.device_budgets) if several else None
+        return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy, batch_policy)
 
     def admit(self, batcher, prompt: list[int], max_new_tokens: int, params: SamplingParams = GREEDY,
               end_ids: set[int] = frozenset(), on_tokens=None, stop_sequences=(), budget=None, tag=None):  # fmt: skip

@@ -171,13 +171,14 @@ class RankWorker:
     def batch_load(self, slot: int, bonus: int, prompt_length: int, params=None, budget=None) -> None:
         self.batch.loops[slot].load(bonus, prompt_length, params, budget)
 
-    def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None):
+    def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None, budget=None):
         """One step of slots [0, count) (`idle` ones reset first); choices: the budget policy's inputs of the slots
-        whose requests chose `auto`. Returns (each slot's tokens, each several-budget slot's statistics)."""
+        whose requests chose `auto`; budget: one tree budget for every slot (`BatchBudgetPolicy`). Returns (each
+        slot's tokens, each several-budget slot's statistics)."""
         loops = self.batch.loops
         for slot, (costs, calibration) in (choices or {}).items():
             loops[slot].choice_inputs[:-1].copy_(torch.tensor([*costs, *calibration], dtype=torch.float64))
-        emitted = self.batch.step(count, idle)
+        emitted = self.batch.step(count, idle, budget)
         return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}
 
     def device_prefill_context(self) -> None:

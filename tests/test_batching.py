@@ -296,3 +296,61 @@ def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, d
     assert 0 < len(streamed) < 300
     assert finals["short"]["event"] == "done" and len(finals["short"]["output_ids"]) == 40
     assert finals["after"]["event"] == "done" and len(finals["after"]["output_ids"]) == 10
+
+
+def test_the_batch_budget_policy_explores_times_then_takes_the_best_rate():
+    """`BatchBudgetPolicy`: the largest budget until its steps informed every budget's acceptance, each (slots,
+    budget) once to time it, then the most tokens a second; every 8th step the largest again; as a batch's wide
+    steps get dearer the choice moves to a narrower budget."""
+    from runner.device.batch import BatchBudgetPolicy
+
+    policy = BatchBudgetPolicy((8, 32, 16))
+    stats = [{"accepted": {8: 2, 16: 3, 32: 3}}] * 2  # two busy slots: budget 16 accepts what 32 does
+    assert policy.choose(2, 2) == 32
+    policy.record(2, 32, 1.0, stats)
+    assert policy.informed == 2 and policy.expected(8) == 3.0 and policy.expected(32) == 4.0
+    assert policy.choose(2, 2) == 32  # still fewer than 4 slot-steps informed
+    policy.record(2, 32, 1.0, stats)
+    assert policy.choose(2, 2) == 8  # each (slots, budget) pair is timed once
+    policy.record(2, 8, 0.5, [])
+    assert policy.choose(2, 2) == 16
+    policy.record(2, 16, 0.9, [])
+    # 2 x 3 tokens / 0.5 s = 12 beats 2 x 4 / 0.9 = 8.9 and 2 x 4 / 1.0 = 8
+    assert policy.choose(2, 2) == 8
+    policy.record(2, 8, 0.95, [])
+    policy.record(2, 8, 0.95, [])  # budget 8 now 0.95 s (median): 6.3 a second; budget 16 gives 8.9
+    assert [policy.choose(2, 2) for _ in range(2)] == [16, 16]
+    assert policy.choose(2, 2) == 32  # the 8th step: the largest again
+    assert policy.chosen[(2, 32)] == 3 and policy.steps == 8
+
+
+def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
+    """Every request `auto` on an engine with budgets 4, 8 and 32: each step has one budget for the batch (its tree
+    on that budget's rows); with the oracle drafter a step at budget 4 accepts 4 drafted tokens and the bonus, at 8
+    or 32 the whole block; the tokens are the autoregressive ones."""
+    from runner.generator import Generator
+    from runner.probes import Probes
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    spec = SpecConfig(8, 32, extra_budgets=(4, 8))
+    reference = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS))
+    expected = generate_autoregressive(reference, PROMPTS[0], 96, Sampler(SamplingParams())).tokens
+    reference.close()
+    probes = Probes(oracle=torch.tensor(expected))
+    ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3,
+                      probes=probes)  # fmt: skip
+    generator = Generator(ranks)
+    generator.policy = object()  # `auto`'s single-request costs are not needed: the batch chooses
+    batcher = generator.batcher()
+    members = [generator.admit(batcher, PROMPTS[0], 96, budget="auto", tag=i) for i in range(3)]
+    while batcher.members:
+        batcher.step()
+    ranks.close()
+    for member in members:
+        result = member.result
+        assert result.tokens == expected
+        assert set(result.budgets) == {4, 8, 32}  # explored, timed, then chosen
+        for budget, accepted in zip(result.budgets[:-1], result.accept_lengths[:-1]):
+            assert accepted == (5 if budget == 4 else 8), (budget, accepted)
+    assert batcher.batch_policy.informed >= 6

@@ -17,8 +17,9 @@ steps, emits tokens to each request's callback and reports finished requests.
 from __future__ import annotations
 
 import gc
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -66,25 +67,33 @@ class BatchLoop:
             state.fill_(0)
         loop.cache.reset()
 
-    def step(self, count: int, idle: tuple[int, ...] = ()) -> list[list[int]]:
-        """One step of slots [0, count); returns each slot's emitted tokens (an idle slot's are to be dropped)."""
+    def step(self, count: int, idle: tuple[int, ...] = (), budget: int | None = None) -> list[list[int]]:
+        """One step of slots [0, count); returns each slot's emitted tokens (an idle slot's are to be dropped).
+        budget: one tree budget for every slot this step (`BatchBudgetPolicy`: the verify then has that budget's
+        rows for each request; at the largest budget each slot's statistics tell every smaller budget); None: each
+        slot's own (its request's budget, or `auto` chosen in the slot from its tree)."""
         for slot in idle:
             self.release(slot)
         loops = self.loops[:count]
+        for loop in loops if loops[0].auto else ():
+            largest = len(loop.budgets) - 1
+            loop.choice_inputs[-1:].fill_(largest if budget is not None else loop.request_index)
         if not self.use_graph:
-            self._run(count)
+            self._run(count, budget)
         else:
-            key = (count, tuple((loop.sampled, loop.filter) for loop in loops))
+            key = (count, tuple((loop.sampled, loop.filter) for loop in loops), budget)
             if key not in self.graphs:
-                self.graphs[key] = self._capture(count)
+                self.graphs[key] = self._capture(count, budget)
             self.graphs[key].replay()
         emitted = torch.stack([loop.emitted for loop in loops]).tolist()  # the one device -> host copy of a step
         for loop in loops:
-            if loop.auto:
+            if loop.auto and not loop.narrow:
                 loop.last_stats = loop.read_stats(loop.stats.tolist())
+            elif loop.auto:
+                loop.last_stats = None
         return [values[: values[-1]] for values in emitted]
 
-    def _run(self, count: int) -> None:
+    def _run(self, count: int, budget: int | None = None) -> None:
         loops = self.loops[:count]
         if self.autoregressive:
             return self._decode(loops)
@@ -92,8 +101,8 @@ class BatchLoop:
         for loop in loops:
             if self.oracle is not None:
                 loop._oracle_draft()
-            loop._tree()
-        self._verify(loops)
+            loop._tree(budget)
+        self._verify(loops, per_slot=budget is None)
         for loop in loops if self.oracle is not None else ():
             loop._oracle_choices()
         for loop in loops:
@@ -116,22 +125,25 @@ class BatchLoop:
             loop.num_drafted += loop.context_count
             loop.draft_logits = logits[b * (block - 1) : (b + 1) * (block - 1)]
 
-    def _verify(self, loops) -> None:
-        """Every slot's tree in one target forward, each over its own cache; each slot's choices from its rows."""
-        rows = self.rows
+    def _verify(self, loops, per_slot: bool = True) -> None:
+        """Every slot's tree in one target forward, each over its own cache; each slot's choices from its rows.
+        per_slot: each slot's own budget (the nodes outside it add no expert); else one budget for all, every row
+        verified."""
+        rows = loops[0].tree[0].shape[0]
         trees = [loop.tree for loop in loops]
         tokens = torch.cat([tree[0] for tree in trees])
         positions = torch.cat([loop.num_cached + tree[2] for loop, tree in zip(loops, trees)])
         masks = torch.stack([tree[3] for tree in trees])
         lengths = torch.cat([loop.num_cached for loop in loops])
         caches = tuple(loop.cache.latent for loop in loops)
-        for router in self.routers:  # several budgets: each slot's nodes outside its step's budget add no expert
+        routers = self.routers if per_slot else []
+        for router in routers:  # several budgets: each slot's nodes outside its step's budget add no expert
             router.row_active = torch.cat([loop.active for loop in loops])
         try:
             logits, new_kv, taps = self.target(tokens, positions, masks, caches, lengths,
                                                self.logit_rows[: len(loops) * rows])  # fmt: skip
         finally:
-            for router in self.routers:
+            for router in routers:
                 router.row_active = None
         for b, loop in enumerate(loops):
             loop.new_kv, loop.taps = new_kv[:, b * rows : (b + 1) * rows], taps[b * rows : (b + 1) * rows]
@@ -153,20 +165,72 @@ class BatchLoop:
             loop.emitted[-1:].copy_(loop.decode_mask.reshape(1))
             loop.bonus.copy_(token)
 
-    def _capture(self, count: int):
+    def _capture(self, count: int, budget: int | None = None):
         state = [t for loop in self.loops[:count] for t in (loop.num_cached, loop.num_drafted, loop.context_count,
                                                             loop.bonus, loop.context, loop.draws)]  # fmt: skip
         saved = [t.clone() for t in state]
-        warm_up(lambda: self._run(count), self.device)
+        warm_up(lambda: self._run(count, budget), self.device)
         for tensor, before in zip(state, saved):
             tensor.copy_(before)  # the warm-up must not count as a step
         gc.collect()  # nothing holding CUDA resources may be freed while the stream captures
-        return capture_graph(lambda: self._run(count), self.device, warmups=0)[0]
+        return capture_graph(lambda: self._run(count, budget), self.device, warmups=0)[0]
 
     def close(self) -> None:
         for loop in self.loops:
             loop.close()
         self.graphs = {}
+
+
+EXPLORE_EVERY = 8  # batch-wide budgets: every 8th step verifies the largest budget, which informs every smaller one
+MIN_INFORMED = 4  # slot-steps at the largest budget before the acceptance estimates are used
+COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 times
+
+
+class BatchBudgetPolicy:
+    """One tree budget for every request of a batched step, chosen on the host before the step (no device round
+    trip): the budget with the most expected tokens a second for the batch, busy slots x (1 + drafted tokens a
+    request accepts at that budget) over the measured time of a step of that many slots at that budget.
+
+    Acceptance: a step at the largest budget verifies every node, and each slot's statistics say how many drafted
+    tokens each smaller budget would have accepted (its b best nodes: what that budget's tree is); the estimate at b
+    is their mean over those slot-steps. Steps at a smaller budget inform nothing larger, so every `EXPLORE_EVERY`-th
+    step takes the largest budget again. Costs: a (slots, budget) pair not timed yet is taken once to time it (on
+    GPUs that first step includes its graph's capture, unless warm-up made it), then the median of its last
+    `COST_WINDOW` step times. As the batch grows the wide verify's rows cost more and more, and the choice moves to
+    narrower trees where their tokens a second win."""
+
+    def __init__(self, budgets: tuple[int, ...]):
+        self.budgets = tuple(sorted(budgets))
+        self.accepted = dict.fromkeys(self.budgets, 0.0)  # drafted tokens accepted at b, summed over slot-steps
+        self.informed = 0  # slot-steps at the largest budget
+        self.times: dict[tuple[int, int], deque] = {}
+        self.steps = 0
+        self.chosen: Counter = Counter()  # (slots stepped, budget) -> steps
+
+    def expected(self, budget: int) -> float:
+        """Tokens a request emits a step at `budget` (the bonus and the drafted tokens accepted)."""
+        return 1.0 + self.accepted[budget] / max(self.informed, 1)
+
+    def choose(self, busy: int, count: int) -> int:
+        self.steps += 1
+        largest = self.budgets[-1]
+        if self.informed < MIN_INFORMED or self.steps % EXPLORE_EVERY == 0:
+            best = largest
+        else:
+            untimed = [b for b in self.budgets if (count, b) not in self.times]
+            rate = lambda b: busy * self.expected(b) / statistics.median(self.times[(count, b)])  # noqa: E731
+            best = untimed[0] if untimed else max(self.budgets, key=lambda b: (rate(b), -b))
+        self.chosen[(count, best)] += 1
+        return best
+
+    def record(self, count: int, budget: int, seconds: float, stats: list[dict]) -> None:
+        """A step of `count` slots at `budget`: its time, and at the largest budget each busy slot's statistics."""
+        self.times.setdefault((count, budget), deque(maxlen=COST_WINDOW)).append(seconds)
+        if budget == self.budgets[-1]:
+            for slot in stats:
+                self.informed += 1
+                for b in self.budgets:
+                    self.accepted[b] += slot["accepted"][b]
 
 
 @dataclass
@@ -192,8 +256,9 @@ class Batcher:
     the ones that finished. policy: `auto` requests' `BudgetPolicy` (shared: costs are per budget, not per
     request)."""
 
-    def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None):
+    def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None, batch_policy=None):
         self.ranks, self.slots, self.autoregressive, self.policy = ranks, slots, autoregressive, policy
+        self.batch_policy = batch_policy  # `BatchBudgetPolicy`: one budget a step while every request is `auto`
         self.members: dict[int, Member] = {}
         self.batch_sizes: Counter = Counter()  # requests a step served -> steps
 
@@ -228,19 +293,24 @@ class Batcher:
         count = max(self.members) + 1
         self.batch_sizes[len(self.members)] += 1
         idle = tuple(s for s in range(count) if s not in self.members)
-        choices = {
-            s: self.policy.device_inputs() for s, m in self.members.items() if m.budget == "auto" and self.policy
-        }
+        batch_wide = self.batch_policy is not None and all(m.budget == "auto" for m in self.members.values())
+        budget = self.batch_policy.choose(len(self.members), count) if batch_wide else None
+        auto = [s for s, m in self.members.items() if m.budget == "auto" and self.policy is not None]
+        choices = {} if batch_wide else {s: self.policy.device_inputs() for s in auto}
         started = time.perf_counter()
-        emitted, stats = self.ranks.call("batch_step", count, idle, choices)
+        emitted, stats = self.ranks.call("batch_step", count, idle, choices, budget)
         seconds = time.perf_counter() - started
+        if batch_wide:
+            self.batch_policy.record(count, budget, seconds, [stats[s] for s in self.members if stats.get(s)])
         done = []
         for slot, member in list(self.members.items()):
             tokens = emitted[slot]
             member.result.target_forwards += 1
             member.result.accept_lengths.append(len(tokens))
             member.timer.seconds["device_step"] += seconds
-            if stats.get(slot):
+            if batch_wide:
+                member.result.budgets.append(budget)
+            elif stats.get(slot):
                 member.result.budgets.append(stats[slot]["budget"])
                 if member.budget == "auto" and self.policy is not None:
                     s = stats[slot]

@@ -81,6 +81,7 @@ class DeviceLoop:
         self.draws = torch.zeros(1, **long)
         # the mode of the request loaded: greedy, and sampled with each filter kind, are graphs of their own
         self.sampled, self.filter = False, "none"
+        self.narrow = False  # this step's tree is a batch's narrower budget (`_tree`)
         # the phases, in groups: one graph a step holds them all; probes.split_phases captures a graph per group
         groups = [[self._decode]] if autoregressive else [[self._draft], [self._tree], [self._verify], [self._accept]]
         probes = probes or Probes()
@@ -108,6 +109,7 @@ class DeviceLoop:
         self.budget_values = torch.tensor(self.budgets, dtype=torch.long, device=device)
         self.choice_inputs = torch.ones(2 * count + 1, dtype=torch.float64, device=device)
         self.choice_inputs[-1] = count - 1
+        self.request_index = count - 1  # the loaded request's budget index (`load`; -1: auto)
         self.stats = torch.zeros(1 + 2 * count, dtype=torch.float64, device=device)
         self.active = torch.ones(self.rows, dtype=torch.bool, device=device)
         self.inputs_host = [torch.zeros(2 * count, dtype=torch.float64, pin_memory=pinned) for _ in range(SLOTS)]
@@ -159,7 +161,8 @@ class DeviceLoop:
                 self.sampling[name].copy_(value)
             self.draws.fill_(1)
         if self.auto:
-            self.choice_inputs[-1:].fill_(self.budget_index(budget))
+            self.request_index = self.budget_index(budget)  # the choice's index for this request (-1: auto)
+            self.choice_inputs[-1:].fill_(self.request_index)
         elif budget not in (None, "auto", self.spec.budget):
             raise ValueError(f"this device loop verifies tree budget {self.spec.budget} only, not {budget}")
 
@@ -176,8 +179,16 @@ class DeviceLoop:
         self.num_drafted += self.context_count
         self.draft_logits = draft_logits
 
-    def _tree(self) -> None:
-        """Tree: best-first under the budget (several budgets: the largest one's tree, then the step's budget)."""
+    def _tree(self, budget: int | None = None) -> None:
+        """Tree: best-first under the budget (several budgets: the largest one's tree, then the step's budget).
+        budget: a batched step's budget for every request (`runner/device/batch.py`): this tree is built at it, on
+        its own rows; at the largest budget every node is verified and the statistics tell each smaller one."""
+        self.narrow = budget is not None and budget != self.tree_spec.budget
+        if self.narrow:
+            step = self.spec.with_budget(budget)
+            values, indices = self.top_logprobs(self.draft_logits, step.tree_width(self.target.config.vocab_size))
+            self.tree = self.build_tree(values, indices, budget, self.bonus, step.verify_tokens)
+            return
         values, indices = self.top_logprobs(self.draft_logits, self.width)
         self.tree = self.build_tree(values, indices, self.tree_spec.budget, self.bonus, self.rows)
         if self.auto:
@@ -226,7 +237,7 @@ class DeviceLoop:
         self.emitted[: depth + 1].copy_(emitted)
         self.emitted[depth + 1 :].copy_(length)
         self.bonus.copy_(next_bonus)
-        if self.auto:
+        if self.auto and not self.narrow:
             self.stats[1 + len(self.budgets) :].copy_(accepted_at(self.rank, path, length, self.budget_values))
 
     def _decode(self) -> None:
