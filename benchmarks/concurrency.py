@@ -6,9 +6,10 @@
 The trained pair (`trained/`: a small Kimi K2.x-architecture target and its DFlash drafter, real acceptance) is built
 into a TP-1 engine directory (torch backend) and run by what users launch:
 1. The CLI (`mpirun -np 1 python -m runner --backend torch --loop device`): N prompts in one job, one at a time
-   (`--max_batch_size 1`) and in-flight batched (`--max_batch_size N`), DDTree 32, DDTree 8 and autoregressive; the
-   rate is every request's tokens over the job's generation time; the batched tokens must equal the one-at-a-time
-   ones.
+   (`--max_batch_size 1`) and in-flight batched (`--max_batch_size N`), DDTree 32, DDTree 8, DDTree auto (budgets
+   8, 16 and 32; batched: one budget a step for the batch, `BatchBudgetPolicy`) and autoregressive; the rate is every
+   request's tokens over the job's generation time; the batched tokens must equal the one-at-a-time ones, and the
+   budgets the steps took are recorded.
 2. Triton: one tritonserver with four models of the same engine (DDTree and autoregressive, each one at a time and
    batched up to the largest level); N clients, each sending two requests in turn (`max_tokens` tokens, no end
    token); aggregate tokens/s over the wall time, and per-request latency (median and worst).
@@ -35,7 +36,12 @@ from benchmarks.common import environment  # noqa: E402
 
 TRAINED = ROOT / "trained"
 MODELS = {"ddtree": (False, False), "ddtree-batched": (False, True), "ar": (True, False), "ar-batched": (True, True)}
-CLI_MODES = {"DDTree 32": [], "DDTree 8": ["--ddtree_budget", "8"], "autoregressive": ["--autoregressive"]}
+CLI_MODES = {
+    "DDTree 32": ["--ddtree_budget", "32"],
+    "DDTree 8": ["--ddtree_budget", "8"],
+    "DDTree auto (8/16/32)": ["--ddtree_budget", "auto"],
+    "autoregressive": ["--autoregressive"],
+}
 
 
 def build_engine(out: Path, smoke: bool) -> Path:
@@ -51,7 +57,7 @@ def build_engine(out: Path, smoke: bool) -> Path:
     engine = out / "engine"
     args = ["--model_dir", str(target), "--draft_model_dir", str(drafter), "--output_dir", str(engine),
             "--max_input_len", "128", "--max_seq_len", "512", "--dtype", "float32", "--no_onnx", "--force",
-            "--extra_budgets", "8"]  # fmt: skip
+            "--extra_budgets", "8,16"]  # fmt: skip
     if build_main(args) != 0:
         raise RuntimeError("build-engine failed")
     return engine
@@ -65,7 +71,8 @@ def prompts(count: int, smoke: bool) -> list[str]:
 
 
 def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, mode: str, device: str) -> dict:
-    path = out / f"cli-{mode.replace(' ', '')}-{len(texts)}-{batch}.json"
+    slug = "".join(c for c in mode if c.isalnum())
+    path = out / f"cli-{slug}-{len(texts)}-{batch}.json"
     args = [sys.executable, "-m", "runner", "--engine_dir", str(engine), "--backend", "torch", "--loop", "device",
             "--max_batch_size", str(batch), "--max_output_len", str(tokens), "--end_id", "-1",
             "--output_json", str(path)]  # fmt: skip
@@ -86,7 +93,15 @@ def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, 
     seconds = result["batch"]["seconds"] if result["batch"] else sum(r["elapsed"] for r in rows)
     return {"requests": len(texts), "max_batch_size": batch, "cli_mode": mode, "tokens": total,
             "seconds": seconds, "tokens_per_s": total / seconds, "outputs": [r["output_ids"] for r in rows],
-            "latency_s": [r["elapsed"] for r in rows], "mode": rows[0]["mode"]}  # fmt: skip
+            "latency_s": [r["elapsed"] for r in rows], "mode": rows[0]["mode"],
+            "budgets_chosen": _histogram(b for r in rows for b in r["budgets"])}  # fmt: skip
+
+
+def _histogram(values) -> dict:
+    counts: dict = {}
+    for value in values:
+        counts[str(value)] = counts.get(str(value), 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
 def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: bool) -> list[dict]:

@@ -184,9 +184,11 @@ def test_concurrency_benchmark_smoke(tmp_path):
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "concurrency.json").read_text())
-    assert len(result["cli"]) == 9 and all(r["tokens"] == 8 * r["requests"] for r in result["cli"])
+    assert len(result["cli"]) == 12 and all(r["tokens"] == 8 * r["requests"] for r in result["cli"])
     batched = [r for r in result["cli"] if r["max_batch_size"] > 1]
-    assert len(batched) == 3 and all(r["equal_to_one_at_a_time"] for r in batched)
+    assert len(batched) == 4 and all(r["equal_to_one_at_a_time"] for r in batched)
+    auto = [r for r in batched if r["cli_mode"].startswith("DDTree auto")]
+    assert auto and set(auto[0]["budgets_chosen"]) <= {"8", "16", "32"} and auto[0]["budgets_chosen"]
     assert all("batched: up to 2 requests a step" in r["mode"] for r in batched)
     assert {(r["model"], r["clients"]) for r in result["triton"]} == {
         (m, c) for m in ("ddtree", "ddtree-batched", "ar", "ar-batched") for c in (1, 2)
