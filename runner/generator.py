@@ -195,5 +195,6 @@ class Generator:
                 # another whatever the acceptance
                 most = max(1, self.capacity - len(prompt) - 2 * block - 1)
                 lengths = [min(most, 1 + (i + 1) * (self.spec.draft_depth + 1)) for i in range(self.batch_slots)]
-                self.generate_many([prompt] * self.batch_slots, lengths, [params] * self.batch_slots)
+                for budget in (None, "auto") if len(self.device_budgets) > 1 else (None,):  # "auto": a budget a step
+                    self.generate_many([prompt] * self.batch_slots, lengths, [params] * self.batch_slots, budget=budget)
         return time.perf_counter() - start
