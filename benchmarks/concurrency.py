@@ -13,6 +13,8 @@ into a TP-1 engine directory (torch backend) and run by what users launch:
 2. Triton: one tritonserver with four models of the same engine (DDTree and autoregressive, each one at a time and
    batched up to the largest level); N clients, each sending two requests in turn (`max_tokens` tokens, no end
    token); aggregate tokens/s over the wall time, and per-request latency (median and worst).
+3. In process, a DDTree 32 batched step's phases (draft, tree, verify, accept; the median of 10 steps, eager: on a
+   CPU) at 1 and 8 requests: where a batch's time goes (`--phases-only` runs just this).
 Writes OUT_DIR/concurrency.json; prints markdown tables.
 """
 
@@ -165,6 +167,48 @@ def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per
             "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies)}  # fmt: skip
 
 
+def phase_times(engine: Path, batches: tuple[int, ...] = (1, 8), steps: int = 10, smoke: bool = False) -> list[dict]:
+    """Milliseconds per phase of a DDTree 32 batched step (eager, timed around each phase), median of `steps`."""
+    import torch
+
+    from engines.engine_dir import load_engine_dir
+    from engines.spec import SpecConfig
+    from runner.factory import CheckpointWeights, RankOptions, local_ranks
+    from runner.generator import Generator
+    from runner.tokenizer import load_tokenizer
+
+    loaded = load_engine_dir(engine)
+    tokenizer = load_tokenizer(loaded.tokenizer_dir, 1 << 20)
+    rows = []
+    for batch in batches:
+        options = RankOptions(device="cpu", device_loop=True, max_batch_size=max(batch, 2))
+        ranks = local_ranks(CheckpointWeights(loaded.checkpoint_dir), options, SpecConfig(8, 32), loaded.build_config)
+        generator = Generator(ranks)
+        batcher = generator.batcher()
+        for i, text in enumerate(prompts(batch, smoke)):
+            generator.admit(batcher, tokenizer.encode(text), 4 * steps + 8, tag=i)
+        step = ranks.lead.batch
+        loops = step.loops[:batch]
+        phases = _phases(step, loops)
+        times = {name: [] for name in phases}
+        with torch.no_grad():
+            for _ in range(steps):
+                for name, phase in phases.items():
+                    started = time.perf_counter()
+                    phase()
+                    times[name].append((time.perf_counter() - started) * 1e3)
+        ranks.close()
+        rows.append({"requests": batch, **{name: statistics.median(t) for name, t in times.items()}})
+        print(f"phases, {batch} requests: " + ", ".join(f"{name} {rows[-1][name]:.1f} ms" for name in phases))
+    return rows
+
+
+def _phases(step, loops) -> dict:
+    """A batched step's phases (`runner/device/batch.py`), each callable alone."""
+    return {"draft": lambda: step._draft(loops), "tree": lambda: [x._tree() for x in loops],
+            "verify": lambda: step._verify(loops), "accept": lambda: [x._accept() for x in loops]}  # fmt: skip
+
+
 def free_port() -> int:
     import socket
 
@@ -180,6 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="tokens a request (default 64; smoke 8)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-triton", action="store_true", help="the CLI rows only")
+    parser.add_argument("--phases-only", action="store_true", help="only the in-process phase times (part 3)")
     parser.add_argument("--smoke", action="store_true", help="the tiny demo model, two levels: checks the script")
     args = parser.parse_args(argv)
     levels = [int(n) for n in (args.levels or ("1,2" if args.smoke else "1,2,4,8,16")).split(",")]
@@ -195,6 +240,10 @@ def main(argv=None) -> int:
         (out / "concurrency.json").write_text(json.dumps(info, indent=1) + "\n")
 
     engine = build_engine(out, args.smoke)
+    info["phases"] = phase_times(engine, smoke=args.smoke)
+    save()
+    if args.phases_only:
+        return 0
     for n in levels:
         texts = prompts(n, args.smoke)
         for mode in CLI_MODES:
