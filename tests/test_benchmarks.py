@@ -187,6 +187,7 @@ def test_concurrency_benchmark_smoke(tmp_path):
     assert len(result["cli"]) == 12 and all(r["tokens"] == 8 * r["requests"] for r in result["cli"])
     batched = [r for r in result["cli"] if r["max_batch_size"] > 1]
     assert len(batched) == 4 and all(r["equal_to_one_at_a_time"] for r in batched)
+    assert [r["requests"] for r in result["phases"]] == [1, 8] and all(r["verify"] > 0 for r in result["phases"])
     auto = [r for r in batched if r["cli_mode"].startswith("DDTree auto")]
     assert auto and set(auto[0]["budgets_chosen"]) <= {"8", "16", "32"} and auto[0]["budgets_chosen"]
     assert all("batched: up to 2 requests a step" in r["mode"] for r in batched)
