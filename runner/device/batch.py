@@ -86,11 +86,11 @@ class BatchLoop:
                 self.graphs[key] = self._capture(count, budget)
             self.graphs[key].replay()
         emitted = torch.stack([loop.emitted for loop in loops]).tolist()  # the one device -> host copy of a step
-        for loop in loops:
-            if loop.auto and not loop.narrow:
-                loop.last_stats = loop.read_stats(loop.stats.tolist())
-            elif loop.auto:
-                loop.last_stats = None
+        for loop in loops if loops[0].auto else ():
+            # the statistics of a step on the largest tree (or on each slot's own budget); none of a narrower
+            # batch-wide one (decided from `budget`: a replayed graph does not set the Python attributes)
+            informs = budget is None or budget == loop.tree_spec.budget
+            loop.last_stats = loop.read_stats(loop.stats.tolist()) if informs else None
         return [values[: values[-1]] for values in emitted]
 
     def _run(self, count: int, budget: int | None = None) -> None:
