@@ -114,6 +114,11 @@ def test_bad_requests_are_refused_before_any_output(demo_engine, tmp_path):
     assert "auto chooses among several tree budgets; this engine verifies only [32]" in done.stderr
     done, _ = run(2, demo_engine(2), tmp_path, "--ddtree_budget", "0")  # 0 was taken as "the engine's budget"
     assert done.returncode == 2 and "budget=0 must be >= 1 tree node" in done.stderr
+    done, _ = run(2, demo_engine(2), tmp_path, "--max_batch_size", "0")
+    assert done.returncode == 2 and "--max_batch_size must be >= 1, got 0" in done.stderr
+    done, _ = run(2, demo_engine(2), tmp_path, "--backend", "torch", "--loop", "device", "--max_batch_size", "2",
+                  "--streaming")  # fmt: skip
+    assert done.returncode == 2 and "--streaming prints one request at a time" in done.stderr
     for temperature in ("nan", "inf", "1e-40", "-1"):  # each crashed every rank inside the sampler
         done, _ = run(2, demo_engine(2), tmp_path, "--temperature", temperature)
         assert done.returncode == 2 and "temperature must be" in done.stderr, temperature
