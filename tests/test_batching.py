@@ -10,6 +10,7 @@ import torch
 from engines.spec import BuildConfig, SpecConfig
 from runner.device.tree import ancestor_mask
 from tests.conftest import ENGINE_LIMITS, cpu_ranks
+from tests.interpreter import run_interpreted
 
 
 def random_tree(rows: int, gen: torch.Generator):
@@ -354,3 +355,70 @@ def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
         for budget, accepted in zip(result.budgets[:-1], result.accept_lengths[:-1]):
             assert accepted == (5 if budget == 4 else 8), (budget, accepted)
     assert batcher.batch_policy.informed >= 6
+
+
+def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
+    """The GPU forms inside a batched forward (the Triton TreeAttention kernel in the GPU MLA form, the drafter
+    attention kernel), under the Triton interpreter: two requests' rows in one forward give each request's own
+    forward."""
+    script = f"""
+        import torch
+        from models.dflash import DraftAttention
+        from models.draft_attention_kernel import draft_attention_cuda
+        from models.mla import InPlaceAbsorbedMLA, per_request
+        from models.ops import ModelOps
+        from models.parallel import SingleRank
+        from models.presets import preset
+        from models.rope import Rotary
+        from models.loader import load_rank_models
+        from plugins.tree_attention.kernel import tree_attention_cuda
+        from plugins.tree_attention.reference import tree_attention
+        gen = torch.Generator().manual_seed(0)
+        target = preset("kimi-rank", smoke=True).target
+        mla = InPlaceAbsorbedMLA(target, 0, ModelOps(tree_attention_cuda, SingleRank()))
+        with torch.no_grad():
+            for p in mla.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5 + (1 if p.dim() == 1 else 0))
+        mla.prepare_weights()
+        rotary = Rotary(target.rope, target.qk_rope_head_dim)
+        rows, lengths = 5, [23, 9]
+        x = torch.randn(2 * rows, target.hidden_size, generator=gen)
+        positions = torch.cat([torch.arange(n, n + rows) for n in lengths])
+        cos, sin = rotary(positions, x.dtype)
+        caches = [torch.randn(40, target.latent_dim, generator=gen) for _ in lengths]
+        masks = torch.stack([torch.ones(rows, rows, dtype=torch.bool).tril()] * 2)
+        masks[1, -1, 1:-1] = False
+        worst = 0.0
+        with torch.no_grad():
+            got, got_kv = mla(x, cos, sin, masks, tuple(caches), torch.tensor(lengths))
+            for b in range(2):
+                s = slice(b * rows, (b + 1) * rows)
+                want, want_kv = mla(x[s], cos[s], sin[s], masks[b], caches[b], torch.tensor([lengths[b]]))
+                worst = max(worst, float((got[s] - want).norm() / want.norm()), float((got_kv[s] - want_kv).norm()))
+        _, _, drafter = load_rank_models({str(demo_ckpt(1))!r}, 0, ModelOps(tree_attention, SingleRank()))
+        def kernel_form(self, q, cache, k_new, v_new, key_bias, lengths):
+            out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new,
+                                       k_new.shape[0] - q.shape[0], lengths[1], self.scale, block_m=16,
+                                       block_n=16, num_warps=1, num_stages=1)
+            return self.unfold_heads(out, q.shape[0])
+        DraftAttention.attend_rows = kernel_form
+        d = drafter.layers[0].self_attn
+        cache = [torch.randn(len(drafter.layers), 2, 64, d.kv_heads, d.head_dim, generator=gen) for _ in range(2)]
+        context = torch.randn(16, drafter.fc.weight.shape[1], generator=gen)
+        block = torch.tensor([17] + [3] * 7 + [40] + [3] * 7)
+        positions = torch.cat([torch.arange(30, 38), torch.arange(10, 18)])
+        block_positions = torch.cat([torch.arange(33, 41), torch.arange(12, 20)])
+        with torch.no_grad():
+            logits, kv = drafter(context, positions, torch.tensor([3, 2]), block, block_positions, tuple(cache),
+                                 torch.tensor([30, 10]))
+            for b, (count, length) in enumerate(((3, 30), (2, 10))):
+                s = slice(8 * b, 8 * (b + 1))
+                want, want_kv = drafter(context[s], positions[s], torch.tensor([count]), block[s],
+                                        block_positions[s], cache[b], torch.tensor([length]))
+                worst = max(worst, float((logits[7 * b : 7 * (b + 1)] - want).norm() / want.norm()),
+                            float((kv[:, :, s] - want_kv).norm()))
+        print("worst", worst)
+        assert worst < 1e-5, worst
+    """
+    done = run_interpreted(script, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
