@@ -40,8 +40,10 @@ test: lint $(TRITON_STAMP)
 	DDTREE_TRITON_VENV=$(TRITON_VENV) $(PY) -m pytest -q -ra tests
 
 # Serve the demo engines with a real tritonserver on 127.0.0.1:8000 (HTTP) / 8001 (gRPC); Ctrl-C stops everything.
+# SERVE_ARGS: more triton_repo flags, e.g. "--backend torch --max_batch_size 8" (in-flight batching).
+SERVE_ARGS ?=
 serve: $(STAMP) $(TRITON_STAMP)
-	$(PY) -m runner.serving.triton_repo --engine_dir $(ENGINE) --output_dir out/triton/repo --force
+	$(PY) -m runner.serving.triton_repo --engine_dir $(ENGINE) --output_dir out/triton/repo --force $(SERVE_ARGS)
 	$(PY) -m runner.serving.triton_server --triton_venv $(TRITON_VENV) --model_repository out/triton/repo
 
 # The trained pair (trained/: a small Kimi K2.x-architecture target and its DFlash drafter, trained on Python's
