@@ -301,8 +301,8 @@ def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, d
 
 def test_the_batch_budget_policy_explores_times_then_takes_the_best_rate():
     """`BatchBudgetPolicy`: the largest budget until its steps informed every budget's acceptance, each (slots,
-    budget) once to time it, then the most tokens a second; every 8th step the largest again; as a batch's wide
-    steps get dearer the choice moves to a narrower budget."""
+    budget) once to time it, then the most tokens a second; every 8th step the largest again (every 32nd once 64
+    slot-steps informed it); as a batch's wide steps get dearer the choice moves to a narrower budget."""
     from runner.device.batch import BatchBudgetPolicy
 
     policy = BatchBudgetPolicy((8, 32, 16))
@@ -323,6 +323,9 @@ def test_the_batch_budget_policy_explores_times_then_takes_the_best_rate():
     assert [policy.choose(2, 2) for _ in range(2)] == [16, 16]
     assert policy.choose(2, 2) == 32  # the 8th step: the largest again
     assert policy.chosen[(2, 32)] == 3 and policy.steps == 8
+    policy.informed, policy.accepted = 64, {8: 128.0, 16: 192.0, 32: 192.0}  # settled: the same means
+    later = [policy.choose(2, 2) for _ in range(24)]  # steps 9 to 32: the largest only on the 32nd
+    assert 32 not in later[:-1] and later[-1] == 32
 
 
 def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):

@@ -181,7 +181,9 @@ class BatchLoop:
         self.graphs = {}
 
 
-EXPLORE_EVERY = 8  # batch-wide budgets: every 8th step verifies the largest budget, which informs every smaller one
+# batch-wide budgets: every 8th step verifies the largest budget (which informs every smaller one) until 64 slot-steps
+# have informed the estimates, then every 32nd: enough to follow a drift, at a quarter of the cost
+EXPLORE_EVERY, EXPLORE_EVERY_LATER, SETTLED = 8, 32, 64
 MIN_INFORMED = 4  # slot-steps at the largest budget before the acceptance estimates are used
 COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 times
 
@@ -194,10 +196,11 @@ class BatchBudgetPolicy:
     Acceptance: a step at the largest budget verifies every node, and each slot's statistics say how many drafted
     tokens each smaller budget would have accepted (its b best nodes: what that budget's tree is); the estimate at b
     is their mean over those slot-steps. Steps at a smaller budget inform nothing larger, so every `EXPLORE_EVERY`-th
-    step takes the largest budget again. Costs: a (slots, budget) pair not timed yet is taken once to time it (on
-    GPUs that first step includes its graph's capture, unless warm-up made it), then the median of its last
-    `COST_WINDOW` step times. As the batch grows the wide verify's rows cost more and more, and the choice moves to
-    narrower trees where their tokens a second win."""
+    step takes the largest budget again (every `EXPLORE_EVERY_LATER`-th once `SETTLED` slot-steps informed it).
+    Costs: a (slots, budget) pair not timed yet is taken once to time it (on GPUs that first step includes its
+    graph's capture, unless warm-up made it), then the median of its last `COST_WINDOW` step times. As the batch
+    grows the wide verify's rows cost more and more, and the choice moves to narrower trees where their tokens a
+    second win."""
 
     def __init__(self, budgets: tuple[int, ...]):
         self.budgets = tuple(sorted(budgets))
@@ -214,7 +217,8 @@ class BatchBudgetPolicy:
     def choose(self, busy: int, count: int) -> int:
         self.steps += 1
         largest = self.budgets[-1]
-        if self.informed < MIN_INFORMED or self.steps % EXPLORE_EVERY == 0:
+        period = EXPLORE_EVERY if self.informed < SETTLED else EXPLORE_EVERY_LATER
+        if self.informed < MIN_INFORMED or self.steps % period == 0:
             best = largest
         else:
             untimed = [b for b in self.budgets if (count, b) not in self.times]
