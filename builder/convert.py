@@ -124,18 +124,18 @@ def convert(
         log.info(
             "rank %d: target %s in %d file(s), drafter %s in %d file(s)",
             rank,
-            _human(totals.get(("target", rank), 0)),
+            human_size(totals.get(("target", rank), 0)),
             writer.files("target", rank),
-            _human(totals.get(("drafter", rank), 0)),
+            human_size(totals.get(("drafter", rank), 0)),
             writer.files("drafter", rank),
         )
     log.info(
         "converted %d ranks in %.2f s: read %s (%.2f GB/s), at most %s of converted tensors held at once",
         tp_size,
         seconds,
-        _human(total),
+        human_size(total),
         total / seconds / 1e9,
-        _human(writer.peak_buffered),
+        human_size(writer.peak_buffered),
     )
     return config
 
@@ -243,7 +243,8 @@ def _bytes(checkpoint, names: list[str]) -> int:
     return sum(checkpoint.nbytes(name) for name in names)
 
 
-def _human(size: float) -> str:
+def human_size(size: float) -> str:
+    """Bytes in decimal units (1.08 MB), as the conversion log and the runner's errors print them."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if size < 1000 or unit == "TB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"

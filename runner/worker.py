@@ -156,6 +156,8 @@ class RankWorker:
 
         if self.loop is None:
             raise RuntimeError("batched steps run on the device loop: enable it first")
+        if self.device.type == "cuda":  # every slot holds caches for the engine's whole sequence
+            check_slot_memory(slots, self.cache, torch.cuda.mem_get_info(self.device)[0], self.device)
         self.batch = BatchLoop(self, self.spec, slots, self.device.type == "cuda", self.loop.autoregressive)
 
     def batch_prefill(self, slot: int, prompt: list[int]) -> torch.Tensor:
@@ -197,3 +199,15 @@ class RankWorker:
         """Commits the accepted tree rows (root first) of the last verify."""
         self.cache.commit_target(self._pending["new_latent_kv"], self._pending["taps"], rows)
         self._pending = {}
+
+
+def check_slot_memory(slots: int, cache: SequenceCache, free_bytes: int, device) -> None:
+    """max_batch_size slots of caches (each as large as the engine's sequence) must fit in the device's free memory:
+    otherwise a clear error now, not an allocation failure while the ranks are built."""
+    from builder.convert import human_size
+
+    per_slot = sum(t.numel() * t.element_size() for t in (cache.latent, cache.draft))
+    if slots * per_slot > free_bytes:
+        raise ValueError(f"max_batch_size={slots}: {slots} slots of caches for {cache.capacity} tokens each need "
+                         f"{human_size(slots * per_slot)}; {human_size(free_bytes)} is free on {device} (lower "
+                         f"--max_batch_size, or build the engine with a smaller max_seq_len)")  # fmt: skip

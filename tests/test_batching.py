@@ -425,3 +425,14 @@ def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
     """
     done = run_interpreted(script, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_slots_that_do_not_fit_are_a_clear_error():
+    from runner.kv_cache import SequenceCache
+    from runner.worker import check_slot_memory
+
+    cache = SequenceCache((4, 1000, 64), (2, 2, 1000, 2, 16), torch.float32, "cpu")  # 1.024 + 0.512 MB a slot
+    check_slot_memory(8, cache, 13_000_000, "cuda:0")  # 12.3 MB fit in 13
+    with pytest.raises(ValueError, match=r"max_batch_size=16: 16 slots of caches for 1000 tokens each need 24.58 MB; "
+                       r"13.00 MB is free on cuda:0 \(lower --max_batch_size"):  # fmt: skip
+        check_slot_memory(16, cache, 13_000_000, "cuda:0")
