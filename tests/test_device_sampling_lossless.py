@@ -35,15 +35,15 @@ def warped_probs(hf_model, sequence: list[int], temperature: float, top_k: int) 
     return torch.softmax(TopKLogitsWarper(top_k)(None, TemperatureLogitsWarper(temperature)(None, logits)), -1)[0]
 
 
-def exact(hf_model, temperature: float, top_k: int):
+def exact(hf_model, temperature: float, top_k: int, prompt: list[int] = PROMPT):
     """p(t1, t2) and p(t3) of the target's own sampling."""
-    p1 = warped_probs(hf_model, PROMPT, temperature, top_k)
+    p1 = warped_probs(hf_model, prompt, temperature, top_k)
     joint, third = {}, torch.zeros_like(p1)
     for t1 in torch.nonzero(p1).flatten().tolist():
-        p2 = warped_probs(hf_model, PROMPT + [t1], temperature, top_k)
+        p2 = warped_probs(hf_model, prompt + [t1], temperature, top_k)
         for t2 in torch.nonzero(p2).flatten().tolist():
             joint[(t1, t2)] = float(p1[t1] * p2[t2])
-            third += p1[t1] * p2[t2] * warped_probs(hf_model, PROMPT + [t1, t2], temperature, top_k)
+            third += p1[t1] * p2[t2] * warped_probs(hf_model, prompt + [t1, t2], temperature, top_k)
     return joint, {t: float(p) for t, p in enumerate(third) if p > 0}
 
 
@@ -160,3 +160,33 @@ def test_a_seed_reproduces_its_tokens_and_seeds_differ(ranks):
     sampled = [generate_on_device(ranks, SPEC, PROMPT, 12, 512, params=SamplingParams(1.0, 0, 1.0, s)).tokens
                for s in (3, 3, 4)]  # fmt: skip
     assert sampled[0] == sampled[1] and sampled[0] != sampled[2]
+
+
+@pytest.mark.slow
+def test_sampled_requests_in_a_batch_are_lossless(demo_ckpt, hf_model, expected):
+    """Sampled requests sharing batched steps (four a step, two prompts in alternate slots, each request with its own
+    seed; `runner/device/batch.py`): each prompt's first three tokens follow the target's own sampling for that
+    prompt (chi-square at the same level), so no slot reads another's rows or draws."""
+    from runner.generator import Generator
+
+    other = [9, 400, 33, 77, 5]
+    laws = {tuple(PROMPT): expected, tuple(other): exact(hf_model, **PARAMS, prompt=other)}
+    engine = cpu_ranks(demo_ckpt(1), SPEC, BuildConfig(max_input_len=64, max_seq_len=512), device_loop=True,
+                       max_batch_size=4)  # fmt: skip
+    generator = Generator(engine)
+    counts = {prompt: ({}, {}) for prompt in laws}
+    try:
+        for start in range(0, 2 * RUNS, 4):
+            prompts = [PROMPT, other, PROMPT, other]
+            params = [SamplingParams(**PARAMS, seed=seed) for seed in range(start, start + 4)]
+            for prompt, result in zip(prompts, generator.generate_many(prompts, 3, params)):
+                joint, third = counts[tuple(prompt)]
+                t1, t2, t3 = result.tokens
+                joint[(t1, t2)] = joint.get((t1, t2), 0) + 1
+                third[t3] = third.get(t3, 0) + 1
+    finally:
+        engine.close()
+    for prompt, (joint, third) in counts.items():
+        assert p_value(joint, laws[prompt][0]) > LEVEL and p_value(third, laws[prompt][1]) > LEVEL, prompt
+    # power: the two prompts' laws differ, and each prompt's draws reject the other's
+    assert p_value(counts[tuple(PROMPT)][0], laws[tuple(other)][0]) < LEVEL
