@@ -10,6 +10,8 @@ data-dependent control flow, so the same code exports to ONNX and runs under CUD
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +56,19 @@ class Router(nn.Module):
             active = self.row_active[:, None]
             ids, weights = torch.where(active, ids, ids[:1]), torch.where(active, weights, 0.0)
         return ids, weights * self.scaling
+
+
+@contextmanager
+def active_rows(routers: list[Router], active: torch.Tensor | None):
+    """`Router.row_active` set on `routers` for one forward (the device loop's narrow steps), and cleared after it,
+    so the other forwards the same modules run (prefill, host-loop verifies, exports) route every row."""
+    for router in routers:
+        router.row_active = active
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.row_active = None
 
 
 class MoE(nn.Module):

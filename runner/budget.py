@@ -102,13 +102,13 @@ class BudgetPolicy:
             accepted = {b: sum(1 for node in path[1:] if node <= b) for b in self.budgets if b <= self.last}
         self._learn(accept_length, accepted, seconds)
 
-    def observe(self, budget: int, drafted: dict[int, float], accept_length: int, accepted: dict[int, int],
-                seconds: float | None = None) -> None:  # fmt: skip
-        """A device step, chosen on the device (`runner/device/budget.py`): its budget, its expected drafted tokens
-        at every budget, its accepted nodes (root included), the drafted nodes each budget would have accepted, and
-        where measured its time."""
-        self._taken(budget, drafted)
-        self._learn(accept_length, {b: n for b, n in accepted.items() if b <= budget}, seconds)
+    def observe(self, stats: dict, accept_length: int, seconds: float | None = None) -> None:
+        """A device step, chosen on the device (`runner/device/budget.py`): its statistics (`DeviceLoop.read_stats`:
+        its budget, its expected drafted tokens at every budget, the drafted nodes each budget would have
+        accepted), its accepted nodes (root included), and where measured its time."""
+        budget = stats["budget"]
+        self._taken(budget, stats["drafted"])
+        self._learn(accept_length, {b: n for b, n in stats["accepted"].items() if b <= budget}, seconds)
 
     def _learn(self, accept_length: int, accepted: dict[int, int] | None, seconds: float | None) -> None:
         self.observed += accept_length - 1

@@ -71,20 +71,27 @@ class Generator:
         prompt = self._warm_prompt()
         tokens = max(1, min(tokens, self.capacity - len(prompt) - 2 * self.spec.block_size - 1))
         costs = {}
+        on_device = self.device_budgets == budgets  # the device loop: the path `auto` requests take
         for budget in budgets:
             step_spec = self.spec.with_budget(budget)
             for _ in range(2):  # the second run is timed: the first pays for first calls
-                if self.device_budgets == budgets:  # on the device loop, the path `auto` requests take
+                if on_device:
                     result = generate_on_device(self.ranks, self.spec, prompt, tokens, self.capacity, budget=budget)
                 else:
                     result = generate(self.ranks, prompt, tokens, step_spec, Sampler(GREEDY))
             steps = max(1, len(result.accept_lengths))
-            if self.device_budgets == budgets:  # steps overlap: the time after the first token, a step
+            if on_device:  # steps overlap: the time after the first token, a step
                 costs[budget] = result.decode_seconds / steps
             else:
                 costs[budget] = sum(result.seconds.get(p, 0.0) for p in ("draft", "tree", "verify", "commit")) / steps
         self.policy = BudgetPolicy(budgets, costs, calibration)
         return costs
+
+    def auto_policy(self):
+        """`auto`'s `BudgetPolicy`, its costs measured at the first request that asks."""
+        if self.policy is None:
+            self.measure_budgets()
+        return self.policy
 
     def _warm_prompt(self) -> list[int]:
         block = self.spec.block_size
@@ -123,9 +130,8 @@ class Generator:
         """A request into the batch (one the device loop serves: `on_device`); `auto`'s costs are measured at the
         first request that asks, as for single requests."""
         chosen = self.step_budget(budget)
-        if chosen == "auto" and self.policy is None:
-            self.measure_budgets()
-        batcher.policy = self.policy
+        if chosen == "auto":
+            batcher.policy = self.auto_policy()
         return batcher.admit(prompt, max_new_tokens, params, end_ids, on_tokens, stop_sequences, chosen, tag)
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int], params: list[SamplingParams],
@@ -159,11 +165,8 @@ class Generator:
         """budget: this request's tree budget, one the engines verify, or "auto" (None: the job's default); the
         device loop runs the budget it was built for, any other on the host loop."""
         if self.on_device(params, banned, budget):
-            chosen, policy = self.step_budget(budget), None
-            if chosen == "auto":
-                if self.policy is None:  # measured once, at the first request that asks
-                    self.measure_budgets()
-                policy = self.policy
+            chosen = self.step_budget(budget)
+            policy = self.auto_policy() if chosen == "auto" else None
             return generate_on_device(self.ranks, self.spec, prompt, max_new_tokens, self.capacity, end_ids, on_tokens,
                                       self.autoregressive, stop_sequences, params, chosen, policy)  # fmt: skip
         sampler = Sampler(params, banned)
@@ -172,9 +175,7 @@ class Generator:
                                            stop_sequences)  # fmt: skip
         chosen, policy = self.step_budget(budget), None
         if chosen == "auto":
-            if self.policy is None:  # measured once, at the first request that asks
-                self.measure_budgets()
-            policy = self.policy
+            policy = self.auto_policy()
             chosen = max(policy.budgets)  # the tree is built at the largest; the policy takes its best prefix
         spec = self.spec if chosen == self.spec.budget else self.spec.with_budget(chosen)
         return generate(self.ranks, prompt, max_new_tokens, spec, sampler, end_ids, on_tokens, stop_sequences,

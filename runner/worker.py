@@ -178,8 +178,8 @@ class RankWorker:
         whose requests chose `auto`; budget: one tree budget for every slot (`BatchBudgetPolicy`). Returns (each
         slot's tokens, each several-budget slot's statistics)."""
         loops = self.batch.loops
-        for slot, (costs, calibration) in (choices or {}).items():
-            loops[slot].choice_inputs[:-1].copy_(torch.tensor([*costs, *calibration], dtype=torch.float64))
+        for slot, choice in (choices or {}).items():
+            loops[slot].set_choice(choice)
         emitted = self.batch.step(count, idle, budget)
         return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}
 

@@ -24,3 +24,18 @@ def run_interpreted(script: str, timeout: float = 300) -> subprocess.CompletedPr
     env = dict(os.environ, TRITON_INTERPRET="1")
     return subprocess.run([sys.executable, "-c", PATCH + textwrap.dedent(script)], capture_output=True, text=True,
                           env=env, timeout=timeout, cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+
+
+def use_small_draft_kernel() -> None:
+    """In an interpreted script: the drafter's attention through the Triton kernel, called as the GPU form calls it
+    (heads folded, kernel, unfolded) but with small tiles, which the interpreter runs quickly."""
+    from models.dflash import DraftAttention
+    from models.draft_attention_kernel import draft_attention_cuda
+
+    def kernel_form(self, q, cache, k_new, v_new, key_bias, lengths):
+        context = k_new.shape[0] - q.shape[0]
+        out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new, context, lengths[1], self.scale,
+                                   block_m=16, block_n=16, num_warps=1, num_stages=1)  # fmt: skip
+        return self.unfold_heads(out, q.shape[0])
+
+    DraftAttention.attend_rows = kernel_form

@@ -366,9 +366,7 @@ def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
     forward."""
     script = f"""
         import torch
-        from models.dflash import DraftAttention
-        from models.draft_attention_kernel import draft_attention_cuda
-        from models.mla import InPlaceAbsorbedMLA, per_request
+        from models.mla import InPlaceAbsorbedMLA
         from models.ops import ModelOps
         from models.parallel import SingleRank
         from models.presets import preset
@@ -376,6 +374,7 @@ def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
         from models.loader import load_rank_models
         from plugins.tree_attention.kernel import tree_attention_cuda
         from plugins.tree_attention.reference import tree_attention
+        from tests.interpreter import use_small_draft_kernel
         gen = torch.Generator().manual_seed(0)
         target = preset("kimi-rank", smoke=True).target
         mla = InPlaceAbsorbedMLA(target, 0, ModelOps(tree_attention_cuda, SingleRank()))
@@ -399,12 +398,7 @@ def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
                 want, want_kv = mla(x[s], cos[s], sin[s], masks[b], caches[b], torch.tensor([lengths[b]]))
                 worst = max(worst, float((got[s] - want).norm() / want.norm()), float((got_kv[s] - want_kv).norm()))
         _, _, drafter = load_rank_models({str(demo_ckpt(1))!r}, 0, ModelOps(tree_attention, SingleRank()))
-        def kernel_form(self, q, cache, k_new, v_new, key_bias, lengths):
-            out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new,
-                                       k_new.shape[0] - q.shape[0], lengths[1], self.scale, block_m=16,
-                                       block_n=16, num_warps=1, num_stages=1)
-            return self.unfold_heads(out, q.shape[0])
-        DraftAttention.attend_rows = kernel_form
+        use_small_draft_kernel()
         d = drafter.layers[0].self_attn
         cache = [torch.randn(len(drafter.layers), 2, 64, d.kv_heads, d.head_dim, generator=gen) for _ in range(2)]
         context = torch.randn(16, drafter.fc.weight.shape[1], generator=gen)

@@ -79,12 +79,11 @@ def test_drafter_with_the_kernel_equals_the_torch_form_under_the_interpreter(dem
     torch form's logits and context K/V: a draft after earlier ones (cached rows) with 3 of 8 context rows valid."""
     script = f"""
         import torch
-        from models.dflash import DraftAttention
-        from models.draft_attention_kernel import draft_attention_cuda
         from models.loader import load_rank_models
         from models.ops import ModelOps
         from models.parallel import SingleRank
         from plugins.tree_attention.reference import tree_attention
+        from tests.interpreter import use_small_draft_kernel
         _, _, drafter = load_rank_models({str(demo_ckpt(1))!r}, 0, ModelOps(tree_attention, SingleRank()))
         d = drafter.layers[0].self_attn
         gen = torch.Generator().manual_seed(5)
@@ -95,12 +94,7 @@ def test_drafter_with_the_kernel_equals_the_torch_form_under_the_interpreter(dem
         args = (context, positions, torch.tensor([3]), block, block_positions, cache, torch.tensor([30]))
         with torch.no_grad():
             torch_logits, torch_kv = drafter(*args)
-            def kernel_form(self, q, cache, k_new, v_new, key_bias, lengths):
-                out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new,
-                                           k_new.shape[0] - q.shape[0], lengths[1], self.scale, block_m=16,
-                                           block_n=16, num_warps=1, num_stages=1)
-                return self.unfold_heads(out, q.shape[0])
-            DraftAttention.attend_rows = kernel_form
+            use_small_draft_kernel()
             logits, kv = drafter(*args)
         print("diff", float((logits - torch_logits).norm() / torch_logits.norm()), float((kv - torch_kv).norm()))
     """

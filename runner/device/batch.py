@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from models.moe import active_rows
 from runner.device.loop import DeviceLoop, first_token
 from runner.kv_cache import SequenceCache
 from runner.probes import Probes
@@ -136,15 +137,10 @@ class BatchLoop:
         masks = torch.stack([tree[3] for tree in trees])
         lengths = torch.cat([loop.num_cached for loop in loops])
         caches = tuple(loop.cache.latent for loop in loops)
-        routers = self.routers if per_slot else []
-        for router in routers:  # several budgets: each slot's nodes outside its step's budget add no expert
-            router.row_active = torch.cat([loop.active for loop in loops])
-        try:
+        routers = self.routers if per_slot else []  # each slot's nodes outside its step's budget add no expert
+        with active_rows(routers, torch.cat([loop.active for loop in loops]) if routers else None):
             logits, new_kv, taps = self.target(tokens, positions, masks, caches, lengths,
                                                self.logit_rows[: len(loops) * rows])  # fmt: skip
-        finally:
-            for router in routers:
-                router.row_active = None
         for b, loop in enumerate(loops):
             loop.new_kv, loop.taps = new_kv[:, b * rows : (b + 1) * rows], taps[b * rows : (b + 1) * rows]
             loop.choices = loop._choose(logits[b * rows : (b + 1) * rows])
@@ -317,8 +313,7 @@ class Batcher:
             elif stats.get(slot):
                 member.result.budgets.append(stats[slot]["budget"])
                 if member.budget == "auto" and self.policy is not None:
-                    s = stats[slot]
-                    self.policy.observe(s["budget"], s["drafted"], len(tokens), s["accepted"], seconds)
+                    self.policy.observe(stats[slot], len(tokens), seconds)
             _, finished = self._emit(member, tokens)
             if finished:
                 done.append(self._finish(self.members.pop(slot)))

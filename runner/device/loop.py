@@ -32,7 +32,7 @@ from collections import deque
 import torch
 
 from engines.spec import SpecConfig
-from models.moe import Router
+from models.moe import Router, active_rows
 from runner.device.budget import accepted_at, choose_budget, expected_drafted, node_scores, rank_nodes
 from runner.device.sampling import filter_kind, sample_tokens, sampling_tensors
 from runner.device.tree import accept_greedy_device, tree_forms
@@ -212,15 +212,10 @@ class DeviceLoop:
     def _verify(self) -> None:
         """Every node at position start + depth, one target forward; the target's greedy choice per node."""
         tokens, _, depths, mask, _ = self.tree
-        if self.auto:  # the MoE reads the experts of the step's own nodes only
-            for router in self.routers:
-                router.row_active = self.active
-        try:
+        routers, active = (self.routers, self.active) if self.auto else ([], None)
+        with active_rows(routers, active):  # several budgets: the MoE reads the step's own nodes' experts only
             logits, self.new_kv, self.taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent,
                                                          self.num_cached, self.arange_rows)  # fmt: skip
-        finally:
-            for router in self.routers if self.auto else ():
-                router.row_active = None
         self.choices = self._choose(logits)
 
     def _accept(self) -> None:
@@ -284,10 +279,7 @@ class DeviceLoop:
         slot = self.launched % SLOTS
         self.launched += 1
         if self.auto and choice is not None:
-            # the slot's previous copy finished before its step, which `collect` waited for
-            staged = self.inputs_host[slot]
-            staged.copy_(torch.tensor([*choice[0], *choice[1]], dtype=torch.float64))
-            self.choice_inputs[:-1].copy_(staged, non_blocking=True)
+            self.set_choice(choice, slot)
         if not self.use_graph:
             for group in self.groups:
                 _run(group)
@@ -322,6 +314,13 @@ class DeviceLoop:
             self.last_stats = self.read_stats(self.stats_host[slot].tolist())
         self.cache.num_cached += count  # the host's mirror, for the capacity check
         return values[:count]
+
+    def set_choice(self, choice: tuple[list[float], list[float]], slot: int = 0) -> None:
+        """The host policy's costs and calibration factors (`BudgetPolicy.device_inputs`) into the choice's inputs,
+        through pinned slot `slot` (its previous copy finished before its step, which the host waited for)."""
+        staged = self.inputs_host[slot]
+        staged.copy_(torch.tensor([*choice[0], *choice[1]], dtype=torch.float64))
+        self.choice_inputs[:-1].copy_(staged, non_blocking=True)
 
     def read_stats(self, values: list[float]) -> dict:
         """A step's statistics (`stats`, several budgets): the budget it verified, its expected drafted tokens at
@@ -418,7 +417,7 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
             now, stats = time.perf_counter(), loop.last_stats
             result.budgets.append(stats["budget"])
             if policy is not None:
-                policy.observe(stats["budget"], stats["drafted"], len(step_tokens), stats["accepted"], now - last)
+                policy.observe(stats, len(step_tokens), now - last)
             last = now
         result.target_forwards += 1
         result.accept_lengths.append(len(step_tokens))
