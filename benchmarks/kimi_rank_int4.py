@@ -69,6 +69,8 @@ def main(argv=None) -> int:
         help="comma-separated batch sizes: rows of that many copies of the "
         "request in-flight batched (autoregressive, DDTree 8 and 32; random and oracle drafters)",
     )
+    parser.add_argument("--no-fixed", action="store_true", help="skip the fixed-budget rows (chain, DDTree 8/16/32): "
+                        "the autoregressive row, then only what --auto-budget and --batches add")  # fmt: skip
     add_setup_args(parser)
     args = parser.parse_args(argv)
     setup = Setup.from_args(args)
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
                 }  # fmt: skip
                 print("memory", info["memory"], flush=True)
             decode_ms = ar.get("step_ms") or (1e3 / ar["tokens_per_s"] if ar["tokens_per_s"] else None)
-            modes = [(m, s, None) for m, s in SPEC_MODES]
+            modes = [] if args.no_fixed else [(m, s, None) for m, s in SPEC_MODES]
             if args.auto_budget:
                 several = SpecConfig(8, 32, extra_budgets=(8, 16))
                 modes += [("ddtree auto of 8/16/32", several, "auto"), ("ddtree 8 of 8/16/32", several, 8)]
