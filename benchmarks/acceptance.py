@@ -102,11 +102,20 @@ class ModeRun:
                                            for d in range(1, depth + 1)]  # fmt: skip
         if self.costs is not None:  # the budgets auto chose, step costs at start-up and at the end (moving average)
             row["step_ms"] = {b: round(c * 1e3, 3) for b, c in self.costs.items()}
-            row["step_ms_at_end"] = {b: round(c * 1e3, 3) for b, c in policy.step_seconds.items()}
             row["budgets_chosen"] = {b: self.budgets.count(b) for b in sorted(set(self.budgets))}
-            taken = max(1, sum(policy.chosen.values()))
-            row["drafted_accepted_predicted_per_step"] = round(policy.predicted / taken, 3)
-            row["drafted_accepted_observed_per_step"] = round(policy.observed / taken, 3)
+            steps = self.generator.step_policy if self.generator.on_device(self.requests[0], budget="auto") else None
+            if steps is not None:  # the device loop's `StepBudgetPolicy`: the steps at the largest budget inform
+                row["policy"] = "StepBudgetPolicy (device loop: a graph a budget, chosen before each launch)"
+                row["step_ms_at_end"] = {b: round(steps.cost(b) * 1e3, 3) for b in steps.budgets}
+                informed, largest = max(1, steps.informed), steps.budgets[-1]
+                row["drafted_accepted_predicted_per_step"] = round(steps.predicted[largest] / informed, 3)
+                row["drafted_accepted_observed_per_step"] = round(steps.accepted[largest] / informed, 3)
+            else:
+                row["policy"] = "BudgetPolicy (host loop: chosen from each step's tree)"
+                row["step_ms_at_end"] = {b: round(c * 1e3, 3) for b, c in policy.step_seconds.items()}
+                taken = max(1, sum(policy.chosen.values()))
+                row["drafted_accepted_predicted_per_step"] = round(policy.predicted / taken, 3)
+                row["drafted_accepted_observed_per_step"] = round(policy.observed / taken, 3)
         return row
 
 

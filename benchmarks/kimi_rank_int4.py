@@ -17,8 +17,9 @@ the verify-to-decode cost ratio. --auto-budget adds, per drafter, an engine spec
 device loop: `auto` (costs measured on the device loop first, as `--ddtree_budget auto` does; the budgets the steps
 took are recorded) and budget 8 verified inside the budget-32 graph (what the one-graph choice costs a narrow step).
 --batches 4,8 adds rows of that many copies of the request in-flight batched (`--max_batch_size`): tokens/s of the
-batch together, speed-up against one autoregressive request. One GPU holds one rank: no all-reduce in these numbers.
-Writes OUT_DIR/kimi_rank_int4.json.
+batch together, speed-up against one autoregressive request (the ranks are then built for the context and the request,
+not 131072 tokens: each slot holds caches for the whole sequence). One GPU holds one rank: no all-reduce in these
+numbers. Writes OUT_DIR/kimi_rank_int4.json.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main(argv=None) -> int:
     prompt_cap = min(args.prompt, max(contexts)) if args.synthetic_context else max(contexts)
     if args.synthetic_context:  # the cache holds the synthetic rows, the prompt, the request and the steps' spare rows
         sequence = max(sequence, max(contexts) + new_tokens + 64)
+    if args.batches and not setup.smoke:  # every slot holds caches for the whole sequence: sized for the request, as
+        sequence = max(contexts) + new_tokens + 64  # a server sizes max_seq_len for its batch (128k x 8 slots: 74 GB)
     limits = BuildConfig(max_input_len=prompt_cap, max_seq_len=sequence)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -28,19 +28,21 @@ class Generator:
                 f"the ranks' device loop is {'autoregressive' if lead.loop.autoregressive else 'speculative'}; "
                 f"this generator is {'autoregressive' if autoregressive else 'speculative'}"
             )
-        # the budgets the device loop verifies: with several, every one of them and "auto", in one graph
+        # the budgets the device loop verifies: with several, every one of them (a graph each) and "auto"
         self.device_budgets = lead.loop.budgets if self.device_loop and lead.loop.auto else (self.spec.budget,)
         self.on_gpu = lead.device.type == "cuda"
         # in-flight batching (`runner/device/batch.py`): requests a step serves at most
         self.batch_slots = len(lead.batch.loops) if lead.batch is not None else 1
         self.rank_description = lead.description
         self.policy = None  # the cost-aware tree budget's policy (`runner/budget.py`), measured on first use
+        self.step_policy = None  # `auto` on the device loop (`runner/device/budget.py`), seeded with the same costs
         self.auto_default = False  # `enable_auto_budget`: requests that name no budget take `auto`
 
     def on_device(self, params: SamplingParams, banned: tuple[int, ...] = (), budget: int | str | None = None) -> bool:
         """Whether a request runs on the device loop: where the ranks have one, greedy or sampled, unless it bans
         tokens (bad_words: the host loop's sampler) or its budget is not one the loop verifies (an engine with
-        several budgets: each of them, and `auto`, chosen every step on the device; else the spec's budget only)."""
+        several budgets: each of them, a graph each, and `auto`, a budget chosen for every step; else the spec's budget
+        only)."""
         chosen = self.step_budget(budget)
         several = len(self.device_budgets) > 1
         return self.device_loop and not banned and (chosen in self.device_budgets or (chosen == "auto" and several))
@@ -85,13 +87,25 @@ class Generator:
             else:
                 costs[budget] = sum(result.seconds.get(p, 0.0) for p in ("draft", "tree", "verify", "commit")) / steps
         self.policy = BudgetPolicy(budgets, costs, calibration)
+        if on_device:
+            from runner.device.budget import StepBudgetPolicy
+
+            self.step_policy = StepBudgetPolicy(budgets, costs)
         return costs
 
     def auto_policy(self):
-        """`auto`'s `BudgetPolicy`, its costs measured at the first request that asks."""
+        """`auto`'s `BudgetPolicy` (the host loop's, and a mixed batch's `auto` slots'), its costs measured at the
+        first request that asks."""
         if self.policy is None:
             self.measure_budgets()
         return self.policy
+
+    def device_auto_policy(self):
+        """A lone `auto` request's `StepBudgetPolicy` on the device loop (shared by the requests, which learn for
+        each other), seeded with the costs measured at the first request that asks."""
+        if self.step_policy is None:
+            self.measure_budgets()
+        return self.step_policy
 
     def _warm_prompt(self) -> list[int]:
         block = self.spec.block_size
@@ -117,12 +131,13 @@ class Generator:
 
     def batcher(self):
         """In-flight batching over the ranks' slots (`RankOptions.max_batch_size`): a `Batcher` to `admit` into."""
-        from runner.device.batch import BatchBudgetPolicy, Batcher
+        from runner.device.batch import Batcher
+        from runner.device.budget import StepBudgetPolicy
 
         if self.batch_slots < 2:
             raise ValueError("batched steps need ranks built with max_batch_size > 1 (--max_batch_size)")
         several = len(self.device_budgets) > 1  # `auto` requests share one budget a step, chosen for the batch
-        batch_policy = BatchBudgetPolicy(self.device_budgets) if several else None
+        batch_policy = StepBudgetPolicy(self.device_budgets) if several else None
         return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy, batch_policy)
 
     def admit(self, batcher, prompt: list[int], max_new_tokens: int, params: SamplingParams = GREEDY,
@@ -166,7 +181,7 @@ class Generator:
         device loop runs the budget it was built for, any other on the host loop."""
         if self.on_device(params, banned, budget):
             chosen = self.step_budget(budget)
-            policy = self.auto_policy() if chosen == "auto" else None
+            policy = self.device_auto_policy() if chosen == "auto" else None
             return generate_on_device(self.ranks, self.spec, prompt, max_new_tokens, self.capacity, end_ids, on_tokens,
                                       self.autoregressive, stop_sequences, params, chosen, policy)  # fmt: skip
         sampler = Sampler(params, banned)
@@ -191,6 +206,9 @@ class Generator:
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
         for params in requests:
             self.generate(prompt, tokens, params)
+            if self.on_gpu and self.on_device(params) and len(self.device_budgets) > 1:
+                for budget in self.device_budgets:  # each budget's graph (the default's was just captured)
+                    self.generate(prompt, tokens, params, budget=budget)
             if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
                 # every slot count's step graph: requests that need one more step each, so they leave one after
                 # another whatever the acceptance

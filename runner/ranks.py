@@ -42,9 +42,9 @@ class Ranks:
     def device_load(self, bonus: int, prompt_length: int, params=None, budget=None) -> None:
         self.call("device_load", bonus, prompt_length, params, budget)
 
-    def device_launch(self, choice=None) -> None:
-        """choice: the budget policy's inputs for this step (`DeviceLoop.launch`), the same on every rank."""
-        self.call("device_launch", choice)
+    def device_launch(self, budget=None) -> None:
+        """budget: this step's tree budget (`DeviceLoop.launch`), the same on every rank."""
+        self.call("device_launch", budget)
 
     def device_collect(self) -> list[int]:
         return self.call("device_collect")

@@ -175,7 +175,7 @@ class RankWorker:
 
     def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None, budget=None):
         """One step of slots [0, count) (`idle` ones reset first); choices: the budget policy's inputs of the slots
-        whose requests chose `auto`; budget: one tree budget for every slot (`BatchBudgetPolicy`). Returns (each
+        whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`). Returns (each
         slot's tokens, each several-budget slot's statistics)."""
         loops = self.batch.loops
         for slot, choice in (choices or {}).items():
@@ -189,8 +189,8 @@ class RankWorker:
     def device_load(self, bonus: int, prompt_length: int, params=None, budget=None) -> None:
         self.loop.load(bonus, prompt_length, params, budget)
 
-    def device_launch(self, choice=None) -> None:
-        self.loop.launch(choice)
+    def device_launch(self, budget=None) -> None:
+        self.loop.launch(budget)
 
     def device_collect(self) -> list[int]:
         return self.loop.collect()

@@ -77,6 +77,18 @@ def cpu_ranks(checkpoint_dir: Path, spec, build, **options):
     return local_ranks(CheckpointWeights(checkpoint_dir), RankOptions(**settings), spec, build)
 
 
+def fixed_cost_policy(costs: dict[int, float]):
+    """A `StepBudgetPolicy` whose step costs stay `costs`, whatever the steps take (so a test decides which budget
+    wins); acceptance it learns as usual."""
+    from runner.device.budget import StepBudgetPolicy
+
+    class FixedCosts(StepBudgetPolicy):
+        def record(self, count, budget, seconds, stats):
+            super().record(count, budget, costs[budget], stats)
+
+    return FixedCosts(tuple(costs), costs)
+
+
 def copy_checkpoint(src: Path, dst: Path, config_update: dict | None = None) -> Path:
     shutil.copytree(src, dst)
     if config_update:

@@ -299,17 +299,20 @@ def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, d
     assert finals["after"]["event"] == "done" and len(finals["after"]["output_ids"]) == 10
 
 
-def test_the_batch_budget_policy_explores_times_then_takes_the_best_rate():
-    """`BatchBudgetPolicy`: the largest budget until its steps informed every budget's acceptance, each (slots,
-    budget) once to time it, then the most tokens a second; every 8th step the largest again (every 32nd once 64
-    slot-steps informed it); as a batch's wide steps get dearer the choice moves to a narrower budget."""
-    from runner.device.batch import BatchBudgetPolicy
+def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
+    """`StepBudgetPolicy` (a batch's, or a lone request's with one slot): the largest budget until its steps
+    informed every budget's acceptance, each (slots, budget) once to time it, then the most tokens a second; every
+    8th step the largest again (every 32nd once 64 slot-steps informed it); as a batch's wide steps get dearer the
+    choice moves to a narrower budget."""
+    from runner.device.budget import StepBudgetPolicy
 
-    policy = BatchBudgetPolicy((8, 32, 16))
-    stats = [{"accepted": {8: 2, 16: 3, 32: 3}}] * 2  # two busy slots: budget 16 accepts what 32 does
+    policy = StepBudgetPolicy((8, 32, 16))
+    # two busy slots: budget 16 accepts what 32 does; the drafter expected a little more
+    stats = [{"accepted": {8: 2, 16: 3, 32: 3}, "drafted": {8: 2.5, 16: 3.5, 32: 4.0}}] * 2
     assert policy.choose(2, 2) == 32
     policy.record(2, 32, 1.0, stats)
     assert policy.informed == 2 and policy.expected(8) == 3.0 and policy.expected(32) == 4.0
+    assert policy.predicted == {8: 5.0, 16: 7.0, 32: 8.0}
     assert policy.choose(2, 2) == 32  # still fewer than 4 slot-steps informed
     policy.record(2, 32, 1.0, stats)
     assert policy.choose(2, 2) == 8  # each (slots, budget) pair is timed once

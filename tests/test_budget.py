@@ -10,7 +10,7 @@ from runner.budget import BudgetPolicy
 from runner.generator import Generator
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate_autoregressive
-from tests.conftest import ENGINE_LIMITS, cpu_ranks
+from tests.conftest import ENGINE_LIMITS, cpu_ranks, fixed_cost_policy
 
 
 def test_the_policy_maximises_expected_tokens_per_second():
@@ -94,7 +94,9 @@ def auto_generation_equals(ranks, prompt, expected, loop: str) -> None:
     ranks.close()
     assert result.tokens == expected
     assert result.budgets and set(result.budgets) <= {4, 8, 16, 32}
-    assert sum(generator.policy.chosen.values()) >= len(result.budgets)
+    # the policy that chose: the host loop's `BudgetPolicy`, or the device loop's `StepBudgetPolicy`
+    policy = generator.step_policy if "device loop" in loop else generator.policy
+    assert sum(policy.chosen.values()) >= len(result.budgets)
 
 
 def test_auto_needs_several_budgets(demo_ckpt):
@@ -259,11 +261,16 @@ def test_rows_outside_the_steps_budget_add_no_expert():
     assert set(limited_ids.flatten().tolist()) == set(ids[active].flatten().tolist())
 
 
+def steep_policy():
+    """Budget 4 a hundredth of the others' cost, whatever the steps take."""
+    return fixed_cost_policy({4: 1.0, 8: 100.0, 16: 200.0, 32: 400.0})
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_auto_budget_on_the_device_loop_equals_autoregressive(demo_ckpt, tp_size):
-    """Several budgets on the device loop: one graph verifies the largest tree and each step's budget is chosen on
-    the device; fixed budgets and `auto` (costs measured on the device loop) all give autoregressive decoding's
-    tokens, on every rank alike; the policy learns from every step's statistics."""
+    """Several budgets on the device loop, a graph each: fixed budgets and `auto` (each step's budget named at its
+    launch by the `StepBudgetPolicy`) all give autoregressive decoding's tokens, on every rank alike; the policy
+    learns acceptance from the steps at the largest budget and each budget's cost from its steps' times."""
     from runner.device.loop import generate_on_device
 
     spec = SpecConfig(8, 32, extra_budgets=(4, 8, 16))
@@ -273,24 +280,27 @@ def test_auto_budget_on_the_device_loop_equals_autoregressive(demo_ckpt, tp_size
     for budget in (4, 16, 32):
         result = generate_on_device(ranks, spec, prompt, 40, 512, budget=budget)
         assert result.tokens == expected and set(result.budgets) == {budget}, budget
-    # equal costs: the widest tree expects the most, until the policy learns this drafter's real acceptance and
-    # step times (the two steps launched before the first is collected choose on the initial inputs)
-    flat = BudgetPolicy((4, 8, 16, 32), {4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0})
+    # the largest budget until its steps informed the acceptance estimates, then by measured cost
+    from runner.device.budget import StepBudgetPolicy
+
+    flat = StepBudgetPolicy((4, 8, 16, 32))
     result = generate_on_device(ranks, spec, prompt, 40, 512, budget="auto", policy=flat)
-    assert result.tokens == expected and result.budgets[:2] == [32, 32] and set(result.budgets) <= {4, 8, 16, 32}
-    assert sum(flat.chosen.values()) == len(result.budgets) and flat.observed == sum(result.accept_lengths) - len(
-        result.accept_lengths
-    )
-    steep = BudgetPolicy((4, 8, 16, 32), {4: 1.0, 8: 100.0, 16: 200.0, 32: 400.0})
+    assert result.tokens == expected and result.budgets[:4] == [32] * 4 and set(result.budgets) <= {4, 8, 16, 32}
+    # every collected step recorded (the one launched past the end is not); the widest informed every budget
+    assert sum(len(t) for t in flat.times.values()) == len(result.budgets)
+    assert flat.informed == result.budgets.count(32) and sum(flat.chosen.values()) >= len(result.budgets)
+    assert flat.accepted[32] == sum(a - 1 for b, a in zip(result.budgets, result.accept_lengths) if b == 32)
+    steep = steep_policy()
     result = generate_on_device(ranks, spec, prompt, 40, 512, budget="auto", policy=steep)
-    assert result.tokens == expected and set(result.budgets) == {4}
+    assert result.tokens == expected and set(result.budgets) == {4, 32}
+    assert result.budgets.count(4) > result.budgets.count(32)  # the largest only to learn acceptance
     auto_generation_equals(ranks, prompt, expected, "device loop (eager tensor program)")
 
 
 def test_a_narrow_step_verifies_only_its_own_nodes(demo_ckpt):
     """With a drafter that always knows the continuation (the benchmarks' oracle probe), budget b accepts
-    min(b, block - 1) drafted tokens a step plus the bonus: the nodes past the step's budget, though in the verified
-    graph, are never accepted."""
+    min(b, block - 1) drafted tokens a step plus the bonus, fixed or chosen by `auto` step by step: a step verifies
+    its own budget's tree."""
     import torch
 
     from runner.device.loop import generate_on_device
@@ -306,7 +316,9 @@ def test_a_narrow_step_verifies_only_its_own_nodes(demo_ckpt):
     for budget, accepted in ((4, 5), (8, 8), (32, 8)):
         result = generate_on_device(ranks, spec, prompt, 60, 512, budget=budget)
         assert result.tokens == expected and result.accept_lengths[:-1] == [accepted] * (len(result.accept_lengths) - 1)
-    steep = BudgetPolicy((4, 8, 16, 32), {4: 1.0, 8: 100.0, 16: 200.0, 32: 400.0})
+    steep = steep_policy()
     result = generate_on_device(ranks, spec, prompt, 60, 512, budget="auto", policy=steep)
     ranks.close()
-    assert result.tokens == expected and set(result.budgets) == {4} and result.accept_lengths[0] == 5
+    assert result.tokens == expected and set(result.budgets) == {4, 32}
+    for budget, accepted in list(zip(result.budgets, result.accept_lengths))[:-1]:
+        assert accepted == min(budget, 7) + 1, (budget, accepted)

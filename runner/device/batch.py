@@ -17,9 +17,8 @@ steps, emits tokens to each request's callback and reports finished requests.
 from __future__ import annotations
 
 import gc
-import statistics
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -70,7 +69,7 @@ class BatchLoop:
 
     def step(self, count: int, idle: tuple[int, ...] = (), budget: int | None = None) -> list[list[int]]:
         """One step of slots [0, count); returns each slot's emitted tokens (an idle slot's are to be dropped).
-        budget: one tree budget for every slot this step (`BatchBudgetPolicy`: the verify then has that budget's
+        budget: one tree budget for every slot this step (`StepBudgetPolicy`: the verify then has that budget's
         rows for each request; at the largest budget each slot's statistics tell every smaller budget); None: each
         slot's own (its request's budget, or `auto` chosen in the slot from its tree)."""
         for slot in idle:
@@ -177,62 +176,6 @@ class BatchLoop:
         self.graphs = {}
 
 
-# batch-wide budgets: every 8th step verifies the largest budget (which informs every smaller one) until 64 slot-steps
-# have informed the estimates, then every 32nd: enough to follow a drift, at a quarter of the cost
-EXPLORE_EVERY, EXPLORE_EVERY_LATER, SETTLED = 8, 32, 64
-MIN_INFORMED = 4  # slot-steps at the largest budget before the acceptance estimates are used
-COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 times
-
-
-class BatchBudgetPolicy:
-    """One tree budget for every request of a batched step, chosen on the host before the step (no device round
-    trip): the budget with the most expected tokens a second for the batch, busy slots x (1 + drafted tokens a
-    request accepts at that budget) over the measured time of a step of that many slots at that budget.
-
-    Acceptance: a step at the largest budget verifies every node, and each slot's statistics say how many drafted
-    tokens each smaller budget would have accepted (its b best nodes: what that budget's tree is); the estimate at b
-    is their mean over those slot-steps. Steps at a smaller budget inform nothing larger, so every `EXPLORE_EVERY`-th
-    step takes the largest budget again (every `EXPLORE_EVERY_LATER`-th once `SETTLED` slot-steps informed it).
-    Costs: a (slots, budget) pair not timed yet is taken once to time it (on GPUs that first step includes its
-    graph's capture, unless warm-up made it), then the median of its last `COST_WINDOW` step times. As the batch
-    grows the wide verify's rows cost more and more, and the choice moves to narrower trees where their tokens a
-    second win."""
-
-    def __init__(self, budgets: tuple[int, ...]):
-        self.budgets = tuple(sorted(budgets))
-        self.accepted = dict.fromkeys(self.budgets, 0.0)  # drafted tokens accepted at b, summed over slot-steps
-        self.informed = 0  # slot-steps at the largest budget
-        self.times: dict[tuple[int, int], deque] = {}
-        self.steps = 0
-        self.chosen: Counter = Counter()  # (slots stepped, budget) -> steps
-
-    def expected(self, budget: int) -> float:
-        """Tokens a request emits a step at `budget` (the bonus and the drafted tokens accepted)."""
-        return 1.0 + self.accepted[budget] / max(self.informed, 1)
-
-    def choose(self, busy: int, count: int) -> int:
-        self.steps += 1
-        largest = self.budgets[-1]
-        period = EXPLORE_EVERY if self.informed < SETTLED else EXPLORE_EVERY_LATER
-        if self.informed < MIN_INFORMED or self.steps % period == 0:
-            best = largest
-        else:
-            untimed = [b for b in self.budgets if (count, b) not in self.times]
-            rate = lambda b: busy * self.expected(b) / statistics.median(self.times[(count, b)])  # noqa: E731
-            best = untimed[0] if untimed else max(self.budgets, key=lambda b: (rate(b), -b))
-        self.chosen[(count, best)] += 1
-        return best
-
-    def record(self, count: int, budget: int, seconds: float, stats: list[dict]) -> None:
-        """A step of `count` slots at `budget`: its time, and at the largest budget each busy slot's statistics."""
-        self.times.setdefault((count, budget), deque(maxlen=COST_WINDOW)).append(seconds)
-        if budget == self.budgets[-1]:
-            for slot in stats:
-                self.informed += 1
-                for b in self.budgets:
-                    self.accepted[b] += slot["accepted"][b]
-
-
 @dataclass
 class Member:
     """A request in the batch (rank 0's record of it)."""
@@ -258,7 +201,7 @@ class Batcher:
 
     def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None, batch_policy=None):
         self.ranks, self.slots, self.autoregressive, self.policy = ranks, slots, autoregressive, policy
-        self.batch_policy = batch_policy  # `BatchBudgetPolicy`: one budget a step while every request is `auto`
+        self.batch_policy = batch_policy  # `StepBudgetPolicy`: one budget a step while every request is `auto`
         self.members: dict[int, Member] = {}
         self.batch_sizes: Counter = Counter()  # requests a step served -> steps
 

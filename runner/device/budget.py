@@ -1,21 +1,29 @@
-"""The cost-aware tree budget inside the device loop: the choice of `runner/budget.py`, as fixed-shape tensor ops.
+"""The cost-aware tree budget on the device loop.
 
-The step builds the tree of the largest budget and verifies it in one forward of that budget's rows (one CUDA
-graph); the budget chosen for the step decides which nodes are *active*: the b best by path log-probability (with
-the root). They form the best-first tree of budget b (a child never scores above its parent), the same nodes the
-host loop's `Tree.prefix(b)` verifies. The other nodes are made padding for this step: they see nothing, nothing
-sees them, the walk never accepts them, and the target's MoE routes them to the root's experts with zero weight
-(`models/moe.py`, `Router.row_active`), so a narrow step reads the experts of its own nodes only.
+**Each budget is a CUDA graph of its own** (the tree and the verify on that budget's rows), and the budget of a step
+is chosen on the host before its launch, from what earlier steps measured: no host round trip (the host reads each
+step's tokens anyway, and the statistics come back with them). `StepBudgetPolicy` chooses for a lone request (a batch
+of one) and for a batch whose requests all asked for `auto` (one budget for the batch): the most expected tokens a
+second, from the drafted tokens each budget would have accepted (a step at the largest budget verifies every node,
+and tells every smaller budget's acceptance: its b best nodes are that budget's tree) over each budget's measured
+step time. Measured on one H200 (BENCHMARKS.md, section 11): a narrow step inside the largest budget's graph (its
+other nodes made padding) costs what the largest does (Kimi K2 rank, 1k context: 47.7 ms against 14.3 ms for budget
+8's own graph), because the attention and the dense layers still run every row and the padding's expert pairs still
+take kernel work; so the budgets are separate graphs.
 
-The choice needs no host round trip: expected drafted tokens E_b from the tree's own scores, the host policy's
-calibration factors and costs (device tensors the host refreshes between launches from a pinned slot: every rank
-receives the same values with the launch call, so every rank chooses the same budget), rate_b = (1 + c_b E_b) /
-cost_b, the first maximum (the smallest budget on ties, as the host policy). The step's statistics (the budget
-index, E_b at every budget, and the accepted nodes each budget would have accepted) come back with its tokens, and
-the host policy learns from them as it does from host steps (`BudgetPolicy.observe`).
+The tensor functions below rank a tree's nodes by path log-probability: a step at the largest budget reports what
+every budget would have accepted (`accepted_at`) and what the drafter expected (`expected_drafted`: predicted against
+observed acceptance). A batch that mixes `auto` with fixed budgets (`runner/device/batch.py`, each slot's own budget
+in one verify of the largest budget's rows) still chooses each `auto` slot's budget inside the graph from its own
+tree (`choose_budget`) and makes the other nodes padding: the other slots' rows are verified at that width anyway.
+The padding sees nothing, nothing sees it, the walk never accepts it, and the target's MoE routes it to the root's
+experts with zero weight (`models/moe.py`, `Router.row_active`).
 """
 
 from __future__ import annotations
+
+import statistics
+from collections import Counter, deque
 
 import torch
 
@@ -61,3 +69,70 @@ def accepted_at(rank, path, length, budgets) -> torch.Tensor:
     steps = torch.arange(path.numel(), device=path.device)
     drafted = (steps > 0) & (steps < length)
     return ((rank.index_select(0, path)[None, :] <= budgets[:, None]) & drafted[None, :]).sum(dim=1)
+
+
+# every 8th step verifies the largest budget (which informs every smaller one) until 64 request-steps have informed
+# the estimates, then every 32nd: enough to follow a drift, at a quarter of the cost
+EXPLORE_EVERY, EXPLORE_EVERY_LATER, SETTLED = 8, 32, 64
+MIN_INFORMED = 4  # request-steps at the largest budget before the acceptance estimates are used
+COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 times
+
+
+class StepBudgetPolicy:
+    """One tree budget for a step (a lone request's, or every request's of a batched step), chosen on the host before
+    the step's launch: the budget with the most expected tokens a second, busy requests x (1 + drafted tokens a
+    request accepts at that budget) over the measured time of a step of that many slots at that budget.
+
+    Acceptance: a step at the largest budget verifies every node, and each request's statistics say how many drafted
+    tokens each smaller budget would have accepted (its b best nodes: what that budget's tree is); the estimate at b
+    is their mean over those request-steps. Steps at a smaller budget inform nothing larger, so every
+    `EXPLORE_EVERY`-th step takes the largest budget again (every `EXPLORE_EVERY_LATER`-th once `SETTLED`
+    request-steps informed it). Costs: `costs` seeds a lone request's (seconds a step at each budget, as warm-up
+    measured them); a (slots, budget) pair not timed yet is taken once to time it, then the median of its last
+    `COST_WINDOW` step times. As the batch grows the wide verify's rows cost more and more, and the choice moves to
+    narrower trees where their tokens a second win. The drafter's own expectation at each budget is summed next to
+    what was accepted (`predicted`, `accepted`): how far its probabilities are from the target's agreement."""
+
+    def __init__(self, budgets: tuple[int, ...], costs: dict[int, float] | None = None):
+        self.budgets = tuple(sorted(budgets))
+        self.accepted = dict.fromkeys(self.budgets, 0.0)  # drafted tokens accepted at b, summed over request-steps
+        self.predicted = dict.fromkeys(self.budgets, 0.0)  # the drafter's expectation of the same
+        self.informed = 0  # request-steps at the largest budget
+        self.times: dict[tuple[int, int], deque] = {}
+        for budget, seconds in (costs or {}).items():
+            self.times[(1, budget)] = deque([seconds], maxlen=COST_WINDOW)
+        self.steps = 0
+        self.chosen: Counter = Counter()  # (slots stepped, budget) -> steps
+
+    def expected(self, budget: int) -> float:
+        """Tokens a request emits a step at `budget` (the bonus and the drafted tokens accepted)."""
+        return 1.0 + self.accepted[budget] / max(self.informed, 1)
+
+    def cost(self, budget: int, count: int = 1) -> float | None:
+        """Seconds a step of `count` slots at `budget` takes (the median of its recent times), None if not timed."""
+        times = self.times.get((count, budget))
+        return statistics.median(times) if times else None
+
+    def choose(self, busy: int = 1, count: int = 1) -> int:
+        self.steps += 1
+        largest = self.budgets[-1]
+        period = EXPLORE_EVERY if self.informed < SETTLED else EXPLORE_EVERY_LATER
+        if self.informed < MIN_INFORMED or self.steps % period == 0:
+            best = largest
+        else:
+            untimed = [b for b in self.budgets if (count, b) not in self.times]
+            rate = lambda b: busy * self.expected(b) / self.cost(b, count)  # noqa: E731
+            best = untimed[0] if untimed else max(self.budgets, key=lambda b: (rate(b), -b))
+        self.chosen[(count, best)] += 1
+        return best
+
+    def record(self, count: int, budget: int, seconds: float, stats: list[dict]) -> None:
+        """A step of `count` slots at `budget`: its time, and at the largest budget each busy request's statistics
+        (`DeviceLoop.read_stats`)."""
+        self.times.setdefault((count, budget), deque(maxlen=COST_WINDOW)).append(seconds)
+        if budget == self.budgets[-1]:
+            for request in stats:
+                self.informed += 1
+                for b in self.budgets:
+                    self.accepted[b] += request["accepted"][b]
+                    self.predicted[b] += request["drafted"][b]

@@ -15,9 +15,10 @@ past the end of a request is discarded. A sampled request's step draws the targe
 (`runner/device/sampling.py`) in a graph of its own. The prompt's context enters the draft cache with the prefill
 (`prefill_context`, the drafter's prefill), so the first step is a device step too.
 
-Several tree budgets (`spec.budgets`): the step builds and verifies the largest budget's tree in one graph, and the
-budget for the step (fixed by the request, or chosen from the tree's own probabilities: `runner/device/budget.py`)
-decides which of its nodes are verified for real; the host policy's costs and calibration ride on each launch.
+Several tree budgets (`spec.budgets`): a graph per budget (its tree and its verify on that budget's rows), and each
+launch says which: the request's fixed budget, or `auto`'s choice for the step (`StepBudgetPolicy` in
+`runner/device/budget.py`, on the host before the launch, from earlier steps' statistics: no round trip). A step at the
+largest budget reports what every smaller budget would have accepted.
 
 Rows past the accepted path are written too (into cache rows past the new length, which no step reads before they
 are overwritten): fixed shapes, no data-dependent slicing. The caller keeps `2 * block_size` rows of cache spare.
@@ -32,7 +33,7 @@ from collections import deque
 import torch
 
 from engines.spec import SpecConfig
-from models.moe import Router, active_rows
+from models.moe import Router
 from runner.device.budget import accepted_at, choose_budget, expected_drafted, node_scores, rank_nodes
 from runner.device.sampling import filter_kind, sample_tokens, sampling_tensors
 from runner.device.tree import accept_greedy_device, tree_forms
@@ -56,7 +57,7 @@ class DeviceLoop:
         self.cache = worker.cache
         device = self.device = self.cache.latent.device
         block, depth = spec.block_size, spec.draft_depth
-        # several budgets: one graph verifies the largest one's tree, each step's budget chosen on the device
+        # several budgets: a graph per budget, each launch names its step's budget
         self.budgets = () if autoregressive else spec.budgets
         self.auto = len(self.budgets) > 1
         self.tree_spec = spec.with_budget(max(self.budgets)) if self.auto else spec
@@ -81,7 +82,8 @@ class DeviceLoop:
         self.draws = torch.zeros(1, **long)
         # the mode of the request loaded: greedy, and sampled with each filter kind, are graphs of their own
         self.sampled, self.filter = False, "none"
-        self.narrow = False  # this step's tree is a batch's narrower budget (`_tree`)
+        self.narrow = False  # this step's tree is narrower than the largest budget's (`_tree`)
+        self.step_budget: int | None = None  # a lone request's step budget (`launch`); None: the largest
         # the phases, in groups: one graph a step holds them all; probes.split_phases captures a graph per group
         groups = [[self._decode]] if autoregressive else [[self._draft], [self._tree], [self._verify], [self._accept]]
         probes = probes or Probes()
@@ -110,6 +112,8 @@ class DeviceLoop:
         self.choice_inputs = torch.ones(2 * count + 1, dtype=torch.float64, device=device)
         self.choice_inputs[-1] = count - 1
         self.request_index = count - 1  # the loaded request's budget index (`load`; -1: auto)
+        self.request_budget: int | None = max(self.budgets)  # a lone request's fixed budget (`load`; None: auto)
+        self.slot_budgets = [max(self.budgets)] * SLOTS  # the budget of the step in each pinned slot
         self.stats = torch.zeros(1 + 2 * count, dtype=torch.float64, device=device)
         self.active = torch.ones(self.rows, dtype=torch.bool, device=device)
         self.inputs_host = [torch.zeros(2 * count, dtype=torch.float64, pin_memory=pinned) for _ in range(SLOTS)]
@@ -162,7 +166,10 @@ class DeviceLoop:
             self.draws.fill_(1)
         if self.auto:
             self.request_index = self.budget_index(budget)  # the choice's index for this request (-1: auto)
-            self.choice_inputs[-1:].fill_(self.request_index)
+            self.request_budget = None if budget == "auto" else self.budgets[self.request_index]
+            # a lone request's step at the largest budget verifies every node (statistics for every budget); a
+            # batch sets each slot's index before each step (`BatchLoop.step`)
+            self.choice_inputs[-1:].fill_(len(self.budgets) - 1)
         elif budget not in (None, "auto", self.spec.budget):
             raise ValueError(f"this device loop verifies tree budget {self.spec.budget} only, not {budget}")
 
@@ -181,8 +188,10 @@ class DeviceLoop:
 
     def _tree(self, budget: int | None = None) -> None:
         """Tree: best-first under the budget (several budgets: the largest one's tree, then the step's budget).
-        budget: a batched step's budget for every request (`runner/device/batch.py`): this tree is built at it, on
-        its own rows; at the largest budget every node is verified and the statistics tell each smaller one."""
+        budget: the step's budget (a batched step's for every request, `runner/device/batch.py`; None: a lone
+        request's `step_budget`, set by `launch`): this tree is built at it, on its own rows; at the largest budget
+        every node is verified and the statistics tell each smaller one."""
+        budget = self.step_budget if budget is None else budget
         self.narrow = budget is not None and budget != self.tree_spec.budget
         if self.narrow:
             step = self.spec.with_budget(budget)
@@ -212,10 +221,8 @@ class DeviceLoop:
     def _verify(self) -> None:
         """Every node at position start + depth, one target forward; the target's greedy choice per node."""
         tokens, _, depths, mask, _ = self.tree
-        routers, active = (self.routers, self.active) if self.auto else ([], None)
-        with active_rows(routers, active):  # several budgets: the MoE reads the step's own nodes' experts only
-            logits, self.new_kv, self.taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent,
-                                                         self.num_cached, self.arange_rows)  # fmt: skip
+        logits, self.new_kv, self.taps = self.target(tokens, self.num_cached + depths, mask, self.cache.latent,
+                                                     self.num_cached, self.arange_rows[: tokens.shape[0]])  # fmt: skip
         self.choices = self._choose(logits)
 
     def _accept(self) -> None:
@@ -270,16 +277,21 @@ class DeviceLoop:
 
     # --- launching and collecting steps ---
 
-    def launch(self, choice: tuple[list[float], list[float]] | None = None) -> None:
+    def launch(self, budget: int | None = None) -> None:
         """Queues one step (a graph replay on the GPU; eager elsewhere) and the copy of its tokens to the host.
-        choice: with several budgets, the host policy's costs and calibration factors (`BudgetPolicy.device_inputs`)
-        for this step's choice; None keeps the last ones."""
+        budget: with several budgets, this step's (a graph each; None: the loaded request's fixed budget; an `auto`
+        request's steps each name theirs, `StepBudgetPolicy.choose`)."""
         if len(self.in_flight) == SLOTS:
             raise RuntimeError(f"{SLOTS} device steps in flight: collect one before launching another")
         slot = self.launched % SLOTS
+        if self.auto:
+            budget = self.request_budget if budget is None else budget
+            if budget not in self.budgets:
+                raise ValueError(f"a step's budget must be one of the device loop's {list(self.budgets)}, got "
+                                 f"{budget} (an auto request names each step's)")  # fmt: skip
+            self.slot_budgets[slot] = budget
+            self.step_budget = None if budget == self.tree_spec.budget else budget
         self.launched += 1
-        if self.auto and choice is not None:
-            self.set_choice(choice, slot)
         if not self.use_graph:
             for group in self.groups:
                 _run(group)
@@ -287,7 +299,7 @@ class DeviceLoop:
             if self.auto:
                 self.stats_host[slot].copy_(self.stats)
         else:
-            mode = (self.sampled, self.filter)
+            mode = (self.sampled, self.filter, self.step_budget)
             if mode not in self.graphs:
                 self.graphs[mode] = self._capture()
             marks = [] if self.events is not None else None
@@ -310,14 +322,17 @@ class DeviceLoop:
             self.done[slot].synchronize()
         values = self.host[slot].tolist()  # the one device -> host transfer of a step
         count = values[-1]
-        if self.auto:
-            self.last_stats = self.read_stats(self.stats_host[slot].tolist())
+        if self.auto:  # the step's budget; a step at the largest budget also reports every budget's acceptance
+            self.last_budget = self.slot_budgets[slot]
+            full = self.last_budget == self.tree_spec.budget
+            self.last_stats = self.read_stats(self.stats_host[slot].tolist()) if full else None
         self.cache.num_cached += count  # the host's mirror, for the capacity check
         return values[:count]
 
     def set_choice(self, choice: tuple[list[float], list[float]], slot: int = 0) -> None:
-        """The host policy's costs and calibration factors (`BudgetPolicy.device_inputs`) into the choice's inputs,
-        through pinned slot `slot` (its previous copy finished before its step, which the host waited for)."""
+        """A batch's `auto` slot (`BatchLoop`): the host policy's costs and calibration factors
+        (`BudgetPolicy.device_inputs`) into the choice's inputs, through pinned slot `slot` (its previous copy finished
+        before its step, which the host waited for)."""
         staged = self.inputs_host[slot]
         staged.copy_(torch.tensor([*choice[0], *choice[1]], dtype=torch.float64))
         self.choice_inputs[:-1].copy_(staged, non_blocking=True)
@@ -378,9 +393,9 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
                        policy=None) -> GenerationResult:  # fmt: skip
     """Generation with device steps, one queued behind the one collected; the prefill runs on the host loop. params:
     a sampled request's `SamplingParams` (the first token is its draw 0, the steps draw on from 1); None: greedy.
-    budget: with several tree budgets, one of them or "auto" (None: the spec's); policy: auto's `BudgetPolicy`,
-    whose inputs ride on each launch and which learns from each step's statistics. Every rank's worker must have
-    called `enable_device_loop` (with the same `autoregressive`)."""
+    budget: with several tree budgets, one of them or "auto" (None: the spec's); policy: auto's `StepBudgetPolicy`,
+    which names each step's budget at its launch and learns from each step's time and statistics. Every rank's
+    worker must have called `enable_device_loop` (with the same `autoregressive`)."""
     timer, start = PhaseTimer(), time.perf_counter()
     result = GenerationResult(prompt=list(prompt), tokens=[])
     sampled = params is not None and not params.greedy
@@ -397,6 +412,9 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
             engine.device_load(result.tokens[-1], len(prompt), params if sampled else None, budget)
     loop = engine.lead.loop
     several = not autoregressive and loop.auto  # each step reports the budget it verified
+    if several and budget == "auto" and policy is None:
+        raise ValueError("an auto request on the device loop needs its StepBudgetPolicy")
+    choose = policy.choose if several and budget == "auto" else lambda: None
     last = time.perf_counter()
     most = 1 if autoregressive else spec.draft_depth + 1  # tokens (and committed rows) a step adds at most
     spare = 1 if autoregressive else 2 * spec.block_size  # rows a step writes past the committed ones
@@ -408,16 +426,16 @@ def generate_on_device(engine, spec: SpecConfig, prompt: list[int], max_new_toke
                 break  # the steps in flight may end the request, or one more might not fit: no run-ahead
             if ahead > capacity:
                 raise ValueError(f"the sequence reached the cache capacity ({capacity} rows)")
-            engine.device_launch(policy.device_inputs() if policy is not None and several else None)
+            engine.device_launch(choose())
             in_flight += 1
         with timer("device_step"):
             step_tokens = engine.device_collect()
         in_flight -= 1
         if several:  # the step's time: from the previous step's tokens to its own (the GPU runs them back to back)
             now, stats = time.perf_counter(), loop.last_stats
-            result.budgets.append(stats["budget"])
-            if policy is not None:
-                policy.observe(stats, len(step_tokens), now - last)
+            result.budgets.append(loop.last_budget)
+            if budget == "auto":
+                policy.record(1, loop.last_budget, now - last, [stats] if stats else [])
             last = now
         result.target_forwards += 1
         result.accept_lengths.append(len(step_tokens))
