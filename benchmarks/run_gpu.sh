@@ -23,6 +23,10 @@
 #             inside it, next to the fixed-budget rows
 #   batch     in-flight batching: kimi_rank_int4.py --batches 4,8 at 1k context (the whole rank, random and oracle
 #             drafters) and benchmarks/concurrency.py --device cuda --no-triton (the trained pair through the CLI)
+#   smoke     the tiny demo through the CLI on the GPU with several budgets (8/16/32): auto and budget 32, one request
+#             and four in-flight batched, each == the CPU's autoregressive tokens
+#   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
+#             temperature 1.0, device loop)
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
 #             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share)
 set -uo pipefail
@@ -30,6 +34,16 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_A
 OUT=${OUT:-out/gpu}
 export DDTREE_COMMIT=${DDTREE_COMMIT:-}  # recorded in the result files: DDTREE_COMMIT=$(git rev-parse --short HEAD)
 STEPS=${STEPS:-tiny lossless cli e2e}
+# DEADLINE (seconds from the start, optional): every step after it is skipped, and a step's Python run is stopped
+# at it (its result file keeps the rows measured so far)
+T0=$(date +%s)
+left() { if [ -n "${DEADLINE:-}" ]; then echo $(( DEADLINE - ($(date +%s) - T0) )); else echo 100000; fi; }
+limit() {  # limit [SECONDS] COMMAND...: run it until the deadline (or SECONDS, the sooner)
+  local s; s=$(left)
+  if [[ "$1" =~ ^[0-9]+$ ]]; then [ "$1" -lt "$s" ] && s=$1; shift; fi
+  [ "$s" -gt 10 ] || { echo "skipped: deadline"; return 124; }
+  timeout "$s" "$@"
+}
 mkdir -p "$OUT"
 GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 {
@@ -38,8 +52,39 @@ GPUS=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   mpirun --version | head -1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-has() { [[ " $STEPS " == *" $1 "* ]]; }
+has() { [[ " $STEPS " == *" $1 "* ]] && [ "$(left)" -gt 10 ]; }
 
+if has smoke; then
+  {
+    python3 -m builder.demo_checkpoints /tmp/hf --force >/dev/null
+    python3 -m builder.cli --model_dir /tmp/hf/kimi-k2-tiny --draft_model_dir /tmp/hf/kimi-k2-tiny-dflash --tp_size 1 \
+      --output_dir /tmp/es --max_input_len 64 --max_seq_len 512 --no_tensorrt --no_onnx --extra_budgets 8,16 --force \
+      2>&1 | tail -1
+    P="--input_text Hello --input_text The_quick_brown_fox --input_text One_two --input_text Once_upon_a"
+    RUN="-m runner --engine_dir /tmp/es --backend torch --max_output_len 40 $P"
+    limit 150 mpirun -np 1 python3 $RUN --max_batch_size 4 --ddtree_budget auto --output_json /tmp/s_auto_b4.json 2>&1 | tail -3
+    limit 150 mpirun -np 1 python3 $RUN --max_batch_size 4 --output_json /tmp/s_32_b4.json 2>&1 | tail -2
+    limit 150 mpirun -np 1 python3 $RUN --ddtree_budget auto --output_json /tmp/s_auto_b1.json 2>&1 | tail -2
+    limit 150 env CUDA_VISIBLE_DEVICES= mpirun -np 1 python3 $RUN --autoregressive --output_json /tmp/s_cpu_ar.json 2>&1 | tail -1
+    python3 - <<'PY'
+import json, pathlib
+load = lambda n: [r["output_ids"] for r in json.loads(pathlib.Path(f"/tmp/{n}.json").read_text())["results"]]
+ref = load("s_cpu_ar")
+for name in ("s_auto_b4", "s_32_b4", "s_auto_b1"):
+    try:
+        print(f"smoke {name} (GPU device loop) == CPU autoregressive:", load(name) == ref)
+    except Exception as error:  # a run that failed wrote nothing
+        print(f"smoke {name}: no result ({error})")
+PY
+  } > "$OUT/smoke.log" 2>&1
+  cat "$OUT/smoke.log"
+fi
+if has autoacc; then
+  mkdir -p "$OUT/autoacc"
+  limit python3 benchmarks/acceptance.py "$OUT/autoacc" --device cuda --prompts "${AUTOACC_PROMPTS:-48}" \
+    --modes autoregressive chain ddtree4 ddtree8 ddtree16 ddtree32 auto > "$OUT/acceptance_auto.log" 2>&1
+  echo "autoacc rc=$?"; tail -16 "$OUT/acceptance_auto.log"
+fi
 if has tiny; then
   {
     python3 -m builder.demo_checkpoints /tmp/hf --force >/dev/null
@@ -110,18 +155,20 @@ if has profile; then
 fi
 if has budget; then
   mkdir -p "$OUT/budget"
-  python3 benchmarks/kimi_rank_int4.py "$OUT/budget" --contexts 1024 --auto-budget > "$OUT/kimi_rank_budget.log" 2>&1
+  limit python3 benchmarks/kimi_rank_int4.py "$OUT/budget" --contexts 1024 --auto-budget --repeats "${REPEATS:-3}" \
+    > "$OUT/kimi_rank_budget.log" 2>&1
   echo "budget rc=$?"; tail -14 "$OUT/kimi_rank_budget.log"
 fi
 if has batch; then
   mkdir -p "$OUT/batch"
-  python3 benchmarks/kimi_rank_int4.py "$OUT/batch" --contexts 1024 --batches 4,8 > "$OUT/kimi_rank_batch.log" 2>&1
+  limit python3 benchmarks/kimi_rank_int4.py "$OUT/batch" --contexts 1024 --no-fixed --batches 4,8 \
+    --repeats "${REPEATS:-3}" > "$OUT/kimi_rank_batch.log" 2>&1
   echo "batch rc=$?"; tail -24 "$OUT/kimi_rank_batch.log"
-  python3 benchmarks/concurrency.py "$OUT/batch" --device cuda --no-triton > "$OUT/concurrency.log" 2>&1
+  limit python3 benchmarks/concurrency.py "$OUT/batch" --device cuda --no-triton > "$OUT/concurrency.log" 2>&1
   echo "concurrency rc=$?"; tail -18 "$OUT/concurrency.log"
 fi
 if has long; then
-  python3 benchmarks/kimi_rank_int4.py "$OUT" --synthetic-context --contexts 32768,131072 \
+  limit python3 benchmarks/kimi_rank_int4.py "$OUT" --synthetic-context --contexts 32768,131072 --repeats "${REPEATS:-3}" \
     > "$OUT/kimi_rank_long.log" 2>&1; echo "long rc=$?"; tail -20 "$OUT/kimi_rank_long.log"
   for S in 32768 131072; do
     mkdir -p "$OUT/profile_$S"
