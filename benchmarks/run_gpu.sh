@@ -19,10 +19,11 @@
 #   peer      benchmarks/flashmla_peer.py: FlashMLA built from .peers/flashmla (a copy of ../shared/peers/flashmla in
 #             an ignored folder, carried with the call) and timed next to TreeAttention
 #   profile   benchmarks/profile_forward.py: the kimi-rank forward's kernels and gaps
-#   budget    kimi_rank_int4.py --auto-budget at 1k context: budgets 8/16/32 in one device-loop graph, auto and budget 8
+#   budget    kimi_rank_int4.py --auto-budget $BUDGET_FLAGS at 1k context: budgets 8/16/32 in one device-loop graph, auto and budget 8
 #             inside it, next to the fixed-budget rows
-#   batch     in-flight batching: kimi_rank_int4.py --batches 4,8 at 1k context (the whole rank, random and oracle
-#             drafters) and benchmarks/concurrency.py --device cuda --no-triton (the trained pair through the CLI)
+#   batch     in-flight batching: 'concurrency' (benchmarks/concurrency.py --device cuda --no-triton: the trained pair
+#             through the CLI, 1 to 16 requests) and 'rankbatch' (kimi_rank_int4.py --batches $BATCHES, default 4,8, at
+#             1k context: the whole rank, random and oracle drafters)
 #   smoke     the tiny demo through the CLI on the GPU with several budgets (8/16/32): auto and budget 32, one request
 #             and four in-flight batched, each == the CPU's autoregressive tokens
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
@@ -155,17 +156,20 @@ if has profile; then
 fi
 if has budget; then
   mkdir -p "$OUT/budget"
-  limit python3 benchmarks/kimi_rank_int4.py "$OUT/budget" --contexts 1024 --auto-budget --repeats "${REPEATS:-3}" \
+  limit python3 benchmarks/kimi_rank_int4.py "$OUT/budget" --contexts 1024 --auto-budget --repeats "${REPEATS:-3}" ${BUDGET_FLAGS:-} \
     > "$OUT/kimi_rank_budget.log" 2>&1
   echo "budget rc=$?"; tail -14 "$OUT/kimi_rank_budget.log"
 fi
-if has batch; then
+if has concurrency || has batch; then
   mkdir -p "$OUT/batch"
-  limit python3 benchmarks/kimi_rank_int4.py "$OUT/batch" --contexts 1024 --no-fixed --batches 4,8 \
-    --repeats "${REPEATS:-3}" > "$OUT/kimi_rank_batch.log" 2>&1
-  echo "batch rc=$?"; tail -24 "$OUT/kimi_rank_batch.log"
   limit python3 benchmarks/concurrency.py "$OUT/batch" --device cuda --no-triton > "$OUT/concurrency.log" 2>&1
-  echo "concurrency rc=$?"; tail -18 "$OUT/concurrency.log"
+  echo "concurrency rc=$?"; tail -24 "$OUT/concurrency.log"
+fi
+if has rankbatch || has batch; then
+  mkdir -p "$OUT/batch"
+  limit python3 benchmarks/kimi_rank_int4.py "$OUT/batch" --contexts 1024 --no-fixed --batches "${BATCHES:-4,8}" \
+    --repeats "${REPEATS:-3}" > "$OUT/kimi_rank_batch.log" 2>&1
+  echo "rankbatch rc=$?"; tail -14 "$OUT/kimi_rank_batch.log"
 fi
 if has long; then
   limit python3 benchmarks/kimi_rank_int4.py "$OUT" --synthetic-context --contexts 32768,131072 --repeats "${REPEATS:-3}" \

@@ -71,11 +71,14 @@ def accepted_at(rank, path, length, budgets) -> torch.Tensor:
     return ((rank.index_select(0, path)[None, :] <= budgets[:, None]) & drafted[None, :]).sum(dim=1)
 
 
-# every 8th step verifies the largest budget (which informs every smaller one) until 64 request-steps have informed
-# the estimates, then every 32nd: enough to follow a drift, at a quarter of the cost
-EXPLORE_EVERY, EXPLORE_EVERY_LATER, SETTLED = 8, 32, 64
 MIN_INFORMED = 4  # request-steps at the largest budget before the acceptance estimates are used
 COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 times
+# Exploration (a step at the largest budget, which informs every smaller one) is paid for out of a share of the time
+# the chosen budget's steps take: EXPLORE_SHARE while the largest budget could still win (its optimistic rate, the
+# mean accepted plus two standard errors, at least the best's), EXPLORE_SHARE_SETTLED once even that loses, so a
+# drifting drafter is still noticed; never two within EXPLORE_GAP steps. On a Kimi K2 rank a budget-32 step costs 3x
+# a budget-8 step (BENCHMARKS.md, section 11): exploring every 8th step cost auto a fifth of its speed there.
+EXPLORE_SHARE, EXPLORE_SHARE_SETTLED, EXPLORE_GAP = 0.05, 0.005, 8
 
 
 class StepBudgetPolicy:
@@ -85,23 +88,29 @@ class StepBudgetPolicy:
 
     Acceptance: a step at the largest budget verifies every node, and each request's statistics say how many drafted
     tokens each smaller budget would have accepted (its b best nodes: what that budget's tree is); the estimate at b
-    is their mean over those request-steps. Steps at a smaller budget inform nothing larger, so every
-    `EXPLORE_EVERY`-th step takes the largest budget again (every `EXPLORE_EVERY_LATER`-th once `SETTLED`
-    request-steps informed it). Costs: `costs` seeds a lone request's (seconds a step at each budget, as warm-up
-    measured them); a (slots, budget) pair not timed yet is taken once to time it, then the median of its last
-    `COST_WINDOW` step times. As the batch grows the wide verify's rows cost more and more, and the choice moves to
-    narrower trees where their tokens a second win. The drafter's own expectation at each budget is summed next to
-    what was accepted (`predicted`, `accepted`): how far its probabilities are from the target's agreement."""
+    is their mean over those request-steps. Steps at a smaller budget inform nothing larger, so the largest budget is
+    taken until `MIN_INFORMED` request-steps informed the estimates, then again whenever the exploration credit
+    covers what such a step costs over the chosen one (the credit grows by a share of each chosen step's cost:
+    `EXPLORE_SHARE` while the largest budget's optimistic rate could beat the best, `EXPLORE_SHARE_SETTLED` once it
+    cannot), so exploring never costs more than that share of the time, whatever the budgets cost. Costs: `costs`
+    seeds a lone request's (seconds a step at each budget, as warm-up measured them); a (slots, budget) pair not
+    timed yet is taken once to time it, then the median of its last `COST_WINDOW` step times. As the batch grows the
+    wide verify's rows cost more and more, and the choice moves to narrower trees where their tokens a second win.
+    The drafter's own expectation at each budget is summed next to what was accepted (`predicted`, `accepted`): how
+    far its probabilities are from the target's agreement."""
 
     def __init__(self, budgets: tuple[int, ...], costs: dict[int, float] | None = None):
         self.budgets = tuple(sorted(budgets))
         self.accepted = dict.fromkeys(self.budgets, 0.0)  # drafted tokens accepted at b, summed over request-steps
+        self.squares = dict.fromkeys(self.budgets, 0.0)  # and their squares (the estimates' standard errors)
         self.predicted = dict.fromkeys(self.budgets, 0.0)  # the drafter's expectation of the same
         self.informed = 0  # request-steps at the largest budget
         self.times: dict[tuple[int, int], deque] = {}
         for budget, seconds in (costs or {}).items():
             self.times[(1, budget)] = deque([seconds], maxlen=COST_WINDOW)
         self.steps = 0
+        self.credit = 0.0  # seconds of exploration earned and not spent yet
+        self.explored_at = 0  # the step that last took the largest budget
         self.chosen: Counter = Counter()  # (slots stepped, budget) -> steps
 
     def expected(self, budget: int) -> float:
@@ -113,16 +122,34 @@ class StepBudgetPolicy:
         times = self.times.get((count, budget))
         return statistics.median(times) if times else None
 
+    def optimistic(self, budget: int) -> float:
+        """Tokens a request emits a step at `budget`, two standard errors above the estimate (a variance floor of
+        1/4 keeps a few identical steps from passing for certainty)."""
+        n = max(self.informed, 1)
+        mean = self.accepted[budget] / n
+        variance = max(self.squares[budget] / n - mean * mean, 0.0) + 0.25
+        return 1.0 + mean + 2.0 * (variance / n) ** 0.5
+
     def choose(self, busy: int = 1, count: int = 1) -> int:
         self.steps += 1
         largest = self.budgets[-1]
-        period = EXPLORE_EVERY if self.informed < SETTLED else EXPLORE_EVERY_LATER
-        if self.informed < MIN_INFORMED or self.steps % period == 0:
+        untimed = [b for b in self.budgets if (count, b) not in self.times]
+        if self.informed < MIN_INFORMED:
             best = largest
+        elif untimed:
+            best = untimed[0]
         else:
-            untimed = [b for b in self.budgets if (count, b) not in self.times]
             rate = lambda b: busy * self.expected(b) / self.cost(b, count)  # noqa: E731
-            best = untimed[0] if untimed else max(self.budgets, key=lambda b: (rate(b), -b))
+            best = max(self.budgets, key=lambda b: (rate(b), -b))
+            if best != largest:
+                extra = self.cost(largest, count) - self.cost(best, count)
+                could_win = busy * self.optimistic(largest) / self.cost(largest, count) >= rate(best)
+                share = EXPLORE_SHARE if could_win else EXPLORE_SHARE_SETTLED
+                self.credit = min(self.credit + share * self.cost(best, count), max(extra, 0.0))
+                if self.credit >= extra and self.steps - self.explored_at >= EXPLORE_GAP:
+                    best = largest
+        if best == largest:
+            self.credit, self.explored_at = 0.0, self.steps
         self.chosen[(count, best)] += 1
         return best
 
@@ -135,4 +162,5 @@ class StepBudgetPolicy:
                 self.informed += 1
                 for b in self.budgets:
                     self.accepted[b] += request["accepted"][b]
+                    self.squares[b] += request["accepted"][b] ** 2
                     self.predicted[b] += request["drafted"][b]
