@@ -162,7 +162,7 @@ if has budget; then
 fi
 if has concurrency || has batch; then
   mkdir -p "$OUT/batch"
-  limit python3 benchmarks/concurrency.py "$OUT/batch" --device cuda --no-triton > "$OUT/concurrency.log" 2>&1
+  limit python3 benchmarks/concurrency.py "$OUT/batch" --device cuda --no-triton ${CONC_FLAGS:-} > "$OUT/concurrency.log" 2>&1
   echo "concurrency rc=$?"; tail -24 "$OUT/concurrency.log"
 fi
 if has rankbatch || has batch; then

@@ -150,10 +150,14 @@ class Generator:
         return batcher.admit(prompt, max_new_tokens, params, end_ids, on_tokens, stop_sequences, chosen, tag)
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int], params: list[SamplingParams],
-                      end_ids: set[int] = frozenset(), budget=None) -> list[GenerationResult]:  # fmt: skip
+                      end_ids: set[int] = frozenset(), budget=None,
+                      batch_policy=None) -> list[GenerationResult]:  # fmt: skip
         """Several requests at once, in-flight batched: each joins when a slot is free and leaves when done; returns
-        their results in order. max_new_tokens: one for all, or each request's."""
+        their results in order. max_new_tokens: one for all, or each request's. batch_policy: chooses the budget of
+        each step of an all-`auto` batch instead of the batcher's own `StepBudgetPolicy` (warm-up)."""
         batcher, results = self.batcher(), {}
+        if batch_policy is not None:
+            batcher.batch_policy = batch_policy
         counts = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         waiting = list(enumerate(zip(prompts, params, counts)))
         while waiting or batcher.members:
@@ -210,10 +214,27 @@ class Generator:
                 for budget in self.device_budgets:  # each budget's graph (the default's was just captured)
                     self.generate(prompt, tokens, params, budget=budget)
             if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
-                # every slot count's step graph: requests that need one more step each, so they leave one after
-                # another whatever the acceptance
+                # every slot count's step graph: requests that need one more step each, the lowest slot's the
+                # longest, so they leave from the top one after another whatever the acceptance (the steps run
+                # slots 0 .. the highest busy one); an all-`auto` batch's steps take one budget for the batch, a graph
+                # each: every budget is taken in turn
                 most = max(1, self.capacity - len(prompt) - 2 * block - 1)
-                lengths = [min(most, 1 + (i + 1) * (self.spec.draft_depth + 1)) for i in range(self.batch_slots)]
-                for budget in (None, "auto") if len(self.device_budgets) > 1 else (None,):  # "auto": a budget a step
-                    self.generate_many([prompt] * self.batch_slots, lengths, [params] * self.batch_slots, budget=budget)
+                lengths = [min(most, 1 + (i + 1) * (self.spec.draft_depth + 1)) for i in range(self.batch_slots)][::-1]
+                batch = ([prompt] * self.batch_slots, lengths, [params] * self.batch_slots)
+                self.generate_many(*batch)
+                for budget in self.device_budgets if len(self.device_budgets) > 1 else ():
+                    self.generate_many(*batch, budget="auto", batch_policy=_OneBudget(budget))
         return time.perf_counter() - start
+
+
+class _OneBudget:
+    """A batch policy that takes one budget every step (the warm-up's: each budget's graphs captured)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+
+    def choose(self, busy: int = 1, count: int = 1) -> int:
+        return self.budget
+
+    def record(self, count, budget, seconds, stats) -> None:
+        pass
