@@ -46,7 +46,8 @@ CLI_MODES = {  # the baseline first: a run cut short still has it
 }
 
 
-def build_engine(out: Path, smoke: bool) -> Path:
+def build_engine(out: Path, smoke: bool, dtype: str = "float32") -> Path:
+    """The TP-1 engine directory (float32 on a CPU; on a GPU bf16, as the acceptance benchmark runs the pair)."""
     from builder.cli import main as build_main
 
     if smoke:  # the tiny demo checkpoints: no trained weights needed
@@ -58,7 +59,7 @@ def build_engine(out: Path, smoke: bool) -> Path:
         target, drafter = TRAINED / "kimi-k2-py", TRAINED / "kimi-k2-py-dflash"
     engine = out / "engine"
     args = ["--model_dir", str(target), "--draft_model_dir", str(drafter), "--output_dir", str(engine),
-            "--max_input_len", "128", "--max_seq_len", "512", "--dtype", "float32", "--no_onnx", "--force",
+            "--max_input_len", "128", "--max_seq_len", "512", "--dtype", dtype, "--no_onnx", "--force",
             "--extra_budgets", "8,16"]  # fmt: skip
     if build_main(args) != 0:
         raise RuntimeError("build-engine failed")
@@ -234,6 +235,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="tokens a request (default 64; smoke 8)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-triton", action="store_true", help="the CLI rows only")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="the engine's dtype (default: float32 on the CPU, bfloat16 on a GPU)")  # fmt: skip
     parser.add_argument("--phases-only", action="store_true", help="only the in-process phase times (part 3)")
     parser.add_argument("--smoke", action="store_true", help="the tiny demo model, two levels: checks the script")
     args = parser.parse_args(argv)
@@ -241,15 +244,16 @@ def main(argv=None) -> int:
     tokens = args.tokens or (8 if args.smoke else 64)
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "levels": levels,
-            "tokens": tokens, "cli": [], "triton": []}  # fmt: skip
+            "dtype": dtype, "tokens": tokens, "cli": [], "triton": []}  # fmt: skip
     if args.device == "cuda" and not args.smoke:
         info.update(environment(False))
 
     def save() -> None:
         (out / "concurrency.json").write_text(json.dumps(info, indent=1) + "\n")
 
-    engine = build_engine(out, args.smoke)
+    engine = build_engine(out, args.smoke, dtype)
     if args.device == "cpu" or args.phases_only:  # eager phases timed on the host clock: a CPU measurement
         info["phases"] = phase_times(engine, smoke=args.smoke)
         save()
