@@ -6,10 +6,10 @@ step's tokens anyway, and the statistics come back with them). `StepBudgetPolicy
 of one) and for a batch whose requests all asked for `auto` (one budget for the batch): the most expected tokens a
 second, from the drafted tokens each budget would have accepted (a step at the largest budget verifies every node,
 and tells every smaller budget's acceptance: its b best nodes are that budget's tree) over each budget's measured
-step time. Measured on one H200 (BENCHMARKS.md, section 11): a narrow step inside the largest budget's graph (its
-other nodes made padding) costs what the largest does (Kimi K2 rank, 1k context: 47.7 ms against 14.3 ms for budget
-8's own graph), because the attention and the dense layers still run every row and the padding's expert pairs still
-take kernel work; so the budgets are separate graphs.
+step time. The budgets are separate graphs because a narrow step inside the largest budget's graph (its other nodes
+made padding) would still run the attention and the dense layers over every row, and the padding's expert pairs
+would still take kernel work; with a graph each, a budget-8 step of an engine with budgets 8/16/32 costs what a
+budget-8-only engine's does (whole Kimi K2 rank on one H200, two runs: 15.58 against 15.57 ms; BENCHMARKS.md 11).
 
 The tensor functions below rank a tree's nodes by path log-probability: a step at the largest budget reports what
 every budget would have accepted (`accepted_at`) and what the drafter expected (`expected_drafted`: predicted against
