@@ -188,3 +188,70 @@ def test_sampled_requests_in_a_batch_are_lossless(demo_ckpt, hf_model, expected)
         assert p_value(joint, laws[prompt][0]) > LEVEL and p_value(third, laws[prompt][1]) > LEVEL, prompt
     # power: the two prompts' laws differ, and each prompt's draws reject the other's
     assert p_value(counts[tuple(PROMPT)][0], laws[tuple(other)][0]) < LEVEL
+
+
+def banned_law(hf_model, banned: tuple[int, ...], temperature: float, top_k: int, ban_first: bool = True) -> dict:
+    """p(t1, t2) of the target's own sampling with `banned` tokens never emitted, by transformers: its
+    `NoBadWordsLogitsProcessor` before the temperature and top-k warpers, as `generate(bad_words_ids=...)` orders
+    them (ban_first=False: the ban after the top-k, a broken order with fewer than k candidates left)."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    ban = NoBadWordsLogitsProcessor([[t] for t in banned])
+
+    def probs(sequence):
+        ids = torch.tensor([sequence])
+        with torch.no_grad():
+            scores = hf_model(ids).logits[0, -1:].double()
+        if ban_first:
+            scores = ban(ids, scores)
+        scores = TopKLogitsWarper(top_k)(ids, TemperatureLogitsWarper(temperature)(ids, scores))
+        if not ban_first:
+            scores = ban(ids, scores)
+        return torch.softmax(scores, -1)[0]
+
+    p1, joint = probs(PROMPT), {}
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = probs(PROMPT + [t1])
+        joint.update({(t1, t2): float(p1[t1] * p2[t2]) for t2 in torch.nonzero(p2).flatten().tolist()})
+    return joint
+
+
+@pytest.mark.slow
+def test_sampled_requests_with_bad_words_follow_the_banned_law(demo_ckpt, hf_model):
+    """A sampled speculative request with bad words (the host loop's sampler: `Generator.on_device` sends banned
+    tokens there) emits its first two tokens as the target's own sampling with those tokens banned, by transformers'
+    definition; the law without the ban and the ban applied after the top-k are rejected by the same test."""
+    from runner.generator import Generator
+
+    top = warped_probs(hf_model, PROMPT, **PARAMS).argsort(descending=True).tolist()
+    banned = (top[0], top[2])  # the most probable first token and another one among the top k
+    law = banned_law(hf_model, banned, **PARAMS)
+    engine = cpu_ranks(demo_ckpt(1), SPEC, BuildConfig(max_input_len=64, max_seq_len=512))
+    generator = Generator(engine)
+    assert not generator.on_device(SamplingParams(**PARAMS), banned)
+    joint = {}
+    try:
+        for seed in range(RUNS):
+            tokens = generator.generate(PROMPT, 2, SamplingParams(**PARAMS, seed=seed), banned=banned).tokens
+            joint[tuple(tokens)] = joint.get(tuple(tokens), 0) + 1
+    finally:
+        engine.close()
+    assert not {t for pair in joint for t in pair} & set(banned)
+    assert p_value(joint, law) > LEVEL
+    assert p_value(joint, exact(hf_model, **PARAMS)[0]) < LEVEL  # no ban
+    assert p_value(joint, banned_law(hf_model, banned, **PARAMS, ban_first=False)) < LEVEL  # banned after top-k
+
+
+def test_a_sampled_request_stops_right_after_its_stop_sequence(ranks):
+    """The stop-sequence path of a sampled request on the device loop: with the same seed, the request ends right
+    after the first occurrence of a stop sequence taken from its own draws, the tokens before it unchanged."""
+    from runner.generator import Generator
+
+    params = SamplingParams(**PARAMS, seed=11)
+    generator = Generator(ranks)
+    assert generator.on_device(params)
+    full = generator.generate(PROMPT, 40, params).tokens
+    stop = tuple(full[20:22])
+    first = next(i for i in range(len(full) - 1) if tuple(full[i : i + 2]) == stop)
+    stopped = generator.generate(PROMPT, 40, params, stop_sequences=(stop,)).tokens
+    assert stopped == full[: first + 2]
