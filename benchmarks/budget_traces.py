@@ -14,8 +14,11 @@
    (`kimi_rank_int4.py`, the random-drafter rows: a step costs the same whatever it accepts), at each context the
    file has. A fixed budget emits, a step, the tokens its prefix of the path holds (accepted drafts + the bonus);
    `auto` is `runner.budget.BudgetPolicy` as the generator runs it (those costs, its calibration learnt online),
-   fed the steps in order: it chooses from the step's scores, then records the path its budget took. Tokens/s =
-   tokens emitted over the steps' summed costs; autoregressive decoding = one token a decode step.
+   fed the steps in order: it chooses from the step's scores, then records the path its budget took; `auto (device
+   loop)` is `runner.device.budget.StepBudgetPolicy`, what a GPU's device loop runs (it chooses before the step's
+   launch, learns acceptance from its steps at the largest budget and explores on a share of the time; each step's
+   time is its budget's cost). Tokens/s = tokens emitted over the steps' summed costs; autoregressive decoding = one
+   token a decode step. --traces reuses the traces of an earlier run's budget_traces.json.
 Writes OUT_DIR/budget_traces.json (the traces and the table) and prints the table.
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -35,6 +39,7 @@ from benchmarks.acceptance import convert_pair, load_prompts
 from benchmarks.common import environment
 from engines.spec import BuildConfig, SpecConfig
 from runner.budget import BudgetPolicy
+from runner.device.budget import StepBudgetPolicy
 from runner.factory import CheckpointWeights, RankOptions, local_ranks
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate
@@ -93,8 +98,8 @@ def step_costs(costs_file: Path) -> dict[int, dict]:
     for r in rows:
         if r["mode"].startswith("autoregressive"):
             costs.setdefault(r["context"], {})["autoregressive"] = r["step_ms"] / 1e3
-        elif r["drafter"] == "random" and r["mode"].startswith("ddtree "):
-            costs.setdefault(r["context"], {})[int(r["mode"].split()[1])] = r["step_ms"] / 1e3
+        elif r["drafter"] == "random" and (fixed := re.fullmatch(r"ddtree (\d+)( \(device loop\))?", r["mode"])):
+            costs.setdefault(r["context"], {})[int(fixed.group(1))] = r["step_ms"] / 1e3  # a budget's own engine
     return {c: v for c, v in costs.items() if all(b in v for b in (*BUDGETS, "autoregressive"))}
 
 
@@ -114,11 +119,25 @@ def replay(traces: list[dict], costs: dict) -> dict:
         emitted += len(path)
         seconds += costs[chosen]
     rates["auto"] = emitted / seconds
+    device, emitted, seconds = StepBudgetPolicy(BUDGETS, {b: costs[b] for b in BUDGETS}), 0, 0.0
+    for s in steps:
+        chosen = device.choose()
+        emitted += len(budget_path(s["path"], chosen))
+        seconds += costs[chosen]
+        stats = []
+        if chosen == BUDGETS[-1]:  # what the device loop's statistics say of every budget (`DeviceLoop.read_stats`)
+            drafted = np.exp(np.array(s["scores"][1:], dtype=np.float64)).cumsum()
+            stats = [{"accepted": {b: len(budget_path(s["path"], b)) - 1 for b in BUDGETS},
+                      "drafted": {b: float(drafted[min(b, len(drafted)) - 1]) for b in BUDGETS}}]  # fmt: skip
+        device.record(1, chosen, costs[chosen], stats)
+    rates["auto (device loop)"] = emitted / seconds
     fixed = [rates[f"ddtree {b}"] for b in BUDGETS]
     return {"steps": len(steps), "tokens_per_s": {k: round(v, 2) for k, v in rates.items()},
             "auto_over_best": round(rates["auto"] / max(fixed), 4),
             "auto_over_worst": round(rates["auto"] / min(fixed), 4),
             "budgets_chosen": {b: policy.chosen[b] for b in BUDGETS},
+            "device_auto_over_best": round(rates["auto (device loop)"] / max(fixed), 4),
+            "device_budgets_chosen": {b: device.chosen[(1, b)] for b in BUDGETS},
             "mean_accept_length": {b: round(emitted_at[b] / len(steps), 3) for b in BUDGETS},
             "drafted_accepted_predicted_per_step": round(policy.predicted / len(steps), 3),
             "drafted_accepted_observed_per_step": round(policy.observed / len(steps), 3)}  # fmt: skip
@@ -131,6 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--costs", type=Path, default=RESULTS / "kimi_rank_int4.json")
+    parser.add_argument("--traces", type=Path, default=None, help="an earlier budget_traces.json: its traces")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -140,8 +160,12 @@ def main(argv=None) -> int:
     if not costs:
         raise SystemExit(f"{args.costs}: no context with autoregressive and random-drafter DDTree {BUDGETS} rows")
     rows, traces = [], {}
+    earlier = json.loads(args.traces.read_text())["traces"] if args.traces else {}
     for temperature in args.temperatures:
-        traces[temperature] = record_traces(args.prompts, args.tokens, temperature, args.smoke)
+        if str(temperature) in earlier:
+            traces[temperature] = earlier[str(temperature)]
+        else:
+            traces[temperature] = record_traces(args.prompts, args.tokens, temperature, args.smoke)
         for context, cost in sorted(costs.items()):
             row = {"temperature": temperature, "context": context,
                    "step_ms": {str(k): round(v * 1e3, 2) for k, v in cost.items()},
@@ -154,14 +178,15 @@ def main(argv=None) -> int:
               "traces": {str(t): v for t, v in traces.items()}}  # fmt: skip
     (args.out_dir / "budget_traces.json").write_text(json.dumps(result) + "\n")
     print("\n| temperature | context | autoregressive | DDTree 8 | DDTree 16 | DDTree 32 | auto | auto / best | "
-          "auto / worst | budgets auto chose (8 / 16 / 32) |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
+          "auto / worst | budgets auto chose (8 / 16 / 32) | auto (device loop) | its / best | its budgets |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")  # fmt: skip
     for r in rows:
-        t, c = r["tokens_per_s"], r["budgets_chosen"]
+        t, c, d = r["tokens_per_s"], r["budgets_chosen"], r["device_budgets_chosen"]
         print(
             f"| {r['temperature']} | {r['context']} | {t['autoregressive']:.1f} | {t['ddtree 8']:.1f} | "
             f"{t['ddtree 16']:.1f} | {t['ddtree 32']:.1f} | {t['auto']:.1f} | {r['auto_over_best']:.3f} | "
-            f"{r['auto_over_worst']:.2f} | {c[8]} / {c[16]} / {c[32]} |"
+            f"{r['auto_over_worst']:.2f} | {c[8]} / {c[16]} / {c[32]} | {t['auto (device loop)']:.1f} | "
+            f"{r['device_auto_over_best']:.3f} | {d[8]} / {d[16]} / {d[32]} |"
         )
     return 0
 
