@@ -33,13 +33,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks.acceptance import ROOT as TRAINED
 from benchmarks.acceptance import convert_pair, load_prompts
 from benchmarks.common import environment
 from engines.spec import BuildConfig, SpecConfig
 from runner.budget import BudgetPolicy
-from runner.device.budget import StepBudgetPolicy
+from runner.device.budget import StepBudgetPolicy, expected_drafted
 from runner.factory import CheckpointWeights, RankOptions, local_ranks
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate
@@ -126,9 +127,9 @@ def replay(traces: list[dict], costs: dict) -> dict:
         seconds += costs[chosen]
         stats = []
         if chosen == BUDGETS[-1]:  # what the device loop's statistics say of every budget (`DeviceLoop.read_stats`)
-            drafted = np.exp(np.array(s["scores"][1:], dtype=np.float64)).cumsum()
+            drafted = expected_drafted(torch.tensor(s["scores"]), torch.tensor(BUDGETS)).tolist()
             stats = [{"accepted": {b: len(budget_path(s["path"], b)) - 1 for b in BUDGETS},
-                      "drafted": {b: float(drafted[min(b, len(drafted)) - 1]) for b in BUDGETS}}]  # fmt: skip
+                      "drafted": dict(zip(BUDGETS, drafted))}]  # fmt: skip
         device.record(1, chosen, costs[chosen], stats)
     rates["auto (device loop)"] = emitted / seconds
     fixed = [rates[f"ddtree {b}"] for b in BUDGETS]

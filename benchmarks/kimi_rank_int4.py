@@ -15,7 +15,7 @@ drafter and with an oracle drafter (probes: every stage runs, then the logits fo
 continuation), on the device loop; decode tokens/s (median of --repeats), mean acceptance, the per-phase split and
 the verify-to-decode cost ratio. --auto-budget adds, per drafter, an engine spec with budgets 8, 16 and 32 on the
 device loop: `auto` (costs measured on the device loop first, as `--ddtree_budget auto` does; the budgets the steps
-took are recorded) and budget 8 verified inside the budget-32 graph (what the one-graph choice costs a narrow step).
+took are recorded) and budget 8 on that engine (its own graph: what a narrow step of a several-budget engine costs).
 --batches 4,8 adds rows of that many copies of the request in-flight batched (`--max_batch_size`): tokens/s of the
 batch together, speed-up against one autoregressive request (the ranks are then built for the context and the request,
 not 131072 tokens: each slot holds caches for the whole sequence). One GPU holds one rank: no all-reduce in these
@@ -62,8 +62,8 @@ def main(argv=None) -> int:
                         "many cached rows of random K/V and then a prompt of --prompt tokens, not one long prefill "
                         "(runner/probes.py: the steps cost the same; their tokens continue nothing real)")  # fmt: skip
     parser.add_argument("--prompt", type=int, default=1024, help="the real prompt's tokens with --synthetic-context")
-    parser.add_argument("--auto-budget", action="store_true", help="add rows of budgets 8/16/32 in one device-loop "
-                        "graph: auto, and budget 8 inside it")  # fmt: skip
+    parser.add_argument("--auto-budget", action="store_true", help="add rows of an engine with budgets 8/16/32 "
+                        "(a device-loop graph each): auto, and budget 8 on it")  # fmt: skip
     parser.add_argument(
         "--batches",
         default="",

@@ -19,8 +19,8 @@
 #   peer      benchmarks/flashmla_peer.py: FlashMLA built from .peers/flashmla (a copy of ../shared/peers/flashmla in
 #             an ignored folder, carried with the call) and timed next to TreeAttention
 #   profile   benchmarks/profile_forward.py: the kimi-rank forward's kernels and gaps
-#   budget    kimi_rank_int4.py --auto-budget $BUDGET_FLAGS at 1k context: budgets 8/16/32 in one device-loop graph, auto and budget 8
-#             inside it, next to the fixed-budget rows
+#   budget    kimi_rank_int4.py --auto-budget $BUDGET_FLAGS at 1k context: an engine with budgets 8/16/32 (a graph each),
+#             auto and budget 8 on it, next to the fixed-budget rows
 #   batch     in-flight batching: 'concurrency' (benchmarks/concurrency.py --device cuda --no-triton: the trained pair
 #             through the CLI, 1 to 16 requests) and 'rankbatch' (kimi_rank_int4.py --batches $BATCHES, default 4,8, at
 #             1k context: the whole rank, random and oracle drafters)

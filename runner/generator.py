@@ -222,19 +222,8 @@ class Generator:
                 lengths = [min(most, 1 + (i + 1) * (self.spec.draft_depth + 1)) for i in range(self.batch_slots)][::-1]
                 batch = ([prompt] * self.batch_slots, lengths, [params] * self.batch_slots)
                 self.generate_many(*batch)
-                for budget in self.device_budgets if len(self.device_budgets) > 1 else ():
-                    self.generate_many(*batch, budget="auto", batch_policy=_OneBudget(budget))
+                from runner.device.budget import StepBudgetPolicy
+
+                for budget in self.device_budgets if len(self.device_budgets) > 1 else ():  # a policy of one budget
+                    self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
         return time.perf_counter() - start
-
-
-class _OneBudget:
-    """A batch policy that takes one budget every step (the warm-up's: each budget's graphs captured)."""
-
-    def __init__(self, budget: int):
-        self.budget = budget
-
-    def choose(self, busy: int = 1, count: int = 1) -> int:
-        return self.budget
-
-    def record(self, count, budget, seconds, stats) -> None:
-        pass
