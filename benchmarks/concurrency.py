@@ -260,8 +260,8 @@ def main(argv=None) -> int:
     if args.phases_only:
         return 0
     texts = prompts(max(levels), args.smoke)
-    for mode in CLI_MODES:  # a discarded job first: kernels compiled for new shapes land in Triton's disk cache,
-        cli_row(engine, out, texts[:2], 8, 2, mode, args.device)  # as on a server after its first requests
+    for mode in CLI_MODES if args.device == "cuda" else ():  # a discarded job first: kernels compiled for new
+        cli_row(engine, out, texts[:2], 8, 2, mode, args.device)  # shapes land in Triton's disk cache, as on a server
     for mode in CLI_MODES:
         # one at a time: the largest level's prompts in one job, each request alone (a request's rate does not
         # depend on the others), so the rate of the first n requests is the one-at-a-time row at level n

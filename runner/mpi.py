@@ -61,6 +61,29 @@ def release_shared_memory() -> list[str]:
     return sorted(names)
 
 
+def exit_rank(code) -> None:
+    """Ends this rank's process with `code` (an int, None for 0, or a message for 1, as `sys.exit` takes) once its
+    output is flushed and MPI is finalized, without the interpreter's teardown: freeing torch's modules and tensors
+    one by one took 5.5 s for 8 ranks on two cores (a bare `import torch` job), which a server restart or a CLI run
+    paid on every exit. Nothing is left to clean: every file the runner writes is closed where it is written."""
+    if isinstance(code, str):
+        sys.stderr.write(code + "\n")
+        code = 1
+    code = 0 if code is None else int(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach it
+            pass
+    if "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    os._exit(code)
+
+
 def setup_logging(rank: int, level: str = "INFO") -> None:
     logging.basicConfig(level=level.upper(), format=f"[rank {rank}] %(message)s", stream=sys.stderr, force=True)
 

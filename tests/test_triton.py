@@ -59,6 +59,19 @@ def rank_pids(engine_dir: Path, backend: str) -> list[int]:
     return ranks
 
 
+def process_states(pids: dict) -> str:
+    """Each process's state and command line (from /proc), for a failure message."""
+    lines = []
+    for pid in (p for group in pids.values() for p in group):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        lines.append(f"{pid} {state} {command[:200]}")
+    return "\n".join(lines)
+
+
 def listening_addresses(pids: list[int]) -> list[str]:
     """The local addresses of the TCP sockets the processes listen on (from /proc: no tool needed)."""
     inodes = set()
@@ -103,11 +116,14 @@ def server(demo_engine, release_engine, tmp_path_factory):
         yield {**ports, "engine": engine, "release": release_engine, "process": process, "log": work / "server.log"}
     finally:
         stop_server(process)
-        deadline = time.monotonic() + 30
-        while runner_pids(engine) and time.monotonic() < deadline:
+        # every model's job ends with the server (the release model's eight ranks take longest on two cores)
+        deadline = time.monotonic() + 60
+        while any(runner_pids(e) for e in (engine, release_engine)) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not runner_pids(engine), "the MPI runner outlived the server"
-        assert not runner_pids(release_engine), "the MPI runner outlived the server"
+        left = {str(e): runner_pids(e) for e in (engine, release_engine) if runner_pids(e)}
+        logs = "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-2000:]}"
+                         for log in sorted(work.rglob("*-runner.log")))  # fmt: skip
+        assert not left, f"the MPI runner outlived the server by 60 s: {left}\n{process_states(left)}\n{logs}"
 
 
 @pytest.fixture(scope="module")

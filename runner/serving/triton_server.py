@@ -65,7 +65,7 @@ def start_server(
         "--metrics-address=127.0.0.1",
         f"--metrics-port={metrics_port}",
         "--allow-gpu-metrics=false",
-        "--exit-timeout-secs=10",
+        "--exit-timeout-secs=30",  # longer than a model's finalize (its runner job: 15 s, then killed)
         "--log-verbose=0",
     ]
     log = open(log_path, "w")  # noqa: SIM115 (the server writes to it until it stops)
