@@ -10,9 +10,14 @@ fault, another process) steering the choice. A wider tree never costs less than 
 with more verify rows), so the costs the choice uses are made non-decreasing in the budget (a budget measured
 dearer than a wider one is pooled with it: isotonic regression), which keeps noise in the measured costs from
 swinging the choice between two budgets of nearly equal cost. The policy takes the budget that maximises
-calibration_b * (E_b - 1) + 1 over that cost. `calibration_b` scales the drafter's probabilities to what the
-target accepts, one factor a budget: the observed over the predicted drafted tokens at b, with a prior of PRIOR
-tokens at the factor of all the steps taken (itself with a prior of PRIOR tokens at 1.0).
+1 + sum over the segments up to b of calibration_s * (the drafter's expected tokens in segment s), over that cost.
+A segment is the nodes a budget adds to the next smaller one (nodes 1-4, 5-8, 9-16, 17-32 for budgets 4/8/16/32),
+and `calibration_s` scales the drafter's probabilities there to what the target accepts there: the observed over
+the predicted drafted tokens of that segment, with a prior of PRIOR tokens at the factor of all the steps taken
+(itself with a prior of PRIOR tokens at 1.0). Per segment, because choosing between two budgets is a question about
+the nodes between them: a drafter sure of its first nodes and too sure of its tail (the usual case) would, with one
+factor for a whole tree, have the first nodes' factor lift the tail's probabilities, and widen the trees of steps
+whose tails look likely although such tails are rarely accepted.
 Every step informs every budget up to the one it took: best-first, a smaller budget's tree is the first nodes of
 the larger one and a child comes after its parent, so the tokens budget b would have accepted are the accepted
 path's nodes numbered b or less (the target's choices at those nodes are the same). A drafter that is more (or
@@ -50,6 +55,8 @@ class BudgetPolicy:
     last_drafted: dict = field(default_factory=dict)  # its expected drafted tokens at every budget
     predicted_at: Counter = field(default_factory=Counter)  # per budget, over the steps that inform it
     observed_at: Counter = field(default_factory=Counter)
+    segment_predicted: Counter = field(default_factory=Counter)  # the same, of the nodes b adds to the next smaller
+    segment_observed: Counter = field(default_factory=Counter)
     times: dict = field(default_factory=dict)  # budget -> its recent step times
 
     def __post_init__(self) -> None:
@@ -63,7 +70,16 @@ class BudgetPolicy:
         return {b: float(cumulative[min(b, len(cumulative) - 1)]) for b in self.budgets}
 
     def calibration_at(self, budget: int) -> float:
-        return (self.observed_at[budget] + PRIOR * self.calibration) / (self.predicted_at[budget] + PRIOR)
+        """The factor of the segment `budget` ends: the nodes it adds to the next smaller budget."""
+        return (self.segment_observed[budget] + PRIOR * self.calibration) / (self.segment_predicted[budget] + PRIOR)
+
+    def expected(self, drafted: dict[int, float]) -> dict[int, float]:
+        """Tokens a step emits at each budget: the bonus, and each segment's expected drafted tokens calibrated."""
+        expected, total, below = {}, 1.0, 0.0
+        for b in self.budgets:
+            total += self.calibration_at(b) * (drafted[b] - below)
+            expected[b], below = total, drafted[b]
+        return expected
 
     def costs(self) -> dict[int, float]:
         """The measured step costs made non-decreasing in the budget (pool adjacent violators, equal weights)."""
@@ -78,8 +94,8 @@ class BudgetPolicy:
 
     def best(self, drafted: dict[int, float]) -> int:
         """The budget with the most expected tokens a second (the smallest one on ties)."""
-        costs = self.costs()
-        rate = {b: (1.0 + self.calibration_at(b) * drafted[b]) / costs[b] for b in self.budgets}
+        costs, expected = self.costs(), self.expected(drafted)
+        rate = {b: expected[b] / costs[b] for b in self.budgets}
         return max(self.budgets, key=lambda b: (rate[b], -b))
 
     def choose(self, scores: np.ndarray) -> int:
@@ -114,9 +130,15 @@ class BudgetPolicy:
         self.observed += accept_length - 1
         self.calibration = (self.observed + PRIOR) / (self.predicted + PRIOR)
         if accepted is not None:
-            for b, count in accepted.items():
+            predicted_below = observed_below = 0.0
+            for b in self.budgets:
+                if b not in accepted:
+                    break
                 self.predicted_at[b] += self.last_drafted[b]
-                self.observed_at[b] += count
+                self.observed_at[b] += accepted[b]
+                self.segment_predicted[b] += self.last_drafted[b] - predicted_below
+                self.segment_observed[b] += accepted[b] - observed_below
+                predicted_below, observed_below = self.last_drafted[b], accepted[b]
         if seconds is not None and self.last is not None:
             recent = self.times.setdefault(self.last, deque(maxlen=COST_WINDOW))
             recent.append(seconds)
@@ -124,7 +146,7 @@ class BudgetPolicy:
                 self.step_seconds[self.last] = float(np.median(recent))
 
     def device_inputs(self) -> tuple[list[float], list[float]]:
-        """What the device loop's choice reads, in budget order: the costs `best` uses and each budget's
+        """What the device loop's choice reads, in budget order: the costs `best` uses and each budget's segment's
         calibration factor."""
         costs = self.costs()
         return [costs[b] for b in self.budgets], [self.calibration_at(b) for b in self.budgets]

@@ -73,6 +73,43 @@ def test_every_step_informs_each_budget_up_to_the_one_taken():
     assert set(small.observed_at) == {4, 8}
 
 
+def test_each_segment_of_the_tree_is_calibrated_on_its_own():
+    """A drafter too unsure of its first 4 nodes (each 0.5, always accepted) and far too sure of the rest (each 0.2
+    on heavy-tailed steps, 0.05 on the others; a tail node is accepted once in 10 steps, whatever its probability).
+    One factor for the whole tree (0.75: 820 accepted of 1100 expected) lifts a heavy tail's 5.6 expected tokens to
+    4.2 and gives budget 32 6.7 tokens for 1.25x the cost (5.3 a unit of cost against 4.9 at budget 4); the tail's own
+    factor (0.04) gives it 5.2 (4.1 a unit). Every heavy-tailed step takes budget 4, as it should."""
+    heavy = np.log(np.array([1.0] + [0.5] * 4 + [0.2] * 28))
+    light = np.log(np.array([1.0] + [0.5] * 4 + [0.05] * 28))
+    policy = BudgetPolicy((4, 32), {4: 1.0, 32: 1.25})
+    for step in range(200):  # steps at 32 (the only ones that inform its segment), half of them heavy-tailed
+        tail = 1 if step % 10 == 0 else 0
+        drafted = policy.expected_drafted(heavy if step % 2 else light)
+        policy.observe({"budget": 32, "drafted": drafted, "accepted": {4: 4, 32: 4 + tail}}, 5 + tail)
+    prior = 8 * policy.calibration  # PRIOR drafted tokens at the factor of all the steps
+    assert policy.calibration == pytest.approx((820 + 8) / (1100 + 8))
+    assert policy.calibration_at(4) == pytest.approx((800 + prior) / (400 + 8))  # 4 accepted of 2.0 expected
+    assert policy.calibration_at(32) == pytest.approx((20 + prior) / (700 + 8))  # 20 tail tokens of 700 expected
+    drafted = policy.expected_drafted(heavy)
+    expected = policy.expected(drafted)
+    assert expected[4] == pytest.approx(1 + policy.calibration_at(4) * 2.0)
+    assert expected[32] == pytest.approx(expected[4] + policy.calibration_at(32) * 5.6)
+    assert policy.best(drafted) == 4
+    one_factor = (policy.observed_at[32] + prior) / (policy.predicted_at[32] + prior / policy.calibration)
+    assert (1 + one_factor * drafted[32]) / 1.25 > expected[4]  # what one factor for the tree would have chosen
+    assert policy.best(policy.expected_drafted(np.log(np.array([1.0] + [0.5] * 4 + [0.9] * 28)))) == 4
+    # the device loop's choice reads the same factors (`device_inputs`) and chooses the same
+    import torch
+
+    from runner.device.budget import choose_budget
+
+    costs, factors = policy.device_inputs()
+    index = choose_budget(torch.tensor([drafted[4], drafted[32]], dtype=torch.float64),
+                          torch.tensor(factors, dtype=torch.float64), torch.tensor(costs, dtype=torch.float64),
+                          torch.tensor([-1]))  # fmt: skip
+    assert int(index) == 0
+
+
 def test_auto_budget_generation_equals_autoregressive(demo_ckpt):
     """`--ddtree_budget auto` in process: costs measured for every budget of the spec, every step verifies one of
     them, greedy output equals autoregressive decoding (the oracle)."""

@@ -57,8 +57,10 @@ def expected_drafted(ordered_scores: torch.Tensor, budgets: torch.Tensor) -> tor
 
 
 def choose_budget(drafted, calibration, costs, fixed) -> torch.Tensor:
-    """The index [1] of the budget with the most expected tokens a second (`fixed` >= 0: that index instead)."""
-    rate = (1.0 + calibration * drafted) / costs
+    """The index [1] of the budget with the most expected tokens a second (`fixed` >= 0: that index instead).
+    calibration: one factor a budget's segment, the nodes it adds to the next smaller budget (`BudgetPolicy`)."""
+    segments = torch.diff(drafted, prepend=drafted.new_zeros(1))
+    rate = (1.0 + (calibration * segments).cumsum(0)) / costs
     best = rate.argmax().reshape(1)
     return torch.where(fixed >= 0, fixed, best)
 
