@@ -174,77 +174,15 @@ def sweep_tunings(tensors, config, device, dtype, smoke: bool, pipeline: bool = 
     return Tuning(**{f: best[f] for f in vars(DEFAULT_TUNING)}), sorted(results, key=lambda r: r["geomean_us"])
 
 
-def sweep_stream(tensors, config, device, dtype, smoke: bool):
-    """The streaming path's launch shapes, in stages (gate/up rows, K step and warps; then down rows; then pairs a
-    pass) at T = 1 and 33 (random routing), then the streaming and the tensor-core path side by side at each T of
-    1-128: the crossover that `stream_tokens` is set from. Returns (best tuning, rows)."""
-    import math
-
-    experts, hidden, k = config.n_routed_experts, config.hidden_size, config.num_experts_per_tok
-    gen = torch.Generator().manual_seed(12)
-
-    def case(tokens):
-        ids, weights = routing("random", tokens, experts, k, gen)
-        return torch.randn(tokens, hidden, generator=gen).to(device, dtype), ids.to(device), weights.to(device)
-
-    cases = [case(1), case(33)]
-    rows = []
-
-    def timed(tuning, stage):
-        try:
-            times = [graph_time_us(lambda c=c: int4_moe_cuda(*c, *tensors, GROUP, tuning=tuning), device, smoke)
-                     for c in cases]  # fmt: skip
-        except OutOfResources as err:
-            print(json.dumps({"stage": stage, **vars(tuning), "skipped": str(err)[:120]}), flush=True)
-            return math.inf
-        rows.append({"stage": stage, **vars(tuning), "T1_us": times[0], "T33_us": times[1],
-                     "geomean_us": math.sqrt(times[0] * times[1])})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-        return rows[-1]["geomean_us"]
-
-    base = replace(DEFAULT_TUNING, stream_tokens=1 << 30)
-    stages = [
-        ("gate_up", [dict(stream_n=n, stream_kw=kw, stream_split=sp, stream_prefetch=pf) for n in (2, 4, 8)
-                     for kw in (64, 128) for sp in (1, 2, 4, 8) for pf in (False, True)]),
-        ("warps", [dict(stream_warps=w) for w in (2, 4, 8)]),
-        ("down", [dict(stream_down_n=n) for n in (8, 16, 32, 64)]),
-        ("pairs", [dict(stream_m=m) for m in (1, 2, 4)]),
-    ]  # fmt: skip
-    for stage, grid in stages:
-        if smoke:
-            grid = grid[:2]
-        best = min(grid, key=lambda change: timed(replace(base, **change), stage))
-        base = replace(base, **best)
-    crossover = []
-    for tokens in (1, 8, 16, 33, 64, 128):
-        c = case(tokens)
-        want = int4_moe(c[0].float(), c[1], c[2], *[t if t.dtype == torch.int32 else t.float() for t in tensors],
-                        GROUP)  # fmt: skip
-        row = {"tokens": tokens}
-        for name, tuning in (("stream_us", base), ("tensor_core_us", replace(base, stream_tokens=0))):
-            got = int4_moe_cuda(*c, *tensors, GROUP, tuning=tuning).float()
-            row[name.replace("_us", "_error")] = float((got - want).norm() / want.norm())
-            row[name] = graph_time_us(lambda t=tuning, c=c: int4_moe_cuda(*c, *tensors, GROUP, tuning=t), device, smoke)
-        crossover.append(row)
-        print(json.dumps({"stage": "crossover", **row}), flush=True)
-    stream_tokens = 0  # the largest T up to which the streaming path wins at every measured T
-    for row in crossover:
-        if row["stream_us"] >= row["tensor_core_us"]:
-            break
-        stream_tokens = row["tokens"]
-    return replace(base, stream_tokens=stream_tokens), rows, crossover
-
-
-def profile(x, ids, weights, tensors, path: Path, smoke: bool, tuning: Tuning = DEFAULT_TUNING) -> None:
-    """Device time of each kernel of the chosen path and of the tensor-core path (20 calls each), as
-    torch.profiler's table."""
+def profile(x, ids, weights, tensors, path: Path, smoke: bool) -> None:
+    """Device time of each kernel the forms launch (20 calls each), as torch.profiler's table."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
-    for name, kwargs in (("the streaming path", {"tuning": replace(tuning, stream_tokens=1 << 30)}),
-                         ("the tensor-core path", {"tuning": replace(tuning, stream_tokens=0)})):  # fmt: skip
+    for name, kwargs in (("default launch shapes", {}), ("gate 32 columns, down 128, 8 warps",
+                                                          {"tuning": Tuning(32, 128, 8, 2, 8)})):  # fmt: skip
         int4_moe_cuda(x, ids, weights, *tensors, GROUP, **kwargs)
         activities = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
         with torch_profile(activities=activities) as prof:
@@ -267,7 +205,6 @@ def main(argv=None) -> int:
     what = "first time launch shapes at T 1 and 33 (random routing); the table uses the best"
     parser.add_argument("--sweep", action="store_true", help=what)
     parser.add_argument("--sweep-pipeline", action="store_true", help="the same over K-step words and pipeline stages")
-    parser.add_argument("--sweep-stream", action="store_true", help="the streaming path's shapes and its crossover")
     args = parser.parse_args(argv)
     smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
@@ -285,10 +222,6 @@ def main(argv=None) -> int:
     tuning, sweep = DEFAULT_TUNING, []
     if args.sweep or args.sweep_pipeline:
         tuning, sweep = sweep_tunings(tensors, config, device, dtype, smoke, args.sweep_pipeline)
-        print("tuning", tuning, flush=True)
-    stream_sweep, crossover = [], []
-    if args.sweep_stream:
-        tuning, stream_sweep, crossover = sweep_stream(tensors, config, device, dtype, smoke)
         print("tuning", tuning, flush=True)
     rows = []
     for kind in ("random", "skewed"):
@@ -318,12 +251,11 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.profile and kind == "random" and tokens in (1, 33):
-                profile(x, ids, weights, tensors, args.out_dir / f"int4_profile_T{tokens}.txt", smoke, tuning)
+                profile(x, ids, weights, tensors, args.out_dir / f"int4_profile_T{tokens}.txt", smoke)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(smoke), "command": " ".join(sys.argv), "ceilings": ceilings,
               "dims": {"hidden": hidden, "experts": experts, "width": width, "top_k": k, "group": GROUP},
-              "tuning": vars(tuning), "sweep": sweep,
-              "stream_sweep": stream_sweep, "crossover": crossover, "rows": rows}  # fmt: skip
+              "tuning": vars(tuning), "sweep": sweep, "rows": rows}  # fmt: skip
     (args.out_dir / "int4_moe_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

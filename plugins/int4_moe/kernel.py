@@ -7,9 +7,9 @@ Three launches, all safe under CUDA-graph capture (static grids sized from the s
    experts packed into the first slots of a static list (the others -1). Larger batches (prefill) route with torch ops.
 2. gate + up: program (slot, column tile, K split) streams its expert's packed gate and up rows once for all the
    slot's pairs: whole int32 words (8 inputs each, compressed-tensors' order) are loaded, unpacked in registers
-   (value - 8, times the group's scale, rounded to the model's dtype) and multiplied on tensor cores (`tl.dot`, 16
-   rows; a float32 multiply-add over 2 rows measured 2.7-3.5x slower on one H200). A K split writes float32 partial
-   sums.
+   (value - 8 by the float32 bit trick, times the group's scale, rounded to the model's dtype) and multiplied on
+   tensor cores (`tl.dot`, 16 rows; a float32 multiply-add over 2 rows measured 2.7-3.5x slower on one H200, and a
+   streaming GEMV-like form 1.08-2.7x slower: BENCHMARKS.md, section 8). A K split writes float32 partial sums.
 3. down: program (slot, column tile) adds the K splits' partial sums, applies silu(gate) * up (rounded to the model's
    dtype, as the reference does), multiplies by its packed down rows and by each pair's routing weight, into the
    pair's own row. The k rows of a token are then summed in a fixed order (deterministic; no atomics).
@@ -42,16 +42,6 @@ class Tuning:
     num_warps: int = 4
     gate_kw: int = 16
     stages: int = 3  # Triton's default for CUDA launches
-    # the streaming path (GEMV-like, float32 FMAs, no tensor cores) for batches of at most stream_tokens tokens:
-    # pairs a pass, weight rows a gate/up program and a down program, input words a K step, warps
-    stream_tokens: int = 64
-    stream_m: int = 2
-    stream_n: int = 8
-    stream_down_n: int = 32
-    stream_kw: int = 64
-    stream_warps: int = 4
-    stream_split: int = 1
-    stream_prefetch: bool = False
 
 
 # the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
@@ -132,7 +122,7 @@ def _word_tile(packed_ptr, scale_ptr, row_stride, scale_stride, rows, row_ok, wo
     mask = row_ok[:, None] & (offs_w < words)[None, :]
     packed = tl.load(packed_ptr + rows[:, None] * row_stride + offs_w[None, :], mask=mask, other=0)
     nibble = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [N, KW, 8]
-    values = (nibble | MAGIC).to(tl.float32, bitcast=True) - MAGIC_BIAS  # value - 8, no int-to-float convert
+    values = (nibble | MAGIC).to(tl.float32, bitcast=True) - MAGIC_BIAS  # value - 8, exact, no int-to-float convert
     offs_g = word0 * 8 // GROUP + tl.arange(0, GROUPS)
     g_mask = row_ok[:, None] & (offs_g < groups)[None, :]
     scales = tl.load(scale_ptr + rows[:, None] * scale_stride + offs_g[None, :], mask=g_mask, other=0.0)
@@ -220,179 +210,6 @@ def _down_kernel(part_ptr, splits, order_ptr, pair_weight_ptr, slot_expert_ptr, 
                  mask=pair_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
-@triton.jit
-def _stream_rows(in_ptr, row_ptr, in_stride, ROW_INDEXED: tl.constexpr, first, here, w_p, w_s, p_stride_r, s_stride_r,
-                 rows, row_ok, g_begin, g_end, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_G: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    """[BLOCK_M, BLOCK_N] float32: the products of `here` (<= BLOCK_M) input rows with weight rows `rows` of one
-    expert over the groups [g_begin, g_end), every packed word read once for all of them. The input row of pair m is
-    row_ptr[m] (a token) when ROW_INDEXED, else first + m. A K step reads BLOCK_G whole groups of a row (PREFETCH:
-    the next step's words are loaded before this step's are used); each word's 8 values are unpacked with the
-    float32 bit trick (shift, mask, or, subtract: no int-to-float convert, which runs at a sixteenth of the FMA
-    rate), multiplied by the inputs in float32 and summed per group, and each group's sum is scaled once."""
-    WPG: tl.constexpr = GROUP // 8  # int32 words a group
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_w = tl.arange(0, WPG)
-    offs_j = tl.arange(0, 8)
-    m_idx = tl.arange(0, BLOCK_M)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_G), dtype=tl.float32)
-    g = g_begin + offs_g
-    word = g[:, None] * WPG + offs_w[None, :]  # [G, WPG]
-    g_ok = g < g_end
-    packed = tl.load(w_p + rows[:, None, None] * p_stride_r + word[None, :, :],
-                     mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)  # fmt: skip
-    scale = tl.load(w_s + rows[:, None] * s_stride_r + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0.0)
-    for g0 in range(g_begin, g_end, BLOCK_G):
-        g = g0 + offs_g
-        g_ok = g < g_end
-        word = g[:, None] * WPG + offs_w[None, :]
-        if PREFETCH:
-            g_next = g + BLOCK_G
-            ok_next = g_next < g_end
-            word_next = g_next[:, None] * WPG + offs_w[None, :]
-            packed_next = tl.load(w_p + rows[:, None, None] * p_stride_r + word_next[None, :, :],
-                                  mask=row_ok[:, None, None] & ok_next[None, :, None], other=0)  # fmt: skip
-            scale_next = tl.load(w_s + rows[:, None] * s_stride_r + g_next[None, :],
-                                 mask=row_ok[:, None] & ok_next[None, :], other=0.0)  # fmt: skip
-        else:
-            packed = tl.load(w_p + rows[:, None, None] * p_stride_r + word[None, :, :],
-                             mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)  # fmt: skip
-            scale = tl.load(w_s + rows[:, None] * s_stride_r + g[None, :], mask=row_ok[:, None] & g_ok[None, :],
-                            other=0.0)  # fmt: skip
-        nibble = (packed[:, :, :, None] >> (offs_j * 4)[None, None, None, :]) & 0xF  # [N, G, WPG, 8]
-        values = (nibble | MAGIC).to(tl.float32, bitcast=True) - MAGIC_BIAS
-        k = word[:, :, None] * 8 + offs_j[None, None, :]  # [G, WPG, 8] input index of each value
-        for m in range(0, here):
-            if ROW_INDEXED:
-                row = tl.load(row_ptr + m)
-            else:
-                row = first + m
-            xk = tl.load(in_ptr + row * in_stride + k, mask=g_ok[:, None, None], other=0.0).to(tl.float32)
-            part = tl.sum(tl.sum(values * xk[None, :, :, :], axis=3), axis=2) * scale.to(tl.float32)  # [N, G]
-            acc = tl.where((m_idx == m)[:, None, None], acc + part[None, :, :], acc)
-        if PREFETCH:
-            packed, scale = packed_next, scale_next
-    return tl.sum(acc, axis=2)
-
-
-@triton.jit
-def _gate_up_stream_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, gate_p, gate_s, up_p, up_s,
-                           out_ptr, hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r,
-                           G_PER_SPLIT: tl.constexpr, PARTS: tl.constexpr, GROUP: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                           PREFETCH: tl.constexpr):  # fmt: skip
-    """Program (slot, row tile, K split): gate x and up x of every pair of the slot's expert over one split of the
-    input. PARTS: float32 partial sums [split, pair, gate | up] (the act kernel adds them); else the split is the
-    whole input and silu(gate x) * up x is stored in the model's dtype."""
-    slot, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    expert = tl.load(slot_expert_ptr + slot)
-    if expert < 0:
-        return
-    start = tl.load(start_ptr + expert)
-    count = tl.load(count_ptr + expert)
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < width
-    gate_p, gate_s = gate_p + expert * p_stride_e, gate_s + expert * s_stride_e
-    up_p, up_s = up_p + expert * p_stride_e, up_s + expert * s_stride_e
-    g_begin = split * G_PER_SPLIT
-    g_end = tl.minimum(g_begin + G_PER_SPLIT, hidden // GROUP)
-    for m0 in range(0, count, BLOCK_M):
-        here = tl.minimum(count - m0, BLOCK_M)
-        tokens = token_ptr + start + m0
-        gate = _stream_rows(x_ptr, tokens, hidden, True, 0, here, gate_p, gate_s, p_stride_r, s_stride_r, rows,
-                            row_ok, g_begin, g_end, GROUP, BLOCK_M, BLOCK_N, BLOCK_G, PREFETCH)  # fmt: skip
-        up = _stream_rows(x_ptr, tokens, hidden, True, 0, here, up_p, up_s, p_stride_r, s_stride_r, rows, row_ok,
-                          g_begin, g_end, GROUP, BLOCK_M, BLOCK_N, BLOCK_G, PREFETCH)  # fmt: skip
-        pairs = start + m0 + tl.arange(0, BLOCK_M)
-        mask = (tl.arange(0, BLOCK_M) < here)[:, None] & row_ok[None, :]
-        if PARTS:
-            out = out_ptr + (split * num_pairs + pairs)[:, None] * (2 * width) + rows[None, :]
-            tl.store(out, gate, mask=mask)
-            tl.store(out + width, up, mask=mask)
-        else:
-            act = gate / (1.0 + tl.exp(-gate)) * up
-            tl.store(out_ptr + pairs[:, None] * width + rows[None, :], act.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _act_kernel(part_ptr, act_ptr, splits, num_pairs, width, BLOCK: tl.constexpr):
-    """Program (pair, column block): silu(gate) * up from the K splits' partial sums, added in a fixed order."""
-    pair, block = tl.program_id(0), tl.program_id(1)
-    cols = block * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < width
-    gate = tl.zeros((BLOCK,), dtype=tl.float32)
-    up = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, splits):
-        row = part_ptr + (s * num_pairs + pair) * (2 * width) + cols
-        gate += tl.load(row, mask=ok, other=0.0)
-        up += tl.load(row + width, mask=ok, other=0.0)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(act_ptr + pair * width + cols, act.to(act_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _down_stream_kernel(act_ptr, order_ptr, pair_weight_ptr, slot_expert_ptr, start_ptr, count_ptr, down_p, down_s,
-                        out_ptr, hidden, width, p_stride_e, p_stride_r, s_stride_e, s_stride_r, GROUP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                        PREFETCH: tl.constexpr):  # fmt: skip
-    """Program (slot, row tile of the hidden size): each pair's down projection times its routing weight."""
-    slot, tile = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(slot_expert_ptr + slot)
-    if expert < 0:
-        return
-    start = tl.load(start_ptr + expert)
-    count = tl.load(count_ptr + expert)
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < hidden
-    down_p, down_s = down_p + expert * p_stride_e, down_s + expert * s_stride_e
-    for m0 in range(0, count, BLOCK_M):
-        here = tl.minimum(count - m0, BLOCK_M)
-        acc = _stream_rows(act_ptr, act_ptr, width, False, start + m0, here, down_p, down_s, p_stride_r, s_stride_r,
-                           rows, row_ok, 0, width // GROUP, GROUP, BLOCK_M, BLOCK_N, BLOCK_G, PREFETCH)  # fmt: skip
-        m = tl.arange(0, BLOCK_M)
-        pair_ok = m < here
-        source = tl.load(order_ptr + start + m0 + m, mask=pair_ok, other=0)  # the pair's row in [T * k] order
-        scale = tl.load(pair_weight_ptr + source, mask=pair_ok, other=0.0)
-        tl.store(out_ptr + source[:, None] * hidden + rows[None, :], acc * scale[:, None],
-                 mask=pair_ok[:, None] & row_ok[None, :])  # fmt: skip
-
-
-def _stream(x, expert_ids, weights, tensors, group_size, order, token, start, count, slot_expert, tuning):
-    """The streaming path (few pairs an expert): act [pairs, width] in x's dtype (through float32 partial sums when
-    the input is split), then routed [pairs, hidden] float32."""
-    gate_p, gate_s, up_p, up_s, down_p, down_s = tensors
-    experts, width, _ = gate_p.shape
-    hidden = x.shape[1]
-    pairs, slots = expert_ids.numel(), slot_expert.numel()
-    wpg = group_size // 8
-    groups = hidden // group_size
-    block_g = max(1, tuning.stream_kw // wpg)
-    tiles = triton.cdiv(width, tuning.stream_n)
-    split = max(1, min(tuning.stream_split, triton.cdiv(groups, block_g)))
-    g_per_split = triton.cdiv(triton.cdiv(groups, split), block_g) * block_g
-    split = triton.cdiv(groups, g_per_split)
-    act = torch.empty((pairs, width), dtype=x.dtype, device=x.device)
-    parts = split > 1
-    out = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device) if parts else act
-    common = dict(GROUP=group_size, BLOCK_M=tuning.stream_m, num_warps=tuning.stream_warps, num_stages=tuning.stages)
-    _gate_up_stream_kernel[(slots, tiles, split)](
-        x, token, slot_expert, start, count, gate_p, gate_s, up_p, up_s, out, hidden, width, pairs, gate_p.stride(0),
-        gate_p.stride(1), gate_s.stride(0), gate_s.stride(1), G_PER_SPLIT=g_per_split, PARTS=parts,
-        BLOCK_N=tuning.stream_n, BLOCK_G=block_g, PREFETCH=tuning.stream_prefetch, **common,
-    )  # fmt: skip
-    if parts:
-        block = min(1024, triton.next_power_of_2(width))
-        _act_kernel[(pairs, triton.cdiv(width, block))](out, act, split, pairs, width, BLOCK=block)
-    routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    down_g = max(1, min(tuning.stream_kw // wpg, triton.next_power_of_2(width // group_size)))
-    _down_stream_kernel[(slots, triton.cdiv(hidden, tuning.stream_down_n))](
-        act, order, weights, slot_expert, start, count, down_p, down_s, routed, hidden, width, down_p.stride(0),
-        down_p.stride(1), down_s.stride(0), down_s.stride(1), BLOCK_N=tuning.stream_down_n, BLOCK_G=down_g,
-        PREFETCH=tuning.stream_prefetch, **common,
-    )  # fmt: skip
-    return routed
-
-
 def _split_k(programs: int, hidden: int, block_k: int, device: torch.device, per_sm: int = 2) -> int:
     """K splits so that small batches still fill the GPU (about `per_sm` programs per SM), in whole BLOCK_K steps."""
     if device.type != "cuda":
@@ -429,13 +246,6 @@ def int4_moe_cuda(
         x = x.contiguous()
         order, token, start, count, slot_expert = route(expert_ids, experts)
         pairs, slots = expert_ids.numel(), slot_expert.numel()
-        weights = expert_weights.reshape(-1).to(torch.float32).contiguous()  # no copy when already so
-        if tokens <= tuning.stream_tokens:
-            tensors = (gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale)
-            routed = _stream(x, expert_ids, weights, tensors, group_size, order, token, start, count, slot_expert,
-                             tuning)  # fmt: skip
-            result = routed.view(tokens, -1, hidden).sum(dim=1)
-            return result.to(x.dtype) if out is None else out.copy_(result)
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
         block_m, block_kw = 16, max(tuning.gate_kw, group_size // 8)
         block_k, block_n = 8 * block_kw, tuning.gate_n
@@ -453,6 +263,7 @@ def int4_moe_cuda(
         routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
         down_kw = max(group_size // 8, 2, min(tuning.down_kw, triton.next_power_of_2(triton.cdiv(width, 8))))
         down_n = tuning.down_n
+        weights = expert_weights.reshape(-1).to(torch.float32).contiguous()  # no copy when already so
         _down_kernel[(slots, triton.cdiv(hidden, down_n))](
             part, split, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width,
             pairs, down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
