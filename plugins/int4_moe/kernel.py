@@ -9,7 +9,7 @@ Three launches, all safe under CUDA-graph capture (static grids sized from the s
    slot's pairs: whole int32 words (8 inputs each, compressed-tensors' order) are loaded, unpacked in registers
    (value - 8 by the float32 bit trick, times the group's scale, rounded to the model's dtype) and multiplied on
    tensor cores (`tl.dot`, 16 rows; a float32 multiply-add over 2 rows measured 2.7-3.5x slower on one H200, and a
-   streaming GEMV-like form 1.08-2.7x slower: BENCHMARKS.md, section 8). A K split writes float32 partial sums.
+   streaming GEMV-like form 1.03-2.5x slower: BENCHMARKS.md, section 8). A K split writes float32 partial sums.
 3. down: program (slot, column tile) adds the K splits' partial sums, applies silu(gate) * up (rounded to the model's
    dtype, as the reference does), multiplies by its packed down rows and by each pair's routing weight, into the
    pair's own row. The k rows of a token are then summed in a fixed order (deterministic; no atomics).
