@@ -53,9 +53,9 @@ class BudgetPolicy:
     observed: float = 0.0
     last: int | None = None  # the budget of the step being taken
     last_drafted: dict = field(default_factory=dict)  # its expected drafted tokens at every budget
-    predicted_at: Counter = field(default_factory=Counter)  # per budget, over the steps that inform it
-    observed_at: Counter = field(default_factory=Counter)
-    segment_predicted: Counter = field(default_factory=Counter)  # the same, of the nodes b adds to the next smaller
+    # per budget, over the steps that inform it: drafted tokens expected and accepted among the nodes b adds to the
+    # next smaller budget (its segment)
+    segment_predicted: Counter = field(default_factory=Counter)
     segment_observed: Counter = field(default_factory=Counter)
     times: dict = field(default_factory=dict)  # budget -> its recent step times
 
@@ -68,6 +68,25 @@ class BudgetPolicy:
         """Expected accepted drafted tokens at each budget from the best-first path log-probabilities (root first)."""
         cumulative = np.concatenate(([0.0], np.cumsum(np.exp(scores[1:]))))
         return {b: float(cumulative[min(b, len(cumulative) - 1)]) for b in self.budgets}
+
+    @staticmethod
+    def _cumulative(budgets, segments: Counter) -> dict[int, float]:
+        total, out = 0.0, {}
+        for b in budgets:
+            if b in segments:
+                total += segments[b]
+                out[b] = total
+        return out
+
+    @property
+    def predicted_at(self) -> dict[int, float]:
+        """Drafted tokens expected at each budget (its whole tree), over the steps that inform it."""
+        return self._cumulative(self.budgets, self.segment_predicted)
+
+    @property
+    def observed_at(self) -> dict[int, float]:
+        """Drafted tokens accepted at each budget, over the steps that inform it."""
+        return self._cumulative(self.budgets, self.segment_observed)
 
     def calibration_at(self, budget: int) -> float:
         """The factor of the segment `budget` ends: the nodes it adds to the next smaller budget."""
@@ -134,8 +153,6 @@ class BudgetPolicy:
             for b in self.budgets:
                 if b not in accepted:
                     break
-                self.predicted_at[b] += self.last_drafted[b]
-                self.observed_at[b] += accepted[b]
                 self.segment_predicted[b] += self.last_drafted[b] - predicted_below
                 self.segment_observed[b] += accepted[b] - observed_below
                 predicted_below, observed_below = self.last_drafted[b], accepted[b]
