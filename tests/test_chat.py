@@ -59,7 +59,7 @@ def test_cli_chat_under_mpirun(release_engine, tmp_path):
         done = mpirun(8, "-m", "runner", "--engine_dir", str(release_engine), "--backend", "torch", "--chat",
                       "--system", "You are Kimi.", "--input_text", "Hello!", "--thinking", thinking,
                       "--max_output_len", "8", "--output_json", str(out))  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
         assert "sampling: temperature 0.6, top_p 0.95 from the checkpoint's generation_config.json" in done.stdout
         results[thinking] = json.loads(out.read_text())
     for thinking, report in results.items():
