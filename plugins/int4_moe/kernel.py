@@ -42,6 +42,8 @@ class Tuning:
     num_warps: int = 4
     gate_kw: int = 16
     stages: int = 3  # Triton's default for CUDA launches
+    block_m: int = 16  # pairs a program multiplies at once ("rows" layout)
+    use_asm: bool = True  # "rows" layout in bfloat16 on a GPU: the lop3 unpack (inline PTX) instead of the plain one
 
 
 # the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
@@ -210,6 +212,195 @@ def _down_kernel(part_ptr, splits, order_ptr, pair_weight_ptr, slot_expert_ptr, 
                  mask=pair_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
+# The 8 values of an int32 word as bfloat16 in 11 instructions (the plain unpack takes about 3 a value): lop3 puts
+# nibbles j and j + 4 into the mantissas of two bfloat16 128.0s (128 + n, exact), one fma a pair subtracts 136.
+_UNPACK_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 w1, w2, w3, t0, t1, t2, t3, one, bias;
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+shr.u32 w1, $8, 4;
+shr.u32 w2, $8, 8;
+shr.u32 w3, $8, 12;
+lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t1, w1, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t2, w2, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 t3, w3, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t0, t0, one, bias;
+fma.rn.bf16x2 t1, t1, one, bias;
+fma.rn.bf16x2 t2, t2, one, bias;
+fma.rn.bf16x2 t3, t3, one, bias;
+mov.b32 {$0, $4}, t0;
+mov.b32 {$1, $5}, t1;
+mov.b32 {$2, $6}, t2;
+mov.b32 {$3, $7}, t3;
+}
+""")
+
+
+@triton.jit
+def _nibble(packed, j: tl.constexpr, DTYPE: tl.constexpr):
+    """Value j of each word minus 8, exact in DTYPE."""
+    return ((((packed >> (4 * j)) & 0xF) | MAGIC).to(tl.float32, bitcast=True) - MAGIC_BIAS).to(DTYPE)
+
+
+@triton.jit
+def _unpack8(packed, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """The 8 values of each word of `packed` [N, KW] minus 8, as 8 tensors [N, KW] of DTYPE (exact: -8 .. 7). The
+    only input is the words, so Triton loads them straight into the dot's register-operand layout."""
+    if USE_ASM:
+        bits = tl.inline_asm_elementwise(_UNPACK_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [packed],
+                                         dtype=(tl.int16,) * 8, is_pure=True, pack=1)  # fmt: skip
+        return (bits[0].to(tl.bfloat16, bitcast=True), bits[1].to(tl.bfloat16, bitcast=True),
+                bits[2].to(tl.bfloat16, bitcast=True), bits[3].to(tl.bfloat16, bitcast=True),
+                bits[4].to(tl.bfloat16, bitcast=True), bits[5].to(tl.bfloat16, bitcast=True),
+                bits[6].to(tl.bfloat16, bitcast=True), bits[7].to(tl.bfloat16, bitcast=True))  # fmt: skip
+    else:
+        return (_nibble(packed, 0, DTYPE), _nibble(packed, 1, DTYPE), _nibble(packed, 2, DTYPE),
+                _nibble(packed, 3, DTYPE), _nibble(packed, 4, DTYPE), _nibble(packed, 5, DTYPE),
+                _nibble(packed, 6, DTYPE), _nibble(packed, 7, DTYPE))  # fmt: skip
+
+
+@triton.jit
+def _group_dot(acc, q, b, scale_ptr, scale_stride, rows, row_ok, k0, k_ok, GROUP: tl.constexpr,
+               PRECISION: tl.constexpr):  # fmt: skip
+    """acc + (q * scale) @ b: q [N, 16] the integer values of inputs k0 .. k0 + 15 (one group of each row), scaled
+    in the dot's register layout and rounded to q's dtype once, as the reference's weights are; b [16, M]."""
+    scale = tl.load(scale_ptr + rows * scale_stride + k0 // GROUP, mask=row_ok & k_ok, other=0.0)
+    return tl.dot(q * scale.to(q.dtype)[:, None], b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _gate_up_rows_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, gate_p, gate_s, up_p, up_s,
+                         part_ptr, hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r,
+                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
+                         KW_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """gate and up on the "rows" layout (`repack_rows`: nibble j of word w holds input j * words + w): the weight
+    rows on the MMA's M side, the unpacked words its register operand; each 16-word step is 8 dots of one group
+    each, scaled after the dot."""
+    slot, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    expert = tl.load(slot_expert_ptr + slot)
+    if expert < 0:
+        return
+    start = tl.load(start_ptr + expert)
+    count = tl.load(count_ptr + expert)
+    dtype = x_ptr.dtype.element_ty
+    words = hidden // 8
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < width
+    w_begin = split * KW_PER_SPLIT
+    gate_p, gate_s = gate_p + expert * p_stride_e, gate_s + expert * s_stride_e
+    up_p, up_s = up_p + expert * p_stride_e, up_s + expert * s_stride_e
+    for m0 in range(0, count, BLOCK_M):
+        pairs = start + m0 + tl.arange(0, BLOCK_M)
+        pair_ok = pairs < start + count
+        tokens = tl.load(token_ptr + pairs, mask=pair_ok, other=0)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for w0 in range(w_begin, w_begin + KW_PER_SPLIT, BLOCK_KW):
+            offs_w = w0 + tl.arange(0, BLOCK_KW)
+            mask = row_ok[:, None] & (offs_w < words)[None, :]
+            pg = tl.load(gate_p + rows[:, None] * p_stride_r + offs_w[None, :], mask=mask, other=0)
+            pu = tl.load(up_p + rows[:, None] * p_stride_r + offs_w[None, :], mask=mask, other=0)
+            g = _unpack8(pg, dtype, USE_ASM)
+            u = _unpack8(pu, dtype, USE_ASM)
+            xm = (offs_w < words)[:, None] & pair_ok[None, :]
+            xb = x_ptr + tokens[None, :] * hidden + offs_w[:, None]  # [KW, M]: input j * words + w at row w
+            for j in tl.static_range(8):
+                xj = tl.load(xb + j * words, mask=xm, other=0.0)
+                acc_g = _group_dot(acc_g, g[j], xj, gate_s, s_stride_r, rows, row_ok, j * words + w0, w0 < words,
+                                   GROUP, PRECISION)  # fmt: skip
+                acc_u = _group_dot(acc_u, u[j], xj, up_s, s_stride_r, rows, row_ok, j * words + w0, w0 < words,
+                                   GROUP, PRECISION)  # fmt: skip
+        out = part_ptr + (split * num_pairs + pairs)[None, :] * (2 * width) + rows[:, None]
+        mask = row_ok[:, None] & pair_ok[None, :]
+        tl.store(out, acc_g, mask=mask)
+        tl.store(out + width, acc_u, mask=mask)
+
+
+@triton.jit
+def _act_kernel(part_ptr, splits, act_ptr, width, num_pairs, BLOCK: tl.constexpr):
+    """act[pair] = silu(gate) * up in act's dtype (as the reference rounds it), the K splits summed in a fixed order."""
+    pair = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    for c0 in range(0, width, BLOCK):
+        cols = c0 + offs
+        ok = cols < width
+        row = part_ptr + pair * (2 * width) + cols
+        gate = tl.load(row, mask=ok, other=0.0)
+        up = tl.load(row + width, mask=ok, other=0.0)
+        for s in range(1, splits):
+            gate += tl.load(row + s * num_pairs * 2 * width, mask=ok, other=0.0)
+            up += tl.load(row + s * num_pairs * 2 * width + width, mask=ok, other=0.0)
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act_ptr + pair * width + cols, act.to(act_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _down_rows_kernel(act_ptr, order_ptr, pair_weight_ptr, slot_expert_ptr, start_ptr, count_ptr, down_p,
+                      down_s, out_ptr, hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r,
+                      ACT_DTYPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_KW: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+    """down on the "rows" layout, as `_gate_up_rows_kernel`, over act [pairs, width]."""
+    slot, tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(slot_expert_ptr + slot)
+    if expert < 0:
+        return
+    start = tl.load(start_ptr + expert)
+    count = tl.load(count_ptr + expert)
+    words = width // 8
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < hidden
+    down_p, down_s = down_p + expert * p_stride_e, down_s + expert * s_stride_e
+    for m0 in range(0, count, BLOCK_M):
+        pairs = start + m0 + tl.arange(0, BLOCK_M)
+        pair_ok = pairs < start + count
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for w0 in range(0, words, BLOCK_KW):
+            offs_w = w0 + tl.arange(0, BLOCK_KW)
+            mask = row_ok[:, None] & (offs_w < words)[None, :]
+            packed = tl.load(down_p + rows[:, None] * p_stride_r + offs_w[None, :], mask=mask, other=0)
+            d = _unpack8(packed, ACT_DTYPE, USE_ASM)
+            am = (offs_w < words)[:, None] & pair_ok[None, :]
+            ab = act_ptr + pairs[None, :] * width + offs_w[:, None]  # [KW, M]: input j * words + w at row w
+            for j in tl.static_range(8):
+                act = tl.load(ab + j * words, mask=am, other=0.0)
+                acc = _group_dot(acc, d[j], act, down_s, s_stride_r, rows, row_ok, j * words + w0, w0 < words, GROUP,
+                                 PRECISION)  # fmt: skip
+        source = tl.load(order_ptr + pairs, mask=pair_ok, other=0)  # the pair's row in [T * k] order
+        weight = tl.load(pair_weight_ptr + source, mask=pair_ok, other=0.0)
+        tl.store(out_ptr + source[None, :] * hidden + rows[:, None], acc * weight[None, :],
+                 mask=row_ok[:, None] & pair_ok[None, :])  # fmt: skip
+
+
+def rows_layout_fits(hidden: int, width: int, group_size: int) -> bool:
+    """The "rows" form needs each 16-word step of a nibble to lie in one group: 16 | words and 16 | group."""
+    return (hidden // 8) % 16 == 0 and (width // 8) % 16 == 0 and group_size % 16 == 0
+
+
+def repack_rows(packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+    """compressed-tensors words [..., out, in / 8] (nibble j of word w = input 8 w + j) -> the "rows" layout (nibble
+    j of word w = input j * (in / 8) + w): the same bytes reordered, `chunk` leading slices at a time."""
+    lead = packed.shape[:-2]
+    flat = packed.reshape(-1, *packed.shape[-2:])
+    out = torch.empty_like(flat)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    for i in range(0, flat.shape[0], chunk):
+        words = flat[i : i + chunk]
+        values = (words.unsqueeze(-1) >> shifts) & 0xF  # [c, out, W, 8]: input 8 w + j
+        n, rows, w, _ = values.shape
+        values = values.reshape(n, rows, 8, w).transpose(-1, -2)  # [c, out, W, 8]: input j * W + w at [w, j]
+        out[i : i + chunk] = _pack_words(values, shifts)
+    return out.reshape(*lead, *packed.shape[-2:])
+
+
+def _pack_words(values: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    word = torch.zeros(values.shape[:-1], dtype=torch.int32, device=values.device)
+    for j in range(8):
+        word |= values[..., j] << shifts[j]
+    return word
+
+
 def _split_k(programs: int, hidden: int, block_k: int, device: torch.device, per_sm: int = 2) -> int:
     """K splits so that small batches still fill the GPU (about `per_sm` programs per SM), in whole BLOCK_K steps."""
     if device.type != "cuda":
@@ -236,8 +427,10 @@ def int4_moe_cuda(
     out: torch.Tensor | None = None,
     stream: torch.cuda.Stream | None = None,
     tuning: Tuning = DEFAULT_TUNING,
+    layout: str = "compressed-tensors",
 ) -> torch.Tensor:
-    """The contract of `reference.int4_moe`; runs on any device Triton runs on (the interpreter included)."""
+    """The contract of `reference.int4_moe`; runs on any device Triton runs on (the interpreter included).
+    layout "rows": the packed words were reordered by `repack_rows` (the scales are unchanged)."""
     tokens, hidden = x.shape
     experts, width, _ = gate_packed.shape
     if group_size % 8 or hidden % group_size or width % group_size:
@@ -245,6 +438,10 @@ def int4_moe_cuda(
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         x = x.contiguous()
         order, token, start, count, slot_expert = route(expert_ids, experts)
+        if layout == "rows":
+            return _rows_form(x, expert_weights, order, token, start, count, slot_expert, gate_packed, gate_scale,
+                              up_packed, up_scale, down_packed, down_scale, group_size, expert_ids.shape[1], out,
+                              tuning)  # fmt: skip
         pairs, slots = expert_ids.numel(), slot_expert.numel()
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
         block_m, block_kw = 16, max(tuning.gate_kw, group_size // 8)
@@ -272,3 +469,39 @@ def int4_moe_cuda(
         )  # fmt: skip
         result = routed.view(tokens, -1, hidden).sum(dim=1)
         return result.to(x.dtype) if out is None else out.copy_(result)
+
+
+def _rows_form(x, expert_weights, order, token, start, count, slot_expert, gate_packed, gate_scale, up_packed,
+               up_scale, down_packed, down_scale, group_size, top_k, out, tuning):  # fmt: skip
+    tokens, hidden = x.shape
+    width = gate_packed.shape[1]
+    if not rows_layout_fits(hidden, width, group_size):
+        raise ValueError(f"the rows layout needs 128 | hidden, 128 | width, 16 | group_size: got {hidden}, {width}, "
+                         f"{group_size}")  # fmt: skip
+    pairs, slots = order.numel(), slot_expert.numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    use_asm = tuning.use_asm and x.dtype == torch.bfloat16 and x.is_cuda
+    block_kw, words = 16, hidden // 8
+    tiles = triton.cdiv(width, tuning.gate_n)
+    split = _split_k(slots * tiles, hidden, 8 * block_kw, x.device, tuning.programs_per_sm)
+    kw_per_split = triton.cdiv(triton.cdiv(words, split), block_kw) * block_kw
+    split = triton.cdiv(words, kw_per_split)
+    part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
+    _gate_up_rows_kernel[(slots, tiles, split)](
+        x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width, pairs,
+        gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1), GROUP=group_size,
+        BLOCK_M=tuning.block_m, BLOCK_N=tuning.gate_n, BLOCK_KW=block_kw, KW_PER_SPLIT=kw_per_split,
+        PRECISION=precision, USE_ASM=use_asm, num_warps=tuning.num_warps, num_stages=tuning.stages,
+    )  # fmt: skip
+    act = torch.empty((pairs, width), dtype=x.dtype, device=x.device)
+    _act_kernel[(pairs,)](part, split, act, width, pairs, BLOCK=min(1024, triton.next_power_of_2(width)))
+    routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
+    _down_rows_kernel[(slots, triton.cdiv(hidden, tuning.down_n))](
+        act, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width, pairs,
+        down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
+        ACT_DTYPE=_TL_DTYPES[x.dtype], GROUP=group_size, BLOCK_M=tuning.block_m, BLOCK_N=tuning.down_n,
+        BLOCK_KW=block_kw, PRECISION=precision, USE_ASM=use_asm, num_warps=tuning.num_warps, num_stages=tuning.stages,
+    )  # fmt: skip
+    result = routed.view(tokens, top_k, hidden).sum(dim=1)
+    return result.to(x.dtype) if out is None else out.copy_(result)
