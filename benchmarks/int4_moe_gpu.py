@@ -37,7 +37,7 @@ from benchmarks.common import environment, graph_time_us, measure_ceilings  # no
 from models.config import QuantConfig  # noqa: E402
 from models.mapping import Mapping  # noqa: E402
 from models.presets import kimi_k2  # noqa: E402
-from plugins.int4_moe.kernel import DEFAULT_TUNING, Tuning, int4_moe_cuda  # noqa: E402
+from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel, Tuning, int4_moe_cuda  # noqa: E402
 from plugins.int4_moe.reference import dequantize_experts, int4_moe  # noqa: E402
 
 GROUP = 32
@@ -117,18 +117,26 @@ def dequantize_then_grouped(x, ids, weights, tensors):
     return _grouped_mlp(x, ids, weights, order, offsets, dense)
 
 
+def prepared(tensors):
+    """The experts as the rank factory's GPU op runs them (`Int4MoEKernel.prepare_experts`) and the layout's name."""
+    words, layout = Int4MoEKernel.prepare_experts(tensors[0], tensors[2], tensors[4], GROUP)
+    return [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]], layout
+
+
 def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke: bool, repeats: int,
-               tuning: Tuning) -> dict:  # fmt: skip
-    """Median time of each form (microseconds)."""
+               tuning: Tuning, ready, layout: str) -> dict:  # fmt: skip
+    """Median time of each form (microseconds). int4_kernel_us: the experts as the rank factory runs them (`ready`
+    in `layout`); tiles_kernel_us: in the checkpoint's layout, as the TensorRT plugin runs them."""
 
     def layer():
         torch.sigmoid(F.linear(x.float(), router.float()))  # the router's cost (its choice is `ids`)
-        routed = int4_moe_cuda(x, ids, weights, *tensors, GROUP, tuning=tuning)
+        routed = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tuning, layout=layout)
         gate, up = F.linear(x, shared[0]).chunk(2, dim=-1)
         return routed + F.linear(F.silu(gate) * up, shared[1])
 
     forms = {
-        "int4_kernel_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP, tuning=tuning),
+        "int4_kernel_us": lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tuning, layout=layout),
+        "tiles_kernel_us": lambda: int4_moe_cuda(x, ids, weights, *tensors, GROUP, tuning=tuning),
         "layer_us": layer,
         "grouped_mm_bf16_us": lambda: grouped_bf16(gx, ids, weights, dense),
         "dequantize_then_grouped_us": lambda: dequantize_then_grouped(gx, ids, weights, tensors),
@@ -174,15 +182,16 @@ def sweep_tunings(tensors, config, device, dtype, smoke: bool, pipeline: bool = 
     return Tuning(**{f: best[f] for f in vars(DEFAULT_TUNING)}), sorted(results, key=lambda r: r["geomean_us"])
 
 
-def profile(x, ids, weights, tensors, path: Path, smoke: bool) -> None:
+def profile(x, ids, weights, tensors, path: Path, smoke: bool, layout: str = "compressed-tensors") -> None:
     """Device time of each kernel the forms launch (20 calls each), as torch.profiler's table."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
-    for name, kwargs in (("default launch shapes", {}), ("gate 32 columns, down 128, 8 warps",
-                                                          {"tuning": Tuning(32, 128, 8, 2, 8)})):  # fmt: skip
+    small = Tuning(32, 128, 8, 2, 8)
+    for name, kwargs in ((f"default launch shapes, {layout} layout", {"layout": layout}),
+                         ("gate 32 columns, down 128, 8 warps", {"tuning": small, "layout": layout})):  # fmt: skip
         int4_moe_cuda(x, ids, weights, *tensors, GROUP, **kwargs)
         activities = [ProfilerActivity.CPU] + ([] if smoke else [ProfilerActivity.CUDA])
         with torch_profile(activities=activities) as prof:
@@ -219,6 +228,7 @@ def main(argv=None) -> int:
     ceilings = measure_ceilings(smoke)
     expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2  # packed + bf16 scales
     fixed_bytes = 3 * hidden * width * 2 + experts * hidden * 2  # shared expert + router, bf16
+    ready, layout = prepared(tensors)
     tuning, sweep = DEFAULT_TUNING, []
     if args.sweep or args.sweep_pipeline:
         tuning, sweep = sweep_tunings(tensors, config, device, dtype, smoke, args.sweep_pipeline)
@@ -235,13 +245,15 @@ def main(argv=None) -> int:
             error = float((got - want).norm() / want.norm())
             tuned = int4_moe_cuda(x, ids, weights, *tensors, GROUP, tuning=tuning).float()
             error = max(error, float((tuned - want).norm() / want.norm()))
+            fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tuning, layout=layout).float()
+            error = max(error, float((fast - want).norm() / want.norm()))
             if error > 1e-2:
                 raise RuntimeError(f"{kind} T={tokens}: kernel relative error {error:.2e} > 1e-2")
             gx = x.to(grouped_dtype)
             grouped_error = float((grouped_bf16(gx, ids, weights, dense).float() - want).norm() / want.norm())
 
             times = time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke, args.repeats,
-                               tuning)  # fmt: skip
+                               tuning, ready, layout)  # fmt: skip
             distinct = int(ids.unique().numel())
             floor_bytes = distinct * expert_bytes + fixed_bytes
             floor_us = floor_bytes / ceilings["copy_Bps"] * 1e6
@@ -251,11 +263,11 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.profile and kind == "random" and tokens in (1, 33):
-                profile(x, ids, weights, tensors, args.out_dir / f"int4_profile_T{tokens}.txt", smoke)
+                profile(x, ids, weights, ready, args.out_dir / f"int4_profile_T{tokens}.txt", smoke, layout)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(smoke), "command": " ".join(sys.argv), "ceilings": ceilings,
               "dims": {"hidden": hidden, "experts": experts, "width": width, "top_k": k, "group": GROUP},
-              "tuning": vars(tuning), "sweep": sweep, "rows": rows}  # fmt: skip
+              "layout": layout, "tuning": vars(tuning), "sweep": sweep, "rows": rows}  # fmt: skip
     (args.out_dir / "int4_moe_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

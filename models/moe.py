@@ -193,15 +193,24 @@ class PackedMoE(nn.Module):
         width = config.shared_intermediate_size // config.mapping.tp_size
         self.shared_experts = GatedMLP(hidden, width, ops.fused_projections)
         self.int4_moe = ops.int4_moe
+        self.int4_kwargs = {}  # {"layout": ...} once the op has reordered the words (`prepare_weights`)
 
     def prepare_weights(self) -> None:
         dtype = self.shared_experts.down_proj.weight.dtype
         for experts in self.experts.values():
             experts.weight_scale = experts.weight_scale.to(dtype)
+        prepare = getattr(self.int4_moe, "prepare_experts", None)  # the GPU kernel's faster layout, once at load
+        if prepare is not None:
+            names = ("gate_proj", "up_proj", "down_proj")
+            words, layout = prepare(*(self.experts[n].weight_packed for n in names), self.group_size)
+            for name, packed in zip(names, words):
+                self.experts[name].weight_packed = packed
+            self.int4_kwargs = {"layout": layout}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, k]
         packed = []
         for name in ("gate_proj", "up_proj", "down_proj"):
             packed += [self.experts[name].weight_packed, self.experts[name].weight_scale]
-        return self.int4_moe(x, ids, weights, *packed, self.group_size) + self.shared_experts(x)
+        routed = self.int4_moe(x, ids, weights, *packed, self.group_size, **self.int4_kwargs)
+        return routed + self.shared_experts(x)

@@ -146,14 +146,14 @@ def cpu_ops(collectives, target_cfg=None) -> ModelOps:
 
 def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
     """The GPU forms: the Triton TreeAttention and drafter kernels, grouped-GEMM MoE (bf16; the gathered experts
-    otherwise), the W4A16 grouped kernel for INT4 experts, fused RMSNorm and rotary, the in-place absorbed MLA,
-    q/k/v and gate/up as one GEMM each."""
+    otherwise), the W4A16 grouped kernel for INT4 experts (their words reordered once at load where the dimensions
+    allow), fused RMSNorm and rotary, the in-place absorbed MLA, q/k/v and gate/up as one GEMM each."""
     from models.dflash import KernelDraftAttention
     from models.layers import FusedRMSNorm
     from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
     from models.moe import GroupedMoE, MoE
     from models.triton_ops import fused_rotary
-    from plugins.int4_moe.kernel import int4_moe_cuda
+    from plugins.int4_moe.kernel import Int4MoEKernel
     from plugins.tree_attention.kernel import tree_attention_cuda
 
     return ModelOps(
@@ -165,7 +165,7 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
         rotary=fused_rotary,
         draft_attention=KernelDraftAttention,
         fused_projections=True,
-        int4_moe=int4_moe_cuda,
+        int4_moe=Int4MoEKernel(),
     )
 
 
@@ -287,7 +287,8 @@ def local_ranks(model, options: RankOptions = RankOptions(), spec: SpecConfig | 
 def describe_ops(ops: ModelOps, int4_experts: bool = False) -> str:
     """The forms a rank runs, in words (printed by the CLI, logged by every rank)."""
     attention = getattr(ops.tree_attention, "__name__", type(ops.tree_attention).__name__)
-    moe = f"INT4 experts by {ops.int4_moe.__name__}" if int4_experts else ops.moe.__name__
+    int4 = getattr(ops.int4_moe, "__name__", type(ops.int4_moe).__name__)
+    moe = f"INT4 experts by {int4}" if int4_experts else ops.moe.__name__
     return f"{attention}, {ops.mla.__name__}, {moe}, {ops.norm.__name__}, {ops.draft_attention.__name__}" + (
         ", fused projections" if ops.fused_projections else ""
     )

@@ -167,6 +167,54 @@ def test_w4a16_kernel_matches_reference_under_the_interpreter():
     assert float(done.stdout.split()[-1]) < TOLERANCE
 
 
+def test_rows_layout_is_a_reordering_of_the_same_words():
+    """`repack_rows`: nibble j of word w holds input j * words + w; `prepare_experts` reorders where the kernel's
+    rows layout fits and leaves other dimensions in the checkpoint's order."""
+    from plugins.int4_moe.kernel import Int4MoEKernel, repack_rows
+
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 5, 32), dtype=torch.int32)
+    values = ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(3, 5, 256)  # input 8 w + j
+    repacked = (repack_rows(words, chunk=2).unsqueeze(-1) >> shifts) & 0xF  # [3, 5, w, j]
+    assert torch.equal(repacked.transpose(-1, -2).reshape(3, 5, 256), values)
+    gate, down = torch.zeros(2, 128, 16, dtype=torch.int32), torch.zeros(2, 128, 16, dtype=torch.int32)
+    assert Int4MoEKernel.prepare_experts(gate, gate, down, 32)[1] == "rows"
+    small = torch.zeros(2, 32, 16, dtype=torch.int32)  # width 32: a nibble's 16-word step would span groups
+    kept, layout = Int4MoEKernel.prepare_experts(small, small, torch.zeros(2, 128, 4, dtype=torch.int32), 32)
+    assert layout == "compressed-tensors" and kept[0] is small
+
+
+def test_w4a16_rows_layout_matches_reference_under_the_interpreter():
+    """The rows-layout kernels (what the GPU torch backend runs at Kimi K2.x's dimensions) on experts reordered by
+    `prepare_experts`, at T in {1, 8, 33, 128}: unchosen experts, one expert every token chose, K split or not."""
+    script = """
+        import torch
+        from plugins.int4_moe import kernel
+        from plugins.int4_moe.kernel import Int4MoEKernel
+        from plugins.int4_moe.reference import int4_moe
+        from tests.test_int4_moe import random_experts, random_routing, rel
+        worst = 0.0
+        for i, tokens in enumerate((1, 8, 33, 128)):
+            experts = 64 if tokens == 1 else 24
+            tensors = random_experts(experts, 128, 128, 32, seed=i)
+            words, layout = Int4MoEKernel.prepare_experts(tensors[0], tensors[2], tensors[4], 32)
+            assert layout == "rows"
+            ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
+            x = torch.randn(tokens, 128)
+            ids, weights = random_routing(tokens, experts, 4, seed=i, everyone=7 if tokens >= 8 else None)
+            kernel._split_k = lambda programs, hidden, block_k, device, per_sm, s=1 + i % 2: s
+            out = torch.full((tokens, 128), float("nan"))
+            Int4MoEKernel()(x, ids, weights, *ready, 32, out=out, tuning=kernel.Tuning(gate_n=32, down_n=32),
+                            layout=layout)
+            assert not out.isnan().any(), tokens
+            worst = max(worst, rel(out, int4_moe(x, ids, weights, *tensors, 32)))
+        print("worst", worst)
+    """
+    done = run_interpreted(script, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < TOLERANCE
+
+
 def test_convert_keeps_int4_experts_packed(demo_hf, tmp_path):
     """Each rank holds its slice of the packed words and scales as the checkpoint ships them (gate/up by row,
     down by whole groups of columns), and the checkpoint's config records the quantization."""

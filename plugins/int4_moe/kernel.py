@@ -1,6 +1,19 @@
 """GPU `ddtree::Int4MoE` (Triton): a W4A16 grouped MoE whose chosen experts' packed weights are read once per forward.
 
-Three launches, all safe under CUDA-graph capture (static grids sized from the shapes, offsets on the device):
+Two weight layouts, the same packed bytes:
+
+- "rows" (what the torch backend runs where the dimensions allow: 128 | hidden and width, 16 | group; Kimi K2.x's
+  do): `Int4MoEKernel.prepare_experts` reorders each layer's words once at load (`repack_rows`: nibble j of word w
+  holds input j * words + w, so a 16-word step of one nibble is 16 consecutive inputs of one group). The weight rows
+  sit on the MMA's M side and the words are loaded straight into the dot's register operand, unpacked by a lop3 (two
+  nibbles into two bfloat16 mantissas), scaled there (rounded once, as the reference's weights) and multiplied on
+  tensor cores; no dequantized tile goes through shared memory. Launches: route; gate + up (program: slot, 64 rows,
+  K split); act (the K splits' sums, silu(gate) * up in the model's dtype); down (slot, 256 rows).
+- "compressed-tensors" (the checkpoint's order: nibble j of word w is input 8 w + j; the TensorRT plugin and other
+  dimensions): the "tiles" kernels below, the dequantized tile on the MMA's N side through shared memory.
+
+The tiles form's three launches, all safe under CUDA-graph capture (static grids sized from the shapes, offsets on
+the device):
 
 1. route (one program, up to ROUTE_MAX_PAIRS pairs): the T x top-k (token, expert) pairs sorted by expert (keys
    expert * P + pair, a bitonic sort), each expert's start and count (a histogram and its running sum), and the chosen
@@ -505,3 +518,20 @@ def _rows_form(x, expert_weights, order, token, start, count, slot_expert, gate_
     )  # fmt: skip
     result = routed.view(tokens, top_k, hidden).sum(dim=1)
     return result.to(x.dtype) if out is None else out.copy_(result)
+
+
+class Int4MoEKernel:
+    """`ModelOps.int4_moe` on a GPU: `int4_moe_cuda`, plus `prepare_experts`, which a `PackedMoE` calls once after
+    loading to put its experts in the layout this kernel runs fastest."""
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return int4_moe_cuda(*args, **kwargs)
+
+    @staticmethod
+    def prepare_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, group_size: int):
+        """The packed words of gate, up, down [E, out, in / 8] -> (their words in the layout to run, the layout):
+        "rows" where `rows_layout_fits`, else the checkpoint's own (unchanged)."""
+        hidden, width = gate.shape[-1] * 8, gate.shape[-2]
+        if not rows_layout_fits(hidden, width, group_size):
+            return (gate, up, down), "compressed-tensors"
+        return tuple(repack_rows(t) for t in (gate, up, down)), "rows"
