@@ -527,6 +527,12 @@ class Int4MoEKernel:
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return int4_moe_cuda(*args, **kwargs)
 
+    def __eq__(self, other) -> bool:  # stateless: every instance is the same form (ranks built are keyed by forms)
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
     @staticmethod
     def prepare_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, group_size: int):
         """The packed words of gate, up, down [E, out, in / 8] -> (their words in the layout to run, the layout):
