@@ -119,7 +119,7 @@ def dequantize_then_grouped(x, ids, weights, tensors):
 
 def prepared(tensors):
     """The experts as the rank factory's GPU op runs them (`Int4MoEKernel.prepare_experts`) and the layout's name."""
-    words, layout = Int4MoEKernel.prepare_experts(tensors[0], tensors[2], tensors[4], GROUP)
+    words, layout = Int4MoEKernel.prepare_experts(tensors[0].clone(), tensors[2].clone(), tensors[4].clone(), GROUP)
     return [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]], layout
 
 

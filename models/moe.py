@@ -202,9 +202,7 @@ class PackedMoE(nn.Module):
         prepare = getattr(self.int4_moe, "prepare_experts", None)  # the GPU kernel's faster layout, once at load
         if prepare is not None:
             names = ("gate_proj", "up_proj", "down_proj")
-            words, layout = prepare(*(self.experts[n].weight_packed for n in names), self.group_size)
-            for name, packed in zip(names, words):
-                self.experts[name].weight_packed = packed
+            _, layout = prepare(*(self.experts[n].weight_packed for n in names), self.group_size)  # in place
             self.int4_kwargs = {"layout": layout}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -177,8 +177,11 @@ def test_rows_layout_is_a_reordering_of_the_same_words():
     values = ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(3, 5, 256)  # input 8 w + j
     repacked = (repack_rows(words, chunk=2).unsqueeze(-1) >> shifts) & 0xF  # [3, 5, w, j]
     assert torch.equal(repacked.transpose(-1, -2).reshape(3, 5, 256), values)
-    gate, down = torch.zeros(2, 128, 16, dtype=torch.int32), torch.zeros(2, 128, 16, dtype=torch.int32)
-    assert Int4MoEKernel.prepare_experts(gate, gate, down, 32)[1] == "rows"
+    gate = torch.randint(-(2**31), 2**31 - 1, (2, 128, 16), dtype=torch.int32)
+    down = torch.zeros(2, 128, 16, dtype=torch.int32)
+    before = gate.clone()
+    ready, layout = Int4MoEKernel.prepare_experts(gate, gate.clone(), down, 32)
+    assert layout == "rows" and ready[0] is gate and torch.equal(gate, repack_rows(before))  # in place
     small = torch.zeros(2, 32, 16, dtype=torch.int32)  # width 32: a nibble's 16-word step would span groups
     kept, layout = Int4MoEKernel.prepare_experts(small, small, torch.zeros(2, 128, 4, dtype=torch.int32), 32)
     assert layout == "compressed-tensors" and kept[0] is small
@@ -197,7 +200,7 @@ def test_w4a16_rows_layout_matches_reference_under_the_interpreter():
         for i, tokens in enumerate((1, 8, 33, 128)):
             experts = 64 if tokens == 1 else 24
             tensors = random_experts(experts, 128, 128, 32, seed=i)
-            words, layout = Int4MoEKernel.prepare_experts(tensors[0], tensors[2], tensors[4], 32)
+            words, layout = Int4MoEKernel.prepare_experts(*(tensors[i].clone() for i in (0, 2, 4)), 32)
             assert layout == "rows"
             ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
             x = torch.randn(tokens, 128)

@@ -391,20 +391,19 @@ def rows_layout_fits(hidden: int, width: int, group_size: int) -> bool:
     return (hidden // 8) % 16 == 0 and (width // 8) % 16 == 0 and group_size % 16 == 0
 
 
-def repack_rows(packed: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+def repack_rows(packed: torch.Tensor, chunk: int = 16, in_place: bool = False) -> torch.Tensor:
     """compressed-tensors words [..., out, in / 8] (nibble j of word w = input 8 w + j) -> the "rows" layout (nibble
-    j of word w = input j * (in / 8) + w): the same bytes reordered, `chunk` leading slices at a time."""
-    lead = packed.shape[:-2]
+    j of word w = input j * (in / 8) + w): the same bytes reordered, `chunk` leading slices at a time. in_place: into
+    `packed` itself (a layer's experts at load: no second copy of them, ever)."""
     flat = packed.reshape(-1, *packed.shape[-2:])
-    out = torch.empty_like(flat)
+    out = flat if in_place else torch.empty_like(flat)
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     for i in range(0, flat.shape[0], chunk):
-        words = flat[i : i + chunk]
-        values = (words.unsqueeze(-1) >> shifts) & 0xF  # [c, out, W, 8]: input 8 w + j
+        values = (flat[i : i + chunk].unsqueeze(-1) >> shifts) & 0xF  # [c, out, W, 8]: input 8 w + j
         n, rows, w, _ = values.shape
         values = values.reshape(n, rows, 8, w).transpose(-1, -2)  # [c, out, W, 8]: input j * W + w at [w, j]
         out[i : i + chunk] = _pack_words(values, shifts)
-    return out.reshape(*lead, *packed.shape[-2:])
+    return packed if in_place else out.reshape(packed.shape)
 
 
 def _pack_words(values: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
@@ -535,9 +534,9 @@ class Int4MoEKernel:
 
     @staticmethod
     def prepare_experts(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, group_size: int):
-        """The packed words of gate, up, down [E, out, in / 8] -> (their words in the layout to run, the layout):
-        "rows" where `rows_layout_fits`, else the checkpoint's own (unchanged)."""
+        """The packed words of gate, up, down [E, out, in / 8] -> (the same tensors, the layout they now hold):
+        reordered in place into "rows" where `rows_layout_fits`, else left in the checkpoint's own order."""
         hidden, width = gate.shape[-1] * 8, gate.shape[-2]
         if not rows_layout_fits(hidden, width, group_size):
             return (gate, up, down), "compressed-tensors"
-        return tuple(repack_rows(t) for t in (gate, up, down)), "rows"
+        return tuple(repack_rows(t, in_place=True) for t in (gate, up, down)), "rows"
