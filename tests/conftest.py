@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -119,12 +120,20 @@ def demo_engine(demo_ckpt, tmp_path_factory):
     return get
 
 
+@functools.cache
+def _launcher_flags(launcher: str) -> tuple[str, ...]:
+    """MPICH's launcher (hydra) prints every rank's exit status when asked: a job that fails then says which rank
+    ended how, where by default it prints one status for all."""
+    version = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=30).stdout
+    return ("-print-all-exitcodes",) if "HYDRA" in version else ()
+
+
 def mpirun(np: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Launches `python args...` on np ranks with the venv's MPI launcher."""
-    launcher = Path(sys.executable).parent / "mpirun"
+    launcher = str(Path(sys.executable).parent / "mpirun")
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return subprocess.run(
-        [str(launcher), "-np", str(np), sys.executable, *args],
+        [launcher, *_launcher_flags(launcher), "-np", str(np), sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
