@@ -189,7 +189,7 @@ def test_rows_layout_is_a_reordering_of_the_same_words():
 
 def test_w4a16_rows_layout_matches_reference_under_the_interpreter():
     """The rows-layout kernels (what the GPU torch backend runs at Kimi K2.x's dimensions) on experts reordered by
-    `prepare_experts`, at T in {1, 8, 33, 128}: unchosen experts, one expert every token chose, K split or not."""
+    `prepare_experts`, at T in {1, 33, 128}: unchosen experts, one expert every token chose, K split or not."""
     script = """
         import torch
         from plugins.int4_moe import kernel
@@ -197,7 +197,7 @@ def test_w4a16_rows_layout_matches_reference_under_the_interpreter():
         from plugins.int4_moe.reference import int4_moe
         from tests.test_int4_moe import random_experts, random_routing, rel
         worst = 0.0
-        for i, tokens in enumerate((1, 8, 33, 128)):
+        for i, tokens in enumerate((1, 33, 128)):
             experts = 64 if tokens == 1 else 24
             tensors = random_experts(experts, 128, 128, 32, seed=i)
             words, layout = Int4MoEKernel.prepare_experts(*(tensors[i].clone() for i in (0, 2, 4)), 32)
