@@ -290,7 +290,7 @@ def _gate_up_rows_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr
                          KW_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
     """gate and up on the "rows" layout (`repack_rows`: nibble j of word w holds input j * words + w): the weight
     rows on the MMA's M side, the unpacked words its register operand; each 16-word step is 8 dots of one group
-    each, scaled after the dot."""
+    each, the group's scale multiplied into the operand before its dot."""
     slot, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     expert = tl.load(slot_expert_ptr + slot)
     if expert < 0:
@@ -447,57 +447,65 @@ def int4_moe_cuda(
     experts, width, _ = gate_packed.shape
     if group_size % 8 or hidden % group_size or width % group_size:
         raise ValueError(f"Int4MoE needs group_size % 8 == 0 dividing hidden={hidden} and width={width}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"Int4MoE layout must be one of {sorted(LAYOUTS)}: got {layout!r}")
+    if layout == "rows" and not rows_layout_fits(hidden, width, group_size):
+        raise ValueError(f"the rows layout needs 128 | hidden, 128 | width, 16 | group_size: got {hidden}, {width}, "
+                         f"{group_size}")  # fmt: skip
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         x = x.contiguous()
         order, token, start, count, slot_expert = route(expert_ids, experts)
-        if layout == "rows":
-            return _rows_form(x, expert_weights, order, token, start, count, slot_expert, gate_packed, gate_scale,
-                              up_packed, up_scale, down_packed, down_scale, group_size, expert_ids.shape[1], out,
-                              tuning)  # fmt: skip
-        pairs, slots = expert_ids.numel(), slot_expert.numel()
-        precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
-        block_m, block_kw = 16, max(tuning.gate_kw, group_size // 8)
-        block_k, block_n = 8 * block_kw, tuning.gate_n
-        tiles = triton.cdiv(width, block_n)
-        split = _split_k(slots * tiles, hidden, block_k, x.device, tuning.programs_per_sm)
-        k_per_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
-        split = triton.cdiv(hidden, k_per_split)
-        part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
-        _gate_up_kernel[(slots, tiles, split)](
-            x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width,
-            pairs, gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1),
-            GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, K_PER_SPLIT=k_per_split,
-            PRECISION=precision, num_warps=tuning.num_warps, num_stages=tuning.stages,
-        )  # fmt: skip
-        routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-        down_kw = max(group_size // 8, 2, min(tuning.down_kw, triton.next_power_of_2(triton.cdiv(width, 8))))
-        down_n = tuning.down_n
+        routed = torch.empty((expert_ids.numel(), hidden), dtype=torch.float32, device=x.device)
         weights = expert_weights.reshape(-1).to(torch.float32).contiguous()  # no copy when already so
-        _down_kernel[(slots, triton.cdiv(hidden, down_n))](
-            part, split, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width,
-            pairs, down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
-            ACT_DTYPE=_TL_DTYPES[x.dtype], GROUP=group_size, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_KW=down_kw,
-            PRECISION=precision, num_warps=tuning.num_warps, num_stages=tuning.stages,
-        )  # fmt: skip
+        precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
+        LAYOUTS[layout](x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed,
+                        up_scale, down_packed, down_scale, group_size, routed, precision, tuning)  # fmt: skip
         result = routed.view(tokens, -1, hidden).sum(dim=1)
         return result.to(x.dtype) if out is None else out.copy_(result)
 
 
-def _rows_form(x, expert_weights, order, token, start, count, slot_expert, gate_packed, gate_scale, up_packed,
-               up_scale, down_packed, down_scale, group_size, top_k, out, tuning):  # fmt: skip
-    tokens, hidden = x.shape
-    width = gate_packed.shape[1]
-    if not rows_layout_fits(hidden, width, group_size):
-        raise ValueError(f"the rows layout needs 128 | hidden, 128 | width, 16 | group_size: got {hidden}, {width}, "
-                         f"{group_size}")  # fmt: skip
-    pairs, slots = order.numel(), slot_expert.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+def _k_split(programs: int, total: int, block: int, device: torch.device, per_sm: int) -> tuple[int, int]:
+    """(K splits, K a split in whole `block` steps) over `total` (inputs or words) for `programs` programs."""
+    split = _split_k(programs, total, block, device, per_sm)
+    per_split = triton.cdiv(triton.cdiv(total, split), block) * block
+    return triton.cdiv(total, per_split), per_split
+
+
+def _tiles_kernels(x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed, up_scale,
+                   down_packed, down_scale, group_size, routed, precision, tuning):  # fmt: skip
+    """The compressed-tensors layout's gate + up and down launches, into `routed` [pairs, hidden]."""
+    pairs, hidden = routed.shape
+    width, slots = gate_packed.shape[1], slot_expert.numel()
+    block_m, block_kw = 16, max(tuning.gate_kw, group_size // 8)
+    block_k, block_n = 8 * block_kw, tuning.gate_n
+    tiles = triton.cdiv(width, block_n)
+    split, k_per_split = _k_split(slots * tiles, hidden, block_k, x.device, tuning.programs_per_sm)
+    part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
+    _gate_up_kernel[(slots, tiles, split)](
+        x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width,
+        pairs, gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1),
+        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, K_PER_SPLIT=k_per_split,
+        PRECISION=precision, num_warps=tuning.num_warps, num_stages=tuning.stages,
+    )  # fmt: skip
+    down_kw = max(group_size // 8, 2, min(tuning.down_kw, triton.next_power_of_2(triton.cdiv(width, 8))))
+    down_n = tuning.down_n
+    _down_kernel[(slots, triton.cdiv(hidden, down_n))](
+        part, split, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width,
+        pairs, down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
+        ACT_DTYPE=_TL_DTYPES[x.dtype], GROUP=group_size, BLOCK_M=block_m, BLOCK_N=down_n, BLOCK_KW=down_kw,
+        PRECISION=precision, num_warps=tuning.num_warps, num_stages=tuning.stages,
+    )  # fmt: skip
+
+
+def _rows_kernels(x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed, up_scale,
+                  down_packed, down_scale, group_size, routed, precision, tuning):  # fmt: skip
+    """The rows layout's gate + up, act and down launches, into `routed` [pairs, hidden]."""
+    pairs, hidden = routed.shape
+    width, slots = gate_packed.shape[1], slot_expert.numel()
     use_asm = tuning.use_asm and x.dtype == torch.bfloat16 and x.is_cuda
-    block_kw, words = 16, hidden // 8
+    block_kw = 16
     tiles = triton.cdiv(width, tuning.gate_n)
-    split = _split_k(slots * tiles, hidden, 8 * block_kw, x.device, tuning.programs_per_sm)
-    kw_per_split = triton.cdiv(triton.cdiv(words, split), block_kw) * block_kw
-    split = triton.cdiv(words, kw_per_split)
+    split, kw_per_split = _k_split(slots * tiles, hidden // 8, block_kw, x.device, tuning.programs_per_sm)
     part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
     _gate_up_rows_kernel[(slots, tiles, split)](
         x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width, pairs,
@@ -507,16 +515,16 @@ def _rows_form(x, expert_weights, order, token, start, count, slot_expert, gate_
     )  # fmt: skip
     act = torch.empty((pairs, width), dtype=x.dtype, device=x.device)
     _act_kernel[(pairs,)](part, split, act, width, pairs, BLOCK=min(1024, triton.next_power_of_2(width)))
-    routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
-    weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
     _down_rows_kernel[(slots, triton.cdiv(hidden, tuning.down_n))](
         act, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width, pairs,
         down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
         ACT_DTYPE=_TL_DTYPES[x.dtype], GROUP=group_size, BLOCK_M=tuning.block_m, BLOCK_N=tuning.down_n,
         BLOCK_KW=block_kw, PRECISION=precision, USE_ASM=use_asm, num_warps=tuning.num_warps, num_stages=tuning.stages,
     )  # fmt: skip
-    result = routed.view(tokens, top_k, hidden).sum(dim=1)
-    return result.to(x.dtype) if out is None else out.copy_(result)
+
+
+# layout name -> the launches of its kernels
+LAYOUTS = {"compressed-tensors": _tiles_kernels, "rows": _rows_kernels}
 
 
 class Int4MoEKernel:
