@@ -126,7 +126,9 @@ def prepared(tensors):
 def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke: bool, repeats: int,
                tuning: Tuning, ready, layout: str) -> dict:  # fmt: skip
     """Median time of each form (microseconds). int4_kernel_us: the experts as the rank factory runs them (`ready`
-    in `layout`); tiles_kernel_us: in the checkpoint's layout, as the TensorRT plugin runs them."""
+    in `layout`); tiles_kernel_us: in the checkpoint's layout, as the TensorRT plugin runs them; in the rows layout
+    also rows_tensor_cores_us: the tensor-core form alone, at every T (the kernel takes the CUDA-core form up to
+    `tuning.gemv_pairs` pairs)."""
 
     def layer():
         torch.sigmoid(F.linear(x.float(), router.float()))  # the router's cost (its choice is `ids`)
@@ -141,6 +143,10 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
         "grouped_mm_bf16_us": lambda: grouped_bf16(gx, ids, weights, dense),
         "dequantize_then_grouped_us": lambda: dequantize_then_grouped(gx, ids, weights, tensors),
     }
+    if layout == "rows":
+        tensor_cores = replace(tuning, gemv_pairs=0)
+        forms["rows_tensor_cores_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tensor_cores,
+                                                              layout=layout)  # fmt: skip
     return {
         name: statistics.median(graph_time_us(fn, device, smoke) for _ in range(repeats)) for name, fn in forms.items()
     }
@@ -207,7 +213,7 @@ def profile(x, ids, weights, tensors, path: Path, smoke: bool, layout: str = "co
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--tokens", default="1,8,16,33")
+    parser.add_argument("--tokens", default="1,8,9,16,17,33")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also each kernel's share (torch.profiler) at T 1, 33")
@@ -247,6 +253,10 @@ def main(argv=None) -> int:
             error = max(error, float((tuned - want).norm() / want.norm()))
             fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tuning, layout=layout).float()
             error = max(error, float((fast - want).norm() / want.norm()))
+            if layout == "rows":  # the tensor-core form too, where the CUDA-core one ran above
+                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=replace(tuning, gemv_pairs=0),
+                                     layout=layout).float()  # fmt: skip
+                error = max(error, float((fast - want).norm() / want.norm()))
             if error > 1e-2:
                 raise RuntimeError(f"{kind} T={tokens}: kernel relative error {error:.2e} > 1e-2")
             gx = x.to(grouped_dtype)

@@ -34,7 +34,9 @@ from plugins.int4_moe.reference import int4_moe  # noqa: E402
 def compiled_stats() -> dict:
     """Registers, spills and PTX instruction counts of every compiled rows/tiles kernel so far."""
     stats = {}
-    for name in ("_gate_up_rows_kernel", "_down_rows_kernel", "_gate_up_kernel", "_down_kernel"):
+    names = ("_gate_up_rows_kernel", "_down_rows_kernel", "_gate_up_kernel", "_down_kernel", "_gate_up_gemv_kernel",
+             "_down_gemv_kernel")  # fmt: skip
+    for name in names:
         fn = getattr(kernel, name)
         try:
             caches = fn.device_caches

@@ -57,6 +57,11 @@ class Tuning:
     stages: int = 3  # Triton's default for CUDA launches
     block_m: int = 16  # pairs a program multiplies at once ("rows" layout)
     use_asm: bool = True  # "rows" layout in bfloat16 on a GPU: the lop3 unpack (inline PTX) instead of the plain one
+    gemv_pairs: int = 136  # "rows" layout: the CUDA-core form (`_gate_up_gemv_kernel`) up to this many pairs
+    gemv_n: int = 16  # rows a CUDA-core gate/up program computes (of gate and of up each)
+    gemv_down_n: int = 16  # rows a CUDA-core down program computes (for all of a token's experts)
+    gemv_per_sm: int = 8  # CUDA-core gate/up programs per SM its K split aims for
+    gemv_warps: int = 4
 
 
 # the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
@@ -386,6 +391,127 @@ def _down_rows_kernel(act_ptr, order_ptr, pair_weight_ptr, slot_expert_ptr, star
                  mask=row_ok[:, None] & pair_ok[None, :])  # fmt: skip
 
 
+ONE_BITS = tl.constexpr(0x3F800000)  # 1.0 as float32
+NIBBLE_AT_19 = tl.constexpr(0x00780000)  # a nibble in the top four mantissa bits: 1.0 | n << 19 is 1 + n / 16
+
+
+@triton.jit
+def _scaled_nibble(packed, j: tl.constexpr, s16, s24):
+    """(n - 8) * s exactly, n nibble j of each word of `packed`, from s16 = 16 s and s24 = 24 s (broadcastable): the
+    nibble goes into the mantissa of 1.0 (one shift and one lop3, no int-to-float convert), then
+    (1 + n / 16) * 16 s - 24 s, every step exact in float32 (13 significant bits at most), fused or not."""
+    SHIFT: tl.constexpr = 19 - 4 * j
+    if SHIFT >= 0:
+        moved = packed << SHIFT
+    else:
+        moved = packed >> -SHIFT  # the sign bits land above the mantissa's top nibble, which the mask drops
+    raw = ((moved & NIBBLE_AT_19) | ONE_BITS).to(tl.float32, bitcast=True)
+    return tl.fma(raw, s16, -s24)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, ids_ptr, gate_p, gate_s, up_p, up_s, part_ptr, count_ptr, act_ptr, num_pairs,
+                         p_stride_e, p_stride_r, s_stride_e, s_stride_r, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                         TOP_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         KW_PER_SPLIT: tl.constexpr):  # fmt: skip
+    """gate and up of one (token, expert) pair on the "rows" layout, for batches with few pairs an expert: program
+    (pair, BLOCK_N rows, K split) streams its rows' words a group (GROUP words of one nibble: GROUP inputs, one scale)
+    at a time, the next group's words loaded before this one's products, and multiplies on the CUDA cores in float32
+    (each weight exact: `_scaled_nibble`). The last split of a (pair, rows) to finish (a counter a tile, left at 0
+    again) adds the splits' partial sums in split order and writes silu(gate) * up in act's dtype."""
+    pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    splits = tl.num_programs(2)
+    expert = tl.load(ids_ptr + pair)
+    xb = x_ptr + (pair // TOP_K) * HIDDEN
+    words: tl.constexpr = HIDDEN // 8
+    spans: tl.constexpr = words // GROUP  # groups one nibble of a row spans
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < WIDTH
+    offs = tl.arange(0, GROUP)
+    gate_p, gate_s = gate_p + expert * p_stride_e + rows[:, None] * p_stride_r, gate_s + expert * s_stride_e
+    up_p, up_s = up_p + expert * p_stride_e + rows[:, None] * p_stride_r, up_s + expert * s_stride_e
+    acc_g = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+    w_begin = split * KW_PER_SPLIT
+    w_end = w_begin + KW_PER_SPLIT  # the last split may end past the words: masked
+    next_g = tl.load(gate_p + w_begin + offs[None, :], mask=row_ok[:, None] & (w_begin < words), other=0)
+    next_u = tl.load(up_p + w_begin + offs[None, :], mask=row_ok[:, None] & (w_begin < words), other=0)
+    for w0 in range(w_begin, w_end, GROUP):
+        w_ok = w0 < words
+        pg, pu = next_g, next_u
+        ahead = row_ok[:, None] & (w0 + GROUP < words) & (w0 + GROUP < w_end)
+        next_g = tl.load(gate_p + w0 + GROUP + offs[None, :], mask=ahead, other=0)
+        next_u = tl.load(up_p + w0 + GROUP + offs[None, :], mask=ahead, other=0)
+        for j in tl.static_range(8):
+            # inputs j * words + w0 ...: one group
+            xj = tl.load(xb + j * words + w0 + offs, mask=w_ok & (offs < GROUP), other=0.0).to(tl.float32)
+            group = j * spans + w0 // GROUP
+            sg = tl.load(gate_s + rows * s_stride_r + group, mask=row_ok & w_ok, other=0.0).to(tl.float32)[:, None]
+            su = tl.load(up_s + rows * s_stride_r + group, mask=row_ok & w_ok, other=0.0).to(tl.float32)[:, None]
+            acc_g = tl.fma(_scaled_nibble(pg, j, 16.0 * sg, 24.0 * sg), xj[None, :], acc_g)
+            acc_u = tl.fma(_scaled_nibble(pu, j, 16.0 * su, 24.0 * su), xj[None, :], acc_u)
+    gate, up = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    if splits > 1:
+        out = part_ptr + (split * num_pairs + pair) * (2 * WIDTH) + rows
+        tl.store(out, gate, mask=row_ok)
+        tl.store(out + WIDTH, up, mask=row_ok)
+        counter = count_ptr + pair * tl.num_programs(1) + tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:  # every other split's sums are written
+            gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for s in range(0, splits):  # a fixed order: the same sums whichever split came last
+                row = part_ptr + (s * num_pairs + pair) * (2 * WIDTH) + rows
+                gate += tl.load(row, mask=row_ok, other=0.0, cache_modifier=".cg")
+                up += tl.load(row + WIDTH, mask=row_ok, other=0.0, cache_modifier=".cg")
+            tl.store(counter, 0)
+            act = gate / (1.0 + tl.exp(-gate)) * up
+            tl.store(act_ptr + pair * WIDTH + rows, act.to(act_ptr.dtype.element_ty), mask=row_ok)
+    else:
+        act = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(act_ptr + pair * WIDTH + rows, act.to(act_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(act_ptr, ids_ptr, pair_weight_ptr, down_p, down_s, out_ptr, p_stride_e, p_stride_r, s_stride_e,
+                      s_stride_r, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
+                      K_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """down for a token's TOP_K pairs at once on the "rows" layout, as `_gate_up_gemv_kernel`: program (token,
+    BLOCK_N rows) loads the rows of all its experts together, weights each pair by its routing weight and sums the
+    pairs in a fixed order, into the token's output row in the output's dtype (no routed rows, no separate sum)."""
+    token, tile = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, K_PAD)
+    k_ok = k < TOP_K
+    pairs = token * TOP_K + k
+    experts = tl.load(ids_ptr + pairs, mask=k_ok, other=0)
+    words: tl.constexpr = WIDTH // 8
+    spans: tl.constexpr = words // GROUP
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < HIDDEN
+    offs = tl.arange(0, GROUP)
+    ok = k_ok[:, None, None] & row_ok[None, :, None]
+    wp = down_p + experts[:, None, None] * p_stride_e + rows[None, :, None] * p_stride_r + offs[None, None, :]
+    sp = down_s + experts[:, None] * s_stride_e + rows[None, :] * s_stride_r  # [K, N]
+    acc = tl.zeros((K_PAD, BLOCK_N, GROUP), dtype=tl.float32)
+    for w0 in range(0, words, GROUP):
+        packed = tl.load(wp + w0, mask=ok, other=0)  # [K, N, GROUP]
+        for j in tl.static_range(8):
+            aj = tl.load(act_ptr + pairs[:, None] * WIDTH + j * words + w0 + offs[None, :], mask=k_ok[:, None],
+                         other=0.0).to(tl.float32)  # [K, GROUP]  # fmt: skip
+            s = tl.load(sp + j * spans + w0 // GROUP, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            s = s.to(tl.float32)[:, :, None]
+            acc = tl.fma(_scaled_nibble(packed, j, 16.0 * s, 24.0 * s), aj[:, None, :], acc)
+    weight = tl.load(pair_weight_ptr + pairs, mask=k_ok, other=0.0).to(tl.float32)
+    per_pair = tl.sum(acc, 2) * weight[:, None]  # [K, N]
+    tl.store(out_ptr + token * HIDDEN + rows, tl.sum(per_pair, 0).to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def gemv_fits(hidden: int, width: int, group_size: int) -> bool:
+    """The CUDA-core form steps a whole group of one nibble at a time: a power-of-two group dividing both word
+    counts (Kimi K2.x: 896 and 32 words, groups of 32)."""
+    words_in, words_width = hidden // 8, width // 8
+    return group_size & (group_size - 1) == 0 and words_in % group_size == 0 and words_width % group_size == 0
+
+
 def rows_layout_fits(hidden: int, width: int, group_size: int) -> bool:
     """The "rows" form needs each 16-word step of a nibble to lie in one group: 16 | words and 16 | group."""
     return (hidden // 8) % 16 == 0 and (width // 8) % 16 == 0 and group_size % 16 == 0
@@ -454,6 +580,10 @@ def int4_moe_cuda(
                          f"{group_size}")  # fmt: skip
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         x = x.contiguous()
+        if layout == "rows" and expert_ids.numel() <= tuning.gemv_pairs and gemv_fits(hidden, width, group_size):
+            result = _rows_gemv(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale,
+                                down_packed, down_scale, group_size, tuning)  # fmt: skip
+            return result if out is None else out.copy_(result)
         order, token, start, count, slot_expert = route(expert_ids, experts)
         routed = torch.empty((expert_ids.numel(), hidden), dtype=torch.float32, device=x.device)
         weights = expert_weights.reshape(-1).to(torch.float32).contiguous()  # no copy when already so
@@ -521,6 +651,59 @@ def _rows_kernels(x, order, token, start, count, slot_expert, weights, gate_pack
         ACT_DTYPE=_TL_DTYPES[x.dtype], GROUP=group_size, BLOCK_M=tuning.block_m, BLOCK_N=tuning.down_n,
         BLOCK_KW=block_kw, PRECISION=precision, USE_ASM=use_asm, num_warps=tuning.num_warps, num_stages=tuning.stages,
     )  # fmt: skip
+
+
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}  # zeros the gate/up kernel leaves at zero again
+
+
+def _split_counters(size: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 counter per (pair, rows) tile for the CUDA-core form's last-split reduction: kept a device and
+    reused (each call leaves them at zero); grown outside a CUDA-graph capture, or made for the graph inside one."""
+    have = _SPLIT_COUNTERS.get(device)
+    if have is not None and have.numel() >= size:
+        return have
+    fresh = torch.zeros(max(size, 4096), dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh  # allocated for this graph alone: not handed to callers outside it
+    _SPLIT_COUNTERS[device] = fresh
+    return fresh
+
+
+def _rows_gemv(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
+               group_size, tuning):  # fmt: skip
+    """The rows layout's CUDA-core form (few pairs: each pair's expert rows streamed once for that pair, no routing
+    sort): gate + up + act (pair, rows, K split), then down (token, rows) into [T, hidden] in x's dtype."""
+    tokens, hidden = x.shape
+    top_k = expert_ids.shape[-1]
+    pairs, width = expert_ids.numel(), gate_packed.shape[1]
+    ids = expert_ids.reshape(-1).contiguous()  # read as they come (int64 from top-k): no cast launch
+    weights = expert_weights.reshape(-1).contiguous()
+    tiles = triton.cdiv(width, tuning.gemv_n)
+    steps = hidden // 8 // group_size  # one group of one nibble a step
+    split = 1
+    if x.is_cuda:  # about gemv_per_sm programs an SM (no cap of 8 here: the splits are summed by the last one)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        split = max(1, min(steps, triton.cdiv(tuning.gemv_per_sm * sms, pairs * tiles)))
+    elif steps > 1:
+        split = 2
+    kw_per_split = triton.cdiv(steps, split) * group_size
+    split = triton.cdiv(steps * group_size, kw_per_split)
+    part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
+    counters = _split_counters(pairs * tiles, x.device)
+    act = torch.empty((pairs, width), dtype=x.dtype, device=x.device)
+    _gate_up_gemv_kernel[(pairs, tiles, split)](
+        x, ids, gate_packed, gate_scale, up_packed, up_scale, part, counters, act, pairs, gate_packed.stride(0),
+        gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1), HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
+        GROUP=group_size, BLOCK_N=tuning.gemv_n, KW_PER_SPLIT=kw_per_split, num_warps=tuning.gemv_warps,
+    )  # fmt: skip
+    result = torch.empty_like(x)
+    _down_gemv_kernel[(tokens, triton.cdiv(hidden, tuning.gemv_down_n))](
+        act, ids, weights, down_packed, down_scale, result, down_packed.stride(0), down_packed.stride(1),
+        down_scale.stride(0), down_scale.stride(1), HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k), GROUP=group_size, BLOCK_N=tuning.gemv_down_n,
+        num_warps=tuning.gemv_warps,
+    )  # fmt: skip
+    return result
 
 
 # layout name -> the launches of its kernels
