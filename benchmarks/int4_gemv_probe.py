@@ -6,7 +6,8 @@ layout, at Kimi K2.x per-rank TP-8 dimensions on one GPU.
 
 Every launch shape is checked against the float32 torch reference first (relative error < 1e-2), then timed
 (random routing, median of CUDA-graph replays) at T = 1 and 8; the best shape is then timed at T = 1 .. 33 beside
-the tensor-core form (random and skewed routing), which says up to how many pairs the CUDA-core form should run.
+the tensor-core form (random and skewed routing; inside a model a block's tokens share experts more than either, so
+the whole rank, not this table, says up to how many tokens the CUDA-core form should run: `Tuning.gemv_tokens`).
 Registers and spills are read from the compiled kernels; a torch.profiler table at T = 1 and 8 splits the time.
 """
 
@@ -32,7 +33,7 @@ from benchmarks.int4_rows_probe import compiled_stats, profile  # noqa: E402
 from plugins.int4_moe.kernel import DEFAULT_TUNING, Tuning, int4_moe_cuda, repack_rows  # noqa: E402
 from plugins.int4_moe.reference import int4_moe  # noqa: E402
 
-CUDA_CORES, TENSOR_CORES = 10**9, 0  # gemv_pairs that force one form or the other
+CUDA_CORES, TENSOR_CORES = 10**9, 0  # gemv_tokens that force one form or the other
 
 
 def main(argv=None) -> int:
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         return float((got - c[3]).norm() / c[3].norm())
 
     cases = {t: case("random", t, 100 + t) for t in (1, 8)}
-    base = dataclasses.replace(DEFAULT_TUNING, gemv_pairs=CUDA_CORES)
+    base = dataclasses.replace(DEFAULT_TUNING, gemv_tokens=CUDA_CORES)
     grid = [dataclasses.replace(base, gemv_n=n, gemv_down_n=dn, gemv_warps=w, gemv_per_sm=ps)
             for n, dn, w, ps in itertools.product((16, 32), (8, 16), (2, 4, 8), (4, 8, 16))]  # fmt: skip
     # the gate/up shape first (the larger kernel), the down shape at the default, then the rest as the budget allows
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
         best = min(good, key=lambda r: r["geomean_us"])
         best_tuning = Tuning(**{f: best[f] for f in vars(DEFAULT_TUNING)})
         emit({"best": vars(best_tuning)})
-        mma = dataclasses.replace(best_tuning, gemv_pairs=TENSOR_CORES)
+        mma = dataclasses.replace(best_tuning, gemv_tokens=TENSOR_CORES)
         for tokens in (1, 8):
             profile(lambda c=cases[tokens]: run(c, best_tuning), args.out_dir / f"gemv_profile_T{tokens}.txt")
         for kind in ("random", "skewed"):

@@ -128,7 +128,7 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
     """Median time of each form (microseconds). int4_kernel_us: the experts as the rank factory runs them (`ready`
     in `layout`); tiles_kernel_us: in the checkpoint's layout, as the TensorRT plugin runs them; in the rows layout
     also rows_tensor_cores_us: the tensor-core form alone, at every T (the kernel takes the CUDA-core form up to
-    `tuning.gemv_pairs` pairs)."""
+    `tuning.gemv_tokens` tokens)."""
 
     def layer():
         torch.sigmoid(F.linear(x.float(), router.float()))  # the router's cost (its choice is `ids`)
@@ -144,7 +144,7 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
         "dequantize_then_grouped_us": lambda: dequantize_then_grouped(gx, ids, weights, tensors),
     }
     if layout == "rows":
-        tensor_cores = replace(tuning, gemv_pairs=0)
+        tensor_cores = replace(tuning, gemv_tokens=0)
         forms["rows_tensor_cores_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tensor_cores,
                                                               layout=layout)  # fmt: skip
     return {
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
             fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tuning, layout=layout).float()
             error = max(error, float((fast - want).norm() / want.norm()))
             if layout == "rows":  # the tensor-core form too, where the CUDA-core one ran above
-                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=replace(tuning, gemv_pairs=0),
+                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=replace(tuning, gemv_tokens=0),
                                      layout=layout).float()  # fmt: skip
                 error = max(error, float((fast - want).norm() / want.norm()))
             if error > 1e-2:

@@ -57,7 +57,10 @@ class Tuning:
     stages: int = 3  # Triton's default for CUDA launches
     block_m: int = 16  # pairs a program multiplies at once ("rows" layout)
     use_asm: bool = True  # "rows" layout in bfloat16 on a GPU: the lop3 unpack (inline PTX) instead of the plain one
-    gemv_pairs: int = 136  # "rows" layout: the CUDA-core form (`_gate_up_gemv_kernel`) up to this many pairs
+    # "rows" layout: the CUDA-core form (`_gate_up_gemv_kernel`) up to this many tokens. One token's experts are
+    # distinct, so no expert's words are read twice; a verify block's tokens share experts in a model (BENCHMARKS.md,
+    # section 8: at 9 and 17 tokens the form wins on random routing and loses inside the whole rank)
+    gemv_tokens: int = 1
     gemv_n: int = 16  # rows a CUDA-core gate/up program computes (of gate and of up each)
     gemv_down_n: int = 16  # rows a CUDA-core down program computes (for all of a token's experts)
     gemv_per_sm: int = 8  # CUDA-core gate/up programs per SM its K split aims for
@@ -580,7 +583,7 @@ def int4_moe_cuda(
                          f"{group_size}")  # fmt: skip
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         x = x.contiguous()
-        if layout == "rows" and expert_ids.numel() <= tuning.gemv_pairs and gemv_fits(hidden, width, group_size):
+        if layout == "rows" and tokens <= tuning.gemv_tokens and gemv_fits(hidden, width, group_size):
             result = _rows_gemv(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale,
                                 down_packed, down_scale, group_size, tuning)  # fmt: skip
             return result if out is None else out.copy_(result)
