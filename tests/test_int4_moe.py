@@ -302,3 +302,41 @@ def test_packed_engine_runs_under_mpirun_on_every_backend(demo_hf, tmp_path):
     assert tokens["ort"]["results"][0]["output_ids"] == tokens["torch"]["results"][0]["output_ids"]
     done = mpirun(2, "-m", "runner.check_onnx", str(engine))
     assert done.returncode == 0 and "OK:" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_w4a16_cuda_core_form_matches_reference_under_the_interpreter():
+    """The rows layout's CUDA-core form (what a one-token decode runs at Kimi K2.x's dimensions): gate + up streamed
+    a group at a time, the act fused by the last K split, down for all of a token's experts at once. At T = 1 with
+    one K split, and at T = 5 with top-6 (padded to 8) and two K splits whose counters are left at zero again; the
+    weights are exact in float32, so the float32 tolerance holds."""
+    script = """
+        import torch
+        from plugins.int4_moe import kernel
+        from plugins.int4_moe.kernel import Int4MoEKernel, Tuning
+        from plugins.int4_moe.reference import int4_moe
+        from tests.test_int4_moe import random_experts, random_routing, rel
+        worst, calls = 0.0, []
+        class Recorded:  # the gate/up launches' grids
+            def __getitem__(self, grid, jit=kernel._gate_up_gemv_kernel):
+                calls.append(grid)
+                return jit[grid]
+        kernel._gate_up_gemv_kernel = Recorded()
+        for i, (tokens, k, hidden, width, group) in enumerate(((1, 4, 256, 256, 32), (5, 6, 256, 128, 16))):
+            tensors = random_experts(16, hidden, width, group, seed=i)
+            words, layout = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
+            assert layout == "rows" and kernel.gemv_fits(hidden, width, group)
+            ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
+            x = torch.randn(tokens, hidden)
+            ids, weights = random_routing(tokens, 16, k, seed=i, everyone=3 if tokens > 1 else None)
+            out = torch.full((tokens, hidden), float("nan"))
+            Int4MoEKernel()(x, ids, weights, *ready, group, out=out, layout=layout,
+                            tuning=Tuning(gemv_tokens=tokens, gemv_n=16, gemv_down_n=16))
+            assert not out.isnan().any(), tokens
+            worst = max(worst, rel(out, int4_moe(x, ids, weights, *tensors, group)))
+        assert [grid[2] for grid in calls] == [1, 2], calls  # K splits: one, then two (the last one's reduction)
+        assert not kernel._SPLIT_COUNTERS[torch.device("cpu")].any()
+        print("worst", worst)
+    """
+    done = run_interpreted(script, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < TOLERANCE
