@@ -9,6 +9,9 @@ Two weight layouts, the same packed bytes:
   nibbles into two bfloat16 mantissas), scaled there (rounded once, as the reference's weights) and multiplied on
   tensor cores; no dequantized tile goes through shared memory. Launches: route; gate + up (program: slot, 64 rows,
   K split); act (the K splits' sums, silu(gate) * up in the model's dtype); down (slot, 256 rows).
+  For one token (`Tuning.gemv_tokens`: a decode, whose experts are distinct) a CUDA-core form on the same words:
+  gate + up (pair, 16 rows, K split; the last split to finish adds the splits and writes the act), down (token, 16
+  rows, all its experts at once); no routing sort. More tokens share experts, which it would read once per pair.
 - "compressed-tensors" (the checkpoint's order: nibble j of word w is input 8 w + j; the TensorRT plugin and other
   dimensions): the "tiles" kernels below, the dequantized tile on the MMA's N side through shared memory.
 
