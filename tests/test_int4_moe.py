@@ -155,7 +155,7 @@ def test_w4a16_kernel_matches_reference_under_the_interpreter():
             x = torch.randn(tokens, hidden)
             ids, weights = random_routing(tokens, experts, 4, seed=i, everyone=7 if tokens >= 8 else None)
             for split, tuning in ((1, kernel.DEFAULT_TUNING), (2, kernel.Tuning(32, 128, 2, 8, 8))):
-                kernel._split_k = lambda programs, hidden, block_k, device, per_sm, s=split: s
+                kernel._split_k = lambda programs, hidden, block_k, device, per_sm, cap=8, s=split: s
                 out = torch.full((tokens, hidden), float("nan"))
                 int4_moe_cuda(x, ids, weights, *tensors, group, out=out, tuning=tuning)
                 assert not out.isnan().any(), tokens
@@ -205,7 +205,7 @@ def test_w4a16_rows_layout_matches_reference_under_the_interpreter():
             ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
             x = torch.randn(tokens, 128)
             ids, weights = random_routing(tokens, experts, 4, seed=i, everyone=7 if tokens >= 8 else None)
-            kernel._split_k = lambda programs, hidden, block_k, device, per_sm, s=1 + i % 2: s
+            kernel._split_k = lambda programs, hidden, block_k, device, per_sm, cap=8, s=1 + i % 2: s
             out = torch.full((tokens, 128), float("nan"))
             Int4MoEKernel()(x, ids, weights, *ready, 32, out=out, tuning=kernel.Tuning(gate_n=32, down_n=32),
                             layout=layout)

@@ -138,6 +138,12 @@ def _route_torch(expert_ids: torch.Tensor, num_experts: int):
 
 
 @triton.jit
+def _silu_times(gate, up):
+    """silu(gate) * up in float32 (every form's act)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _word_tile(packed_ptr, scale_ptr, row_stride, scale_stride, rows, row_ok, word0, words, groups,
                BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
     """[BLOCK_N, BLOCK_KW * 8] float32 weights from BLOCK_KW consecutive int32 words of each row (one coalesced load
@@ -226,7 +232,7 @@ def _down_kernel(part_ptr, splits, order_ptr, pair_weight_ptr, slot_expert_ptr, 
                 row = part_ptr + (s * num_pairs + pairs)[:, None] * (2 * width) + offs_k[None, :]
                 gate += tl.load(row, mask=mask, other=0.0)
                 up += tl.load(row + width, mask=mask, other=0.0)
-            act = (gate / (1.0 + tl.exp(-gate)) * up).to(ACT_DTYPE)  # silu(gate) * up in the model's dtype
+            act = _silu_times(gate, up).to(ACT_DTYPE)  # in the model's dtype, as the reference rounds it
             d = _word_tile(down_p, down_s, p_stride_r, s_stride_r, cols, col_ok, k0 // 8, words, groups,
                            BLOCK_N, BLOCK_KW, GROUP)  # fmt: skip
             acc += tl.dot(act, tl.trans(d.to(ACT_DTYPE)), input_precision=PRECISION)
@@ -356,8 +362,7 @@ def _act_kernel(part_ptr, splits, act_ptr, width, num_pairs, BLOCK: tl.constexpr
         for s in range(1, splits):
             gate += tl.load(row + s * num_pairs * 2 * width, mask=ok, other=0.0)
             up += tl.load(row + s * num_pairs * 2 * width + width, mask=ok, other=0.0)
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(act_ptr + pair * width + cols, act.to(act_ptr.dtype.element_ty), mask=ok)
+        tl.store(act_ptr + pair * width + cols, _silu_times(gate, up).to(act_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -457,12 +462,14 @@ def _gate_up_gemv_kernel(x_ptr, ids_ptr, gate_p, gate_s, up_p, up_s, part_ptr, c
             acc_g = tl.fma(_scaled_nibble(pg, j, 16.0 * sg, 24.0 * sg), xj[None, :], acc_g)
             acc_u = tl.fma(_scaled_nibble(pu, j, 16.0 * su, 24.0 * su), xj[None, :], acc_u)
     gate, up = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    last = splits == 1  # this program writes the act
     if splits > 1:
         out = part_ptr + (split * num_pairs + pair) * (2 * WIDTH) + rows
         tl.store(out, gate, mask=row_ok)
         tl.store(out + WIDTH, up, mask=row_ok)
         counter = count_ptr + pair * tl.num_programs(1) + tile
-        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:  # every other split's sums are written
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1  # every other split's sums are written
+        if last:
             gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
             up = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for s in range(0, splits):  # a fixed order: the same sums whichever split came last
@@ -470,11 +477,8 @@ def _gate_up_gemv_kernel(x_ptr, ids_ptr, gate_p, gate_s, up_p, up_s, part_ptr, c
                 gate += tl.load(row, mask=row_ok, other=0.0, cache_modifier=".cg")
                 up += tl.load(row + WIDTH, mask=row_ok, other=0.0, cache_modifier=".cg")
             tl.store(counter, 0)
-            act = gate / (1.0 + tl.exp(-gate)) * up
-            tl.store(act_ptr + pair * WIDTH + rows, act.to(act_ptr.dtype.element_ty), mask=row_ok)
-    else:
-        act = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(act_ptr + pair * WIDTH + rows, act.to(act_ptr.dtype.element_ty), mask=row_ok)
+    if last:
+        tl.store(act_ptr + pair * WIDTH + rows, _silu_times(gate, up).to(act_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -545,13 +549,15 @@ def _pack_words(values: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
     return word
 
 
-def _split_k(programs: int, hidden: int, block_k: int, device: torch.device, per_sm: int = 2) -> int:
-    """K splits so that small batches still fill the GPU (about `per_sm` programs per SM), in whole BLOCK_K steps."""
+def _split_k(programs: int, hidden: int, block_k: int, device: torch.device, per_sm: int = 2,
+             cap: int | None = 8) -> int:  # fmt: skip
+    """K splits so that small batches still fill the GPU (about `per_sm` programs per SM), in whole BLOCK_K steps,
+    at most `cap` (None: up to one step a split)."""
     if device.type != "cuda":
         return 1 if hidden <= block_k else 2
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     steps = triton.cdiv(hidden, block_k)
-    return max(1, min(steps, 8, triton.cdiv(per_sm * sms, max(programs, 1))))
+    return max(1, min(steps, cap or steps, triton.cdiv(per_sm * sms, max(programs, 1))))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -600,9 +606,10 @@ def int4_moe_cuda(
         return result.to(x.dtype) if out is None else out.copy_(result)
 
 
-def _k_split(programs: int, total: int, block: int, device: torch.device, per_sm: int) -> tuple[int, int]:
+def _k_split(programs: int, total: int, block: int, device: torch.device, per_sm: int,
+             cap: int | None = 8) -> tuple[int, int]:  # fmt: skip
     """(K splits, K a split in whole `block` steps) over `total` (inputs or words) for `programs` programs."""
-    split = _split_k(programs, total, block, device, per_sm)
+    split = _split_k(programs, total, block, device, per_sm, cap=cap)
     per_split = triton.cdiv(triton.cdiv(total, split), block) * block
     return triton.cdiv(total, per_split), per_split
 
@@ -685,15 +692,8 @@ def _rows_gemv(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed
     ids = expert_ids.reshape(-1).contiguous()  # read as they come (int64 from top-k): no cast launch
     weights = expert_weights.reshape(-1).contiguous()
     tiles = triton.cdiv(width, tuning.gemv_n)
-    steps = hidden // 8 // group_size  # one group of one nibble a step
-    split = 1
-    if x.is_cuda:  # about gemv_per_sm programs an SM (no cap of 8 here: the splits are summed by the last one)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        split = max(1, min(steps, triton.cdiv(tuning.gemv_per_sm * sms, pairs * tiles)))
-    elif steps > 1:
-        split = 2
-    kw_per_split = triton.cdiv(steps, split) * group_size
-    split = triton.cdiv(steps * group_size, kw_per_split)
+    # a step is one group of one nibble; no cap on the splits here: the last one to finish sums them
+    split, kw_per_split = _k_split(pairs * tiles, hidden // 8, group_size, x.device, tuning.gemv_per_sm, cap=None)
     part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
     counters = _split_counters(pairs * tiles, x.device)
     act = torch.empty((pairs, width), dtype=x.dtype, device=x.device)
