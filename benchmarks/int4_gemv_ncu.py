@@ -1,5 +1,5 @@
 """One CUDA-core-form call of the W4A16 MoE kernel at Kimi K2.x per-rank TP-8 dimensions, T tokens, random routing,
-for Nsight Compute: `ncu --clock-control none -k regex:gemv python benchmarks/int4_gemv_ncu.py [T]`."""
+for Nsight Compute: `ncu --clock-control none -k regex:_cc_|_down_token python benchmarks/int4_gemv_ncu.py [T]`."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
-"""The W4A16 MoE kernel's CUDA-core form for few pairs (`_gate_up_gemv_kernel`, `_down_gemv_kernel`: each pair's
-expert rows streamed once, a group at a time, no routing sort) against its tensor-core form on the same "rows"
-layout, at Kimi K2.x per-rank TP-8 dimensions on one GPU.
+"""The W4A16 MoE kernel's CUDA-core form (`_gate_up_cc_kernel`, `_down_cc_kernel`, `_down_token_kernel`: each
+block's expert rows streamed once, a group at a time, for the block's up to `Tuning.cuda_core_block` pairs) against
+its tensor-core form on the same "rows" layout, at Kimi K2.x per-rank TP-8 dimensions on one GPU.
 
-    python benchmarks/int4_gemv_probe.py OUT_DIR [--budget-s 240]
+    python benchmarks/int4_gemv_probe.py OUT_DIR [--budget-s 150]
 
 Every launch shape is checked against the float32 torch reference first (relative error < 1e-2), then timed
-(random routing, median of CUDA-graph replays) at T = 1 and 8; the best shape is then timed at T = 1 .. 33 beside
-the tensor-core form (random and skewed routing; inside a model a block's tokens share experts more than either, so
-the whole rank, not this table, says up to how many tokens the CUDA-core form should run: `Tuning.gemv_tokens`).
-Registers and spills are read from the compiled kernels; a torch.profiler table at T = 1 and 8 splits the time.
+(random routing, median of CUDA-graph replays) at T = 1 and 33; the best shape is then timed at T = 1 .. 64 beside
+the tensor-core form, for random, skewed (Zipf) and pooled routing (each token's experts drawn from one pool of
+2 k experts: a verify block whose tokens share experts, as inside a model). The smallest T where the tensor-core
+form wins is what `Tuning.gemv_tokens` should stay below. Registers and spills are read from the compiled kernels;
+a torch.profiler table at T = 1 and 33 splits the time.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ CUDA_CORES, TENSOR_CORES = 10**9, 0  # gemv_tokens that force one form or the ot
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping after this long")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop sweeping after this long")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -71,12 +72,11 @@ def main(argv=None) -> int:
         got = run(c, tuning).float()
         return float((got - c[3]).norm() / c[3].norm())
 
-    cases = {t: case("random", t, 100 + t) for t in (1, 8)}
+    cases = {t: case("random", t, 100 + t) for t in (1, 33)}
     base = dataclasses.replace(DEFAULT_TUNING, gemv_tokens=CUDA_CORES)
-    grid = [dataclasses.replace(base, gemv_n=n, gemv_down_n=dn, gemv_warps=w, gemv_per_sm=ps)
-            for n, dn, w, ps in itertools.product((16, 32), (8, 16), (2, 4, 8), (4, 8, 16))]  # fmt: skip
-    # the gate/up shape first (the larger kernel), the down shape at the default, then the rest as the budget allows
-    grid.sort(key=lambda t: (t.gemv_down_n != base.gemv_down_n, t.gemv_n, t.gemv_warps, t.gemv_per_sm))
+    grid = [dataclasses.replace(base, gemv_n=n, cuda_core_block=m, cuda_core_down_n=d)
+            for n, m, d in itertools.product((16, 32), (1, 2, 4), (32, 64, 128))]  # fmt: skip
+    grid.sort(key=lambda t: (t.gemv_n, t.cuda_core_block, t.cuda_core_down_n))
     results, t0 = [], time.time()
     for tuning in [base] + grid:
         if time.time() - t0 > args.budget_s:
@@ -88,21 +88,21 @@ def main(argv=None) -> int:
         except Exception as err:  # noqa: BLE001 - a shape that does not compile is reported, the sweep goes on
             emit({**vars(tuning), "failed": f"{type(err).__name__}: {str(err)[:300]}"})
             continue
-        row = {**vars(tuning), "err_T1": errs[1], "err_T8": errs[8], "T1_us": times[1], "T8_us": times[8],
-               "geomean_us": math.sqrt(times[1] * times[8])}  # fmt: skip
+        row = {**vars(tuning), "err_T1": errs[1], "err_T33": errs[33], "T1_us": times[1], "T33_us": times[33],
+               "geomean_us": math.sqrt(times[1] * times[33])}  # fmt: skip
         results.append(row)
         emit(row)
-    good = [r for r in results if max(r["err_T1"], r["err_T8"]) < 1e-2]
+    good = [r for r in results if max(r["err_T1"], r["err_T33"]) < 1e-2]
     table = []
     if good:
         best = min(good, key=lambda r: r["geomean_us"])
         best_tuning = Tuning(**{f: best[f] for f in vars(DEFAULT_TUNING)})
         emit({"best": vars(best_tuning)})
         mma = dataclasses.replace(best_tuning, gemv_tokens=TENSOR_CORES)
-        for tokens in (1, 8):
+        for tokens in (1, 33):
             profile(lambda c=cases[tokens]: run(c, best_tuning), args.out_dir / f"gemv_profile_T{tokens}.txt")
-        for kind in ("random", "skewed"):
-            for tokens in (1, 2, 4, 8, 9, 16, 17, 33):
+        for kind in ("random", "skewed", "pooled"):
+            for tokens in (1, 2, 4, 8, 9, 16, 17, 33, 64):
                 c = case(kind, tokens, 1000 + tokens)
                 distinct = int(c[1].unique().numel())
                 floor_us = distinct * expert_bytes / ceilings["copy_Bps"] * 1e6

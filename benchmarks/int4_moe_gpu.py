@@ -12,7 +12,8 @@ projection). The INT4 byte floor: packed weights + scales of the distinct chosen
 router in bf16, at the device copy rate measured in the same run.
 
 Routings: `random` (8 distinct experts a token, uniform); `skewed` (8 distinct a token, drawn with probability
-proportional to 1 / (i + 1) over a fixed random order of the experts: Zipf, exponent 1).
+proportional to 1 / (i + 1) over a fixed random order of the experts: Zipf, exponent 1); `pooled` (8 distinct a
+token out of one fixed pool of 16, uniform: a block whose tokens share experts; `int4_gemv_probe.py`).
 `--smoke`: tiny dimensions on the CPU (run under TRITON_INTERPRET=1), float32: checks the script.
 """
 
@@ -69,6 +70,10 @@ def make_weights(config, device, dtype, gen):
 def routing(kind: str, tokens: int, experts: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "random":
         scores = torch.rand(tokens, experts, generator=gen)
+    elif kind == "pooled":  # every token's k experts from one pool of 2 k (a block whose tokens share experts)
+        pool = torch.randperm(experts, generator=torch.Generator().manual_seed(7))[: 2 * k]
+        scores = torch.zeros(tokens, experts)
+        scores[:, pool] = 1.0 + torch.rand(tokens, pool.numel(), generator=gen)
     else:
         order = torch.randperm(experts, generator=torch.Generator().manual_seed(7))
         probs = torch.empty(experts)

@@ -34,8 +34,8 @@ from plugins.int4_moe.reference import int4_moe  # noqa: E402
 def compiled_stats() -> dict:
     """Registers, spills and PTX instruction counts of every compiled rows/tiles kernel so far."""
     stats = {}
-    names = ("_gate_up_rows_kernel", "_down_rows_kernel", "_gate_up_kernel", "_down_kernel", "_gate_up_gemv_kernel",
-             "_down_gemv_kernel")  # fmt: skip
+    names = ("_gate_up_rows_kernel", "_down_rows_kernel", "_gate_up_kernel", "_down_kernel", "_gate_up_cc_kernel",
+             "_down_cc_kernel", "_down_token_kernel")  # fmt: skip
     for name in names:
         fn = getattr(kernel, name)
         try:

@@ -143,6 +143,11 @@ def test_w4a16_kernel_matches_reference_under_the_interpreter():
         order, token, start, count, slot_expert = route(ids, 6)
         assert count.tolist() == [1, 2, 0, 3, 0, 0] and start.tolist() == [0, 1, 3, 3, 6, 6]
         assert slot_expert.tolist() == [0, 1, 3, -1, -1, -1] and token.tolist() == [1, 0, 2, 0, 1, 2]
+        # blocks of up to 2 sorted pairs of one expert: expert 0 [0], 1 [1, 2], 3 [3, 4] [5]; the rest unused (-1)
+        order, token, block_expert, block_first, block_pairs = kernel.route_blocks(ids, 6, 2)
+        assert block_expert.numel() == kernel.block_count(6, 6, 2) == 6 and token.tolist() == [1, 0, 2, 0, 1, 2]
+        assert block_expert.tolist() == [0, 1, 3, 3, -1, -1]
+        assert block_first.tolist()[:4] == [0, 1, 3, 5] and block_pairs.tolist()[:4] == [1, 2, 2, 1]
         for tokens, experts in ((1, 384), (33, 384), (128, 16)):
             ids, _ = random_routing(tokens, experts, 8 if experts > 16 else 4, seed=tokens)
             fast, slow = route(ids, experts), kernel._route_torch(ids, experts)
@@ -305,10 +310,12 @@ def test_packed_engine_runs_under_mpirun_on_every_backend(demo_hf, tmp_path):
 
 
 def test_w4a16_cuda_core_form_matches_reference_under_the_interpreter():
-    """The rows layout's CUDA-core form (what a one-token decode runs at Kimi K2.x's dimensions): gate + up streamed
-    a group at a time, the act fused by the last K split, down for all of a token's experts at once. At T = 1 with
-    one K split, and at T = 5 with top-6 (padded to 8) and two K splits whose counters are left at zero again; the
-    weights are exact in float32, so the float32 tolerance holds."""
+    """The rows layout's CUDA-core form (what decodes and verify blocks run at Kimi K2.x's dimensions): gate + up
+    streamed a group at a time, the act fused by the last K split, down for all of a token's experts at once (one
+    token) or a block of one expert's pairs at once (more). At T = 1 with one K split; at T = 5 with top-6 and two K
+    splits whose counters are left at zero again; at T = 7 with an expert every token chose (blocks of 4 and 3
+    pairs) and bfloat16 scales (the fma form of `_weights`); at T = 3, top-2, two K splits (blocks of one and two
+    pairs). The weights are exact in float32, so the float32 tolerance holds."""
     script = """
         import torch
         from plugins.int4_moe import kernel
@@ -316,24 +323,31 @@ def test_w4a16_cuda_core_form_matches_reference_under_the_interpreter():
         from plugins.int4_moe.reference import int4_moe
         from tests.test_int4_moe import random_experts, random_routing, rel
         worst, calls = 0.0, []
-        class Recorded:  # the gate/up launches' grids
-            def __getitem__(self, grid, jit=kernel._gate_up_gemv_kernel):
-                calls.append(grid)
-                return jit[grid]
-        kernel._gate_up_gemv_kernel = Recorded()
-        for i, (tokens, k, hidden, width, group) in enumerate(((1, 4, 256, 256, 32), (5, 6, 256, 128, 16))):
-            tensors = random_experts(16, hidden, width, group, seed=i)
+        class Recorded:  # the gate/up launches' grids and whether they were routed
+            def __getitem__(self, grid, jit=kernel._gate_up_cc_kernel):
+                def launch(*args, **kwargs):
+                    calls.append((grid[2], kwargs["ROUTED"], kwargs["BLOCK_M"]))
+                    return jit[grid](*args, **kwargs)
+                return launch
+        kernel._gate_up_cc_kernel = Recorded()
+        cases = ((1, 4, 256, 256, 32, None, torch.float32), (5, 6, 256, 128, 16, 3, torch.float32),
+                 (7, 4, 256, 256, 32, 5, torch.bfloat16), (3, 2, 256, 128, 16, None, torch.bfloat16))
+        for i, (tokens, k, hidden, width, group, everyone, scale_dtype) in enumerate(cases):
+            tensors = [t.to(scale_dtype) if t.is_floating_point() else t
+                       for t in random_experts(16, hidden, width, group, seed=i)]
             words, layout = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
             assert layout == "rows" and kernel.gemv_fits(hidden, width, group)
             ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
             x = torch.randn(tokens, hidden)
-            ids, weights = random_routing(tokens, 16, k, seed=i, everyone=3 if tokens > 1 else None)
+            ids, weights = random_routing(tokens, 16, k, seed=i, everyone=everyone)
             out = torch.full((tokens, hidden), float("nan"))
             Int4MoEKernel()(x, ids, weights, *ready, group, out=out, layout=layout,
-                            tuning=Tuning(gemv_tokens=tokens, gemv_n=16, gemv_down_n=16))
+                            tuning=Tuning(gemv_tokens=tokens, gemv_n=16, gemv_down_n=16, cuda_core_block=4,
+                                          cuda_core_down_n=32))
             assert not out.isnan().any(), tokens
             worst = max(worst, rel(out, int4_moe(x, ids, weights, *tensors, group)))
-        assert [grid[2] for grid in calls] == [1, 2], calls  # K splits: one, then two (the last one's reduction)
+        # K splits one then two (the last one's reduction); one token unrouted, more in blocks of up to 4 pairs
+        assert calls == [(1, False, 1), (2, True, 4), (1, True, 4), (2, True, 4)], calls
         assert not kernel._SPLIT_COUNTERS[torch.device("cpu")].any()
         print("worst", worst)
     """

@@ -60,14 +60,19 @@ class Tuning:
     stages: int = 3  # Triton's default for CUDA launches
     block_m: int = 16  # pairs a program multiplies at once ("rows" layout)
     use_asm: bool = True  # "rows" layout in bfloat16 on a GPU: the lop3 unpack (inline PTX) instead of the plain one
-    # "rows" layout: the CUDA-core form (`_gate_up_gemv_kernel`) up to this many tokens. One token's experts are
-    # distinct, so no expert's words are read twice; a verify block's tokens share experts in a model (BENCHMARKS.md,
-    # section 8: at 9 and 17 tokens the form wins on random routing and loses inside the whole rank)
+    # "rows" layout: the CUDA-core form (`_gate_up_cc_kernel`) up to this many tokens: blocks of one expert's pairs,
+    # so an expert's words are read once a block however the tokens share experts (BENCHMARKS.md, section 8)
     gemv_tokens: int = 1
     gemv_n: int = 16  # rows a CUDA-core gate/up program computes (of gate and of up each)
     gemv_down_n: int = 16  # rows a CUDA-core down program computes (for all of a token's experts)
     gemv_per_sm: int = 8  # CUDA-core gate/up programs per SM its K split aims for
     gemv_warps: int = 4
+    cuda_core_block: int = 2  # pairs of one expert a CUDA-core block multiplies at once (blocks of 1 narrower)
+    cuda_core_down_n: int = 128  # rows a CUDA-core down program computes for a block (one token: `gemv_down_n`)
+    # the K split of the rows layout's tensor-core form counts at most this many of its min(E, pairs) static slots
+    # as holding an expert (None: all): a verify block's tokens share experts, so most slots stay empty and a split
+    # sized for all of them leaves the GPU idle (BENCHMARKS.md, section 8)
+    busy_slots: int | None = 32
 
 
 # the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
@@ -76,7 +81,8 @@ DEFAULT_TUNING = Tuning()
 
 @triton.jit
 def _route_kernel(ids_ptr, order_ptr, token_ptr, start_ptr, count_ptr, slot_expert_ptr, pairs, experts, slots,
-                  TOP_K: tl.constexpr, P: tl.constexpr, E: tl.constexpr):  # fmt: skip
+                  block_expert_ptr, block_first_ptr, block_count_ptr, block_off_ptr, num_blocks,
+                  TOP_K: tl.constexpr, P: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     p = tl.arange(0, P)
     p_ok = p < pairs
     # padding pairs take the spare expert bin E - 1 (E > experts) and sort last
@@ -95,28 +101,65 @@ def _route_kernel(ids_ptr, order_ptr, token_ptr, start_ptr, count_ptr, slot_expe
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     s = tl.arange(0, E)
     tl.store(slot_expert_ptr + s, tl.full((E,), -1, tl.int32), mask=s < slots)
-    tl.debug_barrier()  # the -1 fill lands before the chosen experts' ids
+    if BLOCK_M > 0:  # blocks of up to BLOCK_M sorted pairs of one expert, each expert's from its block offset on
+        per_expert = (counts + BLOCK_M - 1) // BLOCK_M
+        tl.store(block_off_ptr + e, tl.cumsum(per_expert, 0) - per_expert, mask=e_ok)
+        tl.store(block_expert_ptr + p, tl.full((P,), -1, tl.int32), mask=p < num_blocks)
+    tl.debug_barrier()  # the -1 fills, starts, counts and block offsets land before what reads or overwrites them
     tl.store(slot_expert_ptr + slot, e.to(tl.int32), mask=chosen & (slot < slots))
+    if BLOCK_M > 0:
+        expert = keys // P  # of sorted pair p
+        begin = tl.load(start_ptr + expert, mask=p_ok, other=0)
+        rank = p - begin  # p's place among its expert's pairs
+        head = p_ok & (rank % BLOCK_M == 0)
+        block = tl.load(block_off_ptr + expert, mask=p_ok, other=0) + rank // BLOCK_M
+        left = tl.load(count_ptr + expert, mask=p_ok, other=0) - rank
+        tl.store(block_expert_ptr + block, expert, mask=head)
+        tl.store(block_first_ptr + block, p, mask=head)
+        tl.store(block_count_ptr + block, tl.minimum(left, BLOCK_M), mask=head)
 
 
 def route(expert_ids: torch.Tensor, num_experts: int):
     """(order, token of each sorted pair, start and count of each expert, slot -> expert or -1): device work only."""
     flat = expert_ids.reshape(-1)
-    pairs = flat.numel()
-    slots = min(num_experts, pairs)
-    if pairs > ROUTE_MAX_PAIRS:
+    if flat.numel() > ROUTE_MAX_PAIRS:
         return _route_torch(expert_ids, num_experts)
+    return _route(expert_ids, num_experts, 0)[:5]
+
+
+def block_count(pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks `route_blocks` can fill at most: every expert's pairs in blocks of up to block_m."""
+    return min(pairs, triton.cdiv(pairs + (block_m - 1) * min(num_experts, pairs), block_m))
+
+
+def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`route`'s sort plus each expert's sorted pairs in blocks of up to `block_m` (up to ROUTE_MAX_PAIRS pairs):
+    (order, token of each sorted pair, block -> expert or -1, its first sorted pair, its pairs); the blocks past the
+    filled ones hold expert -1. Device work only, one launch."""
+    order, token, _, _, _, blocks = _route(expert_ids, num_experts, block_m)
+    return (order, token, *blocks)
+
+
+def _route(expert_ids: torch.Tensor, num_experts: int, block_m: int):
+    flat = expert_ids.reshape(-1)
+    pairs = flat.numel()
+    if pairs > ROUTE_MAX_PAIRS:
+        raise ValueError(f"one routing program sorts at most {ROUTE_MAX_PAIRS} pairs: got {pairs}")
+    slots = min(num_experts, pairs)
     device = flat.device
     order = torch.empty(pairs, dtype=torch.int64, device=device)
     token = torch.empty(pairs, dtype=torch.int32, device=device)
     start = torch.empty(num_experts, dtype=torch.int32, device=device)
     count = torch.empty(num_experts, dtype=torch.int32, device=device)
     slot_expert = torch.empty(slots, dtype=torch.int32, device=device)
+    blocks = block_count(pairs, num_experts, block_m) if block_m else 1
+    block_expert, block_first, block_pairs = (torch.empty(blocks, dtype=torch.int32, device=device) for _ in "efp")
+    block_off = torch.empty(num_experts if block_m else 1, dtype=torch.int32, device=device)
     span = triton.next_power_of_2(num_experts + 1)
     _route_kernel[(1,)](flat.contiguous(), order, token, start, count, slot_expert, pairs, num_experts, slots,
-                        TOP_K=expert_ids.shape[-1], P=max(16, triton.next_power_of_2(pairs)), E=span,
-                        num_warps=8)  # fmt: skip
-    return order, token, start, count, slot_expert
+                        block_expert, block_first, block_pairs, block_off, blocks, TOP_K=expert_ids.shape[-1],
+                        P=max(16, triton.next_power_of_2(pairs)), E=span, BLOCK_M=block_m, num_warps=8)  # fmt: skip
+    return order, token, start, count, slot_expert, (block_expert, block_first, block_pairs)
 
 
 def _route_torch(expert_ids: torch.Tensor, num_experts: int):
@@ -402,90 +445,289 @@ def _down_rows_kernel(act_ptr, order_ptr, pair_weight_ptr, slot_expert_ptr, star
                  mask=row_ok[:, None] & pair_ok[None, :])  # fmt: skip
 
 
-ONE_BITS = tl.constexpr(0x3F800000)  # 1.0 as float32
-NIBBLE_AT_19 = tl.constexpr(0x00780000)  # a nibble in the top four mantissa bits: 1.0 | n << 19 is 1 + n / 16
+# The CUDA-core forms make each weight (n - 8) * s exactly in float32 in two instructions: one lop3 puts the nibble,
+# at bits p .. p + 3 of its word (p = 8, 12 or 16: nibbles 2, 3, 4 in place, 0 and 1 of the word << 8, 5, 6, 7 of
+# the word >> 12), into the mantissa of 2^(23 - p): 2^(23 - p) + n, exact; then fma(raw, s, -(2^(23 - p) + 8) s).
+# With s of 8 significant bits (bfloat16 scales, as Kimi ships them) raw * s and (2^(23 - p) + 8) * s are exact
+# products (16 + 8 and 13 + 8 bits at most), so the fma's result is exact whether the multiply-add is fused or not
+# (the Triton interpreter's is not); other scales take raw - (2^(23 - p) + 8) = n - 8 (exact), then times s.
+_LOP3_AT = {p: tl.constexpr(f"lop3.b32 $0, $1, {0xF << p:#010x}, {(150 - p) << 23:#010x}, 0xEA;") for p in (8, 12, 16)}
+_LOP3_AT_8, _LOP3_AT_12, _LOP3_AT_16 = _LOP3_AT[8], _LOP3_AT[12], _LOP3_AT[16]
 
 
 @triton.jit
-def _scaled_nibble(packed, j: tl.constexpr, s16, s24):
-    """(n - 8) * s exactly, n nibble j of each word of `packed`, from s16 = 16 s and s24 = 24 s (broadcastable): the
-    nibble goes into the mantissa of 1.0 (one shift and one lop3, no int-to-float convert), then
-    (1 + n / 16) * 16 s - 24 s, every step exact in float32 (13 significant bits at most), fused or not."""
-    SHIFT: tl.constexpr = 19 - 4 * j
-    if SHIFT >= 0:
-        moved = packed << SHIFT
+def _place(lo, word, hi, j: tl.constexpr, USE_ASM: tl.constexpr):
+    """2^(23 - p) + n as float32, n nibble j of each word, from the words (`word`), the words << 8 (`lo`) and >> 12
+    (`hi`); p the bit the nibble sits at in its source."""
+    P: tl.constexpr = 4 * j + 8 * (j < 2) - 12 * (j > 4)
+    if j < 2:
+        src = lo
+    elif j < 5:
+        src = word
     else:
-        moved = packed >> -SHIFT  # the sign bits land above the mantissa's top nibble, which the mask drops
-    raw = ((moved & NIBBLE_AT_19) | ONE_BITS).to(tl.float32, bitcast=True)
-    return tl.fma(raw, s16, -s24)
+        src = hi
+    if USE_ASM:
+        if P == 8:
+            raw = tl.inline_asm_elementwise(_LOP3_AT_8, "=r,r", [src], dtype=tl.int32, is_pure=True, pack=1)
+        elif P == 12:
+            raw = tl.inline_asm_elementwise(_LOP3_AT_12, "=r,r", [src], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            raw = tl.inline_asm_elementwise(_LOP3_AT_16, "=r,r", [src], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        raw = (src & (0xF << P)) | ((150 - P) << 23)
+    return raw.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, ids_ptr, gate_p, gate_s, up_p, up_s, part_ptr, count_ptr, act_ptr, num_pairs,
-                         p_stride_e, p_stride_r, s_stride_e, s_stride_r, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
-                         TOP_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                         KW_PER_SPLIT: tl.constexpr):  # fmt: skip
-    """gate and up of one (token, expert) pair on the "rows" layout, for batches with few pairs an expert: program
-    (pair, BLOCK_N rows, K split) streams its rows' words a group (GROUP words of one nibble: GROUP inputs, one scale)
-    at a time, the next group's words loaded before this one's products, and multiplies on the CUDA cores in float32
-    (each weight exact: `_scaled_nibble`). The last split of a (pair, rows) to finish (a counter a tile, left at 0
-    again) adds the splits' partial sums in split order and writes silu(gate) * up in act's dtype."""
-    pair, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _weights(lo, word, hi, j: tl.constexpr, s, USE_ASM: tl.constexpr, FMA_SCALE: tl.constexpr):
+    """(n - 8) * s exactly in float32, n nibble j of each word; s float32, broadcastable (see `_LOP3_AT`)."""
+    P: tl.constexpr = 4 * j + 8 * (j < 2) - 12 * (j > 4)
+    BIAS: tl.constexpr = (1 << (23 - P)) + 8
+    raw = _place(lo, word, hi, j, USE_ASM)
+    if FMA_SCALE:
+        return tl.fma(raw, s, -(s * BIAS))
+    else:
+        return (raw - BIAS) * s
+
+
+@triton.jit
+def _spread(words):
+    """The two shifted copies of `words` that `_place` takes nibbles 0, 1 and 5, 6, 7 from."""
+    return words << 8, words >> 12  # an arithmetic shift: its sign bits land above bit 19, which no mask keeps
+
+
+@triton.jit
+def _pair_x(x_ptr, token_ptr, q, ok, HIDDEN: tl.constexpr, GROUP: tl.constexpr, TOP_K: tl.constexpr,
+            ROUTED: tl.constexpr):  # fmt: skip
+    """[1, 1, GROUP] pointers to the first group of the input row of the pair at row q of act (if `ok`)."""
+    if ROUTED:
+        tok = tl.load(token_ptr + q, mask=ok, other=0)
+    else:
+        tok = q // TOP_K
+    return x_ptr + tok * HIDDEN + tl.arange(0, GROUP)[None, None, :]
+
+
+@triton.jit
+def _split_sums(part_ptr, split, num_rows, q, rows, ok, gate, up, WIDTH: tl.constexpr):
+    """A K split's partial sums of one pair (row q of part) for the last split to add."""
+    out = part_ptr + (split * num_rows + q) * (2 * WIDTH) + rows
+    tl.store(out, gate, mask=ok)
+    tl.store(out + WIDTH, up, mask=ok)
+
+
+@triton.jit
+def _write_act(part_ptr, splits, num_rows, q, rows, ok, gate, up, act_ptr, WIDTH: tl.constexpr):
+    """silu(gate) * up of one pair into its row q of act, in act's dtype; from `gate` and `up` or, with K splits,
+    from the splits' partial sums added in split order (the same sums whichever split came last)."""
+    if splits > 1:
+        gate = tl.zeros(rows.shape, dtype=tl.float32)
+        up = tl.zeros(rows.shape, dtype=tl.float32)
+        for s in range(0, splits):
+            row = part_ptr + (s * num_rows + q) * (2 * WIDTH) + rows
+            gate += tl.load(row, mask=ok, other=0.0, cache_modifier=".cg")
+            up += tl.load(row + WIDTH, mask=ok, other=0.0, cache_modifier=".cg")
+    tl.store(act_ptr + q * WIDTH + rows, _silu_times(gate, up).to(act_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gate_up_cc(x_ptr, token_ptr, gate_p, gate_s, up_p, up_s, part_ptr, count_ptr, act_ptr, num_rows, p_stride_e,
+                p_stride_r, s_stride_e, s_stride_r, expert, first, n, HIDDEN: tl.constexpr, WIDTH: tl.constexpr,
+                TOP_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, KW_PER_SPLIT: tl.constexpr,
+                M: tl.constexpr, ROUTED: tl.constexpr, USE_ASM: tl.constexpr, FMA_SCALE: tl.constexpr,
+                STAGES: tl.constexpr = 3):  # fmt: skip
+    """`_gate_up_cc_kernel`'s work for a block of n <= M pairs (M = 1, 2 or 4; rows first .. first + n - 1 of act).
+    Each pair has its own [1, BLOCK_N, GROUP] sums, so every tensor keeps the words' coalesced layout."""
+    block, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     splits = tl.num_programs(2)
-    expert = tl.load(ids_ptr + pair)
-    xb = x_ptr + (pair // TOP_K) * HIDDEN
+    ok0, ok1, ok2, ok3 = n > 0, n > 1, n > 2, n > 3
+    x0 = _pair_x(x_ptr, token_ptr, first, ok0, HIDDEN, GROUP, TOP_K, ROUTED)
+    x1 = _pair_x(x_ptr, token_ptr, first + 1, ok1 & (M > 1), HIDDEN, GROUP, TOP_K, ROUTED)
+    x2 = _pair_x(x_ptr, token_ptr, first + 2, ok2 & (M > 2), HIDDEN, GROUP, TOP_K, ROUTED)
+    x3 = _pair_x(x_ptr, token_ptr, first + 3, ok3 & (M > 3), HIDDEN, GROUP, TOP_K, ROUTED)
     words: tl.constexpr = HIDDEN // 8
     spans: tl.constexpr = words // GROUP  # groups one nibble of a row spans
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < WIDTH
-    offs = tl.arange(0, GROUP)
-    gate_p, gate_s = gate_p + expert * p_stride_e + rows[:, None] * p_stride_r, gate_s + expert * s_stride_e
-    up_p, up_s = up_p + expert * p_stride_e + rows[:, None] * p_stride_r, up_s + expert * s_stride_e
-    acc_g = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+    row_ok = (rows < WIDTH)[None, :, None]  # [1, N, 1]
+    offs = rows[None, :, None] * p_stride_r + tl.arange(0, GROUP)[None, None, :]  # [1, N, GROUP]
+    scales = expert * s_stride_e + rows[None, :, None] * s_stride_r  # [1, N, 1]
+    gate_p, gate_s = gate_p + expert * p_stride_e + offs, gate_s + scales
+    up_p, up_s = up_p + expert * p_stride_e + offs, up_s + scales
+    g0 = tl.zeros((1, BLOCK_N, GROUP), dtype=tl.float32)
+    g1, g2, g3, u0, u1, u2, u3 = g0, g0, g0, g0, g0, g0, g0
     w_begin = split * KW_PER_SPLIT
     w_end = w_begin + KW_PER_SPLIT  # the last split may end past the words: masked
-    next_g = tl.load(gate_p + w_begin + offs[None, :], mask=row_ok[:, None] & (w_begin < words), other=0)
-    next_u = tl.load(up_p + w_begin + offs[None, :], mask=row_ok[:, None] & (w_begin < words), other=0)
-    for w0 in range(w_begin, w_end, GROUP):
+    for w0 in tl.range(w_begin, w_end, GROUP, num_stages=STAGES):
         w_ok = w0 < words
-        pg, pu = next_g, next_u
-        ahead = row_ok[:, None] & (w0 + GROUP < words) & (w0 + GROUP < w_end)
-        next_g = tl.load(gate_p + w0 + GROUP + offs[None, :], mask=ahead, other=0)
-        next_u = tl.load(up_p + w0 + GROUP + offs[None, :], mask=ahead, other=0)
+        pg = tl.load(gate_p + w0, mask=row_ok & w_ok, other=0)
+        pu = tl.load(up_p + w0, mask=row_ok & w_ok, other=0)
+        lo_g, hi_g = _spread(pg)
+        lo_u, hi_u = _spread(pu)
         for j in tl.static_range(8):
-            # inputs j * words + w0 ...: one group
-            xj = tl.load(xb + j * words + w0 + offs, mask=w_ok & (offs < GROUP), other=0.0).to(tl.float32)
+            # inputs j * words + w0 ...: one group of each row
             group = j * spans + w0 // GROUP
-            sg = tl.load(gate_s + rows * s_stride_r + group, mask=row_ok & w_ok, other=0.0).to(tl.float32)[:, None]
-            su = tl.load(up_s + rows * s_stride_r + group, mask=row_ok & w_ok, other=0.0).to(tl.float32)[:, None]
-            acc_g = tl.fma(_scaled_nibble(pg, j, 16.0 * sg, 24.0 * sg), xj[None, :], acc_g)
-            acc_u = tl.fma(_scaled_nibble(pu, j, 16.0 * su, 24.0 * su), xj[None, :], acc_u)
-    gate, up = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+            sg = tl.load(gate_s + group, mask=row_ok & w_ok, other=0.0).to(tl.float32)
+            su = tl.load(up_s + group, mask=row_ok & w_ok, other=0.0).to(tl.float32)
+            wg = _weights(lo_g, pg, hi_g, j, sg, USE_ASM, FMA_SCALE)
+            wu = _weights(lo_u, pu, hi_u, j, su, USE_ASM, FMA_SCALE)
+            at = j * words + w0
+            xj = tl.load(x0 + at, mask=ok0 & w_ok, other=0.0).to(tl.float32)
+            g0, u0 = tl.fma(wg, xj, g0), tl.fma(wu, xj, u0)
+            if M > 1:
+                xj = tl.load(x1 + at, mask=ok1 & w_ok, other=0.0).to(tl.float32)
+                g1, u1 = tl.fma(wg, xj, g1), tl.fma(wu, xj, u1)
+            if M > 2:
+                xj = tl.load(x2 + at, mask=ok2 & w_ok, other=0.0).to(tl.float32)
+                g2, u2 = tl.fma(wg, xj, g2), tl.fma(wu, xj, u2)
+                xj = tl.load(x3 + at, mask=ok3 & w_ok, other=0.0).to(tl.float32)
+                g3, u3 = tl.fma(wg, xj, g3), tl.fma(wu, xj, u3)
+    row_ok = rows < WIDTH
+    sums = (tl.sum(tl.sum(g0, 2), 0), tl.sum(tl.sum(u0, 2), 0))  # [N] each
     last = splits == 1  # this program writes the act
     if splits > 1:
-        out = part_ptr + (split * num_pairs + pair) * (2 * WIDTH) + rows
-        tl.store(out, gate, mask=row_ok)
-        tl.store(out + WIDTH, up, mask=row_ok)
-        counter = count_ptr + pair * tl.num_programs(1) + tile
+        _split_sums(part_ptr, split, num_rows, first, rows, row_ok & ok0, sums[0], sums[1], WIDTH)
+        if M > 1:
+            _split_sums(part_ptr, split, num_rows, first + 1, rows, row_ok & ok1, tl.sum(tl.sum(g1, 2), 0),
+                        tl.sum(tl.sum(u1, 2), 0), WIDTH)  # fmt: skip
+        if M > 2:
+            _split_sums(part_ptr, split, num_rows, first + 2, rows, row_ok & ok2, tl.sum(tl.sum(g2, 2), 0),
+                        tl.sum(tl.sum(u2, 2), 0), WIDTH)  # fmt: skip
+            _split_sums(part_ptr, split, num_rows, first + 3, rows, row_ok & ok3, tl.sum(tl.sum(g3, 2), 0),
+                        tl.sum(tl.sum(u3, 2), 0), WIDTH)  # fmt: skip
+        counter = count_ptr + block * tl.num_programs(1) + tile
         last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1  # every other split's sums are written
         if last:
-            gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for s in range(0, splits):  # a fixed order: the same sums whichever split came last
-                row = part_ptr + (s * num_pairs + pair) * (2 * WIDTH) + rows
-                gate += tl.load(row, mask=row_ok, other=0.0, cache_modifier=".cg")
-                up += tl.load(row + WIDTH, mask=row_ok, other=0.0, cache_modifier=".cg")
             tl.store(counter, 0)
     if last:
-        tl.store(act_ptr + pair * WIDTH + rows, _silu_times(gate, up).to(act_ptr.dtype.element_ty), mask=row_ok)
+        _write_act(part_ptr, splits, num_rows, first, rows, row_ok & ok0, sums[0], sums[1], act_ptr, WIDTH)
+        if M > 1:
+            _write_act(part_ptr, splits, num_rows, first + 1, rows, row_ok & ok1, tl.sum(tl.sum(g1, 2), 0),
+                       tl.sum(tl.sum(u1, 2), 0), act_ptr, WIDTH)  # fmt: skip
+        if M > 2:
+            _write_act(part_ptr, splits, num_rows, first + 2, rows, row_ok & ok2, tl.sum(tl.sum(g2, 2), 0),
+                       tl.sum(tl.sum(u2, 2), 0), act_ptr, WIDTH)  # fmt: skip
+            _write_act(part_ptr, splits, num_rows, first + 3, rows, row_ok & ok3, tl.sum(tl.sum(g3, 2), 0),
+                       tl.sum(tl.sum(u3, 2), 0), act_ptr, WIDTH)  # fmt: skip
 
 
 @triton.jit
-def _down_gemv_kernel(act_ptr, ids_ptr, pair_weight_ptr, down_p, down_s, out_ptr, p_stride_e, p_stride_r, s_stride_e,
-                      s_stride_r, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
-                      K_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """down for a token's TOP_K pairs at once on the "rows" layout, as `_gate_up_gemv_kernel`: program (token,
+def _gate_up_cc_kernel(x_ptr, ids_ptr, token_ptr, block_expert_ptr, block_first_ptr, block_count_ptr, gate_p, gate_s,
+                       up_p, up_s, part_ptr, count_ptr, act_ptr, num_rows, p_stride_e, p_stride_r, s_stride_e,
+                       s_stride_r, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, KW_PER_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                       ROUTED: tl.constexpr, USE_ASM: tl.constexpr, FMA_SCALE: tl.constexpr):  # fmt: skip
+    """gate and up on the CUDA cores ("rows" layout), for batches with few pairs an expert: program (block, BLOCK_N
+    rows, K split) streams its expert's rows a group (GROUP words of one nibble: GROUP inputs, one scale) at a time,
+    the next group's words loaded before this one's products, each weight made once (`_weights`) and multiplied in
+    float32 for every pair of the block. A block is up to BLOCK_M sorted pairs of one expert (`route_blocks`), or,
+    not ROUTED (one token: its experts are distinct), pair `block` alone; blocks of one or two pairs take narrower
+    code. The last split of a (block, rows) to finish (a counter a tile, left at 0 again) adds the splits' partial
+    sums in split order and writes silu(gate) * up in act's dtype, into the pairs' rows of act."""
+    block = tl.program_id(0)
+    if not ROUTED:
+        expert = tl.load(ids_ptr + block)
+        _gate_up_cc(x_ptr, token_ptr, gate_p, gate_s, up_p, up_s, part_ptr, count_ptr, act_ptr, num_rows, p_stride_e,
+                    p_stride_r, s_stride_e, s_stride_r, expert, block, 1, HIDDEN, WIDTH, TOP_K, GROUP, BLOCK_N,
+                    KW_PER_SPLIT, 1, False, USE_ASM, FMA_SCALE)  # fmt: skip
+    else:
+        expert = tl.load(block_expert_ptr + block)
+        if expert >= 0:
+            first = tl.load(block_first_ptr + block)
+            n = tl.load(block_count_ptr + block)  # <= BLOCK_M
+            if n == 1:
+                _gate_up_cc(x_ptr, token_ptr, gate_p, gate_s, up_p, up_s, part_ptr, count_ptr, act_ptr, num_rows,
+                            p_stride_e, p_stride_r, s_stride_e, s_stride_r, expert, first, n, HIDDEN, WIDTH, TOP_K,
+                            GROUP, BLOCK_N, KW_PER_SPLIT, 1, True, USE_ASM, FMA_SCALE)  # fmt: skip
+            elif n == 2:
+                _gate_up_cc(x_ptr, token_ptr, gate_p, gate_s, up_p, up_s, part_ptr, count_ptr, act_ptr, num_rows,
+                            p_stride_e, p_stride_r, s_stride_e, s_stride_r, expert, first, n, HIDDEN, WIDTH, TOP_K,
+                            GROUP, BLOCK_N, KW_PER_SPLIT, 2, True, USE_ASM, FMA_SCALE)  # fmt: skip
+            else:
+                _gate_up_cc(x_ptr, token_ptr, gate_p, gate_s, up_p, up_s, part_ptr, count_ptr, act_ptr, num_rows,
+                            p_stride_e, p_stride_r, s_stride_e, s_stride_r, expert, first, n, HIDDEN, WIDTH, TOP_K,
+                            GROUP, BLOCK_N, KW_PER_SPLIT, BLOCK_M, True, USE_ASM, FMA_SCALE)  # fmt: skip
+
+
+@triton.jit
+def _routed_row(routed_ptr, order_ptr, pair_weight_ptr, q, ok, rows, sums, HIDDEN: tl.constexpr):
+    """One pair's down rows, times its routing weight, into its routed row (the pair's place in [T * k] order)."""
+    source = tl.load(order_ptr + q, mask=ok, other=0)
+    weight = tl.load(pair_weight_ptr + source, mask=ok, other=0.0).to(tl.float32)
+    tl.store(routed_ptr + source * HIDDEN + rows, tl.sum(tl.sum(sums, 2), 0) * weight, mask=ok & (rows < HIDDEN))
+
+
+@triton.jit
+def _down_cc(act_ptr, order_ptr, pair_weight_ptr, down_p, down_s, routed_ptr, p_stride_e, p_stride_r, s_stride_e,
+             s_stride_r, tile, expert, first, n, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, GROUP: tl.constexpr,
+             BLOCK_N: tl.constexpr, M: tl.constexpr, USE_ASM: tl.constexpr, FMA_SCALE: tl.constexpr,
+             SUB: tl.constexpr = 16, STAGES: tl.constexpr = 3):  # fmt: skip
+    """`_down_cc_kernel`'s work for a block of n <= M sorted pairs (M = 1, 2 or 4): the program's BLOCK_N rows SUB
+    at a time, the next steps' words loaded ahead (a software pipeline), each pair's sums of its own."""
+    ok0, ok1, ok2, ok3 = n > 0, n > 1, n > 2, n > 3
+    offs = tl.arange(0, GROUP)[None, None, :]
+    a0 = act_ptr + first * WIDTH + offs  # [1, 1, GROUP]
+    a1, a2, a3 = a0 + WIDTH, a0 + 2 * WIDTH, a0 + 3 * WIDTH
+    words: tl.constexpr = WIDTH // 8
+    spans: tl.constexpr = words // GROUP
+    down_p, down_s = down_p + expert * p_stride_e, down_s + expert * s_stride_e
+    for r0 in tl.range(tile * BLOCK_N, tile * BLOCK_N + BLOCK_N, SUB, num_stages=STAGES):
+        rows = r0 + tl.arange(0, SUB)
+        row_ok = (rows < HIDDEN)[None, :, None]  # [1, SUB, 1]
+        d0 = tl.zeros((1, SUB, GROUP), dtype=tl.float32)
+        d1, d2, d3 = d0, d0, d0
+        for w0 in tl.static_range(0, words, GROUP):
+            packed = tl.load(down_p + rows[None, :, None] * p_stride_r + w0 + offs, mask=row_ok, other=0)
+            lo, hi = _spread(packed)
+            for j in tl.static_range(8):
+                s = tl.load(down_s + rows[None, :, None] * s_stride_r + j * spans + w0 // GROUP, mask=row_ok,
+                            other=0.0).to(tl.float32)  # fmt: skip
+                w = _weights(lo, packed, hi, j, s, USE_ASM, FMA_SCALE)
+                at = j * words + w0
+                d0 = tl.fma(w, tl.load(a0 + at, mask=ok0, other=0.0).to(tl.float32), d0)
+                if M > 1:
+                    d1 = tl.fma(w, tl.load(a1 + at, mask=ok1, other=0.0).to(tl.float32), d1)
+                if M > 2:
+                    d2 = tl.fma(w, tl.load(a2 + at, mask=ok2, other=0.0).to(tl.float32), d2)
+                    d3 = tl.fma(w, tl.load(a3 + at, mask=ok3, other=0.0).to(tl.float32), d3)
+        _routed_row(routed_ptr, order_ptr, pair_weight_ptr, first, ok0, rows, d0, HIDDEN)
+        if M > 1:
+            _routed_row(routed_ptr, order_ptr, pair_weight_ptr, first + 1, ok1, rows, d1, HIDDEN)
+        if M > 2:
+            _routed_row(routed_ptr, order_ptr, pair_weight_ptr, first + 2, ok2, rows, d2, HIDDEN)
+            _routed_row(routed_ptr, order_ptr, pair_weight_ptr, first + 3, ok3, rows, d3, HIDDEN)
+
+
+@triton.jit
+def _down_cc_kernel(act_ptr, order_ptr, pair_weight_ptr, block_expert_ptr, block_first_ptr, block_count_ptr, down_p,
+                    down_s, routed_ptr, p_stride_e, p_stride_r, s_stride_e, s_stride_r, HIDDEN: tl.constexpr,
+                    WIDTH: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    USE_ASM: tl.constexpr, FMA_SCALE: tl.constexpr):  # fmt: skip
+    """down on the CUDA cores for `_gate_up_cc_kernel`'s blocks: program (block, BLOCK_N rows) streams its expert's
+    rows once for the block's pairs and writes each pair's routed row (times its routing weight) in float32."""
+    block, tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= 0:
+        first = tl.load(block_first_ptr + block)
+        n = tl.load(block_count_ptr + block)
+        if n == 1:
+            _down_cc(act_ptr, order_ptr, pair_weight_ptr, down_p, down_s, routed_ptr, p_stride_e, p_stride_r,
+                     s_stride_e, s_stride_r, tile, expert, first, n, HIDDEN, WIDTH, GROUP, BLOCK_N, 1, USE_ASM,
+                     FMA_SCALE)  # fmt: skip
+        elif n == 2:
+            _down_cc(act_ptr, order_ptr, pair_weight_ptr, down_p, down_s, routed_ptr, p_stride_e, p_stride_r,
+                     s_stride_e, s_stride_r, tile, expert, first, n, HIDDEN, WIDTH, GROUP, BLOCK_N, 2, USE_ASM,
+                     FMA_SCALE)  # fmt: skip
+        else:
+            _down_cc(act_ptr, order_ptr, pair_weight_ptr, down_p, down_s, routed_ptr, p_stride_e, p_stride_r,
+                     s_stride_e, s_stride_r, tile, expert, first, n, HIDDEN, WIDTH, GROUP, BLOCK_N, BLOCK_M, USE_ASM,
+                     FMA_SCALE)  # fmt: skip
+
+
+@triton.jit
+def _down_token_kernel(act_ptr, ids_ptr, pair_weight_ptr, down_p, down_s, out_ptr, p_stride_e, p_stride_r,
+                       s_stride_e, s_stride_r, HIDDEN: tl.constexpr, WIDTH: tl.constexpr, TOP_K: tl.constexpr,
+                       K_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, USE_ASM: tl.constexpr,
+                       FMA_SCALE: tl.constexpr):  # fmt: skip
+    """down for a token's TOP_K pairs at once on the CUDA cores (one token: its experts are distinct): program (token,
     BLOCK_N rows) loads the rows of all its experts together, weights each pair by its routing weight and sums the
     pairs in a fixed order, into the token's output row in the output's dtype (no routed rows, no separate sum)."""
     token, tile = tl.program_id(0), tl.program_id(1)
@@ -504,12 +746,13 @@ def _down_gemv_kernel(act_ptr, ids_ptr, pair_weight_ptr, down_p, down_s, out_ptr
     acc = tl.zeros((K_PAD, BLOCK_N, GROUP), dtype=tl.float32)
     for w0 in range(0, words, GROUP):
         packed = tl.load(wp + w0, mask=ok, other=0)  # [K, N, GROUP]
+        lo, hi = _spread(packed)
         for j in tl.static_range(8):
             aj = tl.load(act_ptr + pairs[:, None] * WIDTH + j * words + w0 + offs[None, :], mask=k_ok[:, None],
                          other=0.0).to(tl.float32)  # [K, GROUP]  # fmt: skip
             s = tl.load(sp + j * spans + w0 // GROUP, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-            s = s.to(tl.float32)[:, :, None]
-            acc = tl.fma(_scaled_nibble(packed, j, 16.0 * s, 24.0 * s), aj[:, None, :], acc)
+            acc = tl.fma(_weights(lo, packed, hi, j, s.to(tl.float32)[:, :, None], USE_ASM, FMA_SCALE),
+                         aj[:, None, :], acc)  # fmt: skip
     weight = tl.load(pair_weight_ptr + pairs, mask=k_ok, other=0.0).to(tl.float32)
     per_pair = tl.sum(acc, 2) * weight[:, None]  # [K, N]
     tl.store(out_ptr + token * HIDDEN + rows, tl.sum(per_pair, 0).to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -592,8 +835,9 @@ def int4_moe_cuda(
                          f"{group_size}")  # fmt: skip
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         x = x.contiguous()
-        if layout == "rows" and tokens <= tuning.gemv_tokens and gemv_fits(hidden, width, group_size):
-            result = _rows_gemv(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale,
+        if (layout == "rows" and tokens <= tuning.gemv_tokens and expert_ids.numel() <= ROUTE_MAX_PAIRS
+                and gemv_fits(hidden, width, group_size)):  # fmt: skip
+            result = _rows_cuda_cores(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale,
                                 down_packed, down_scale, group_size, tuning)  # fmt: skip
             return result if out is None else out.copy_(result)
         order, token, start, count, slot_expert = route(expert_ids, experts)
@@ -648,7 +892,8 @@ def _rows_kernels(x, order, token, start, count, slot_expert, weights, gate_pack
     use_asm = tuning.use_asm and x.dtype == torch.bfloat16 and x.is_cuda
     block_kw = 16
     tiles = triton.cdiv(width, tuning.gate_n)
-    split, kw_per_split = _k_split(slots * tiles, hidden // 8, block_kw, x.device, tuning.programs_per_sm)
+    busy = min(slots, tuning.busy_slots or slots)  # slots the split assumes hold an expert (the rest exit at once)
+    split, kw_per_split = _k_split(busy * tiles, hidden // 8, block_kw, x.device, tuning.programs_per_sm)
     part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
     _gate_up_rows_kernel[(slots, tiles, split)](
         x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width, pairs,
@@ -682,34 +927,57 @@ def _split_counters(size: int, device: torch.device) -> torch.Tensor:
     return fresh
 
 
-def _rows_gemv(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-               group_size, tuning):  # fmt: skip
-    """The rows layout's CUDA-core form (few pairs: each pair's expert rows streamed once for that pair, no routing
-    sort): gate + up + act (pair, rows, K split), then down (token, rows) into [T, hidden] in x's dtype."""
+def _rows_cuda_cores(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed,
+                     down_scale, group_size, tuning):  # fmt: skip
+    """The rows layout's CUDA-core form (few pairs an expert): gate + up + act (block, rows, K split), then down.
+    One token: a block a pair, no routing sort, down for all of the token's experts at once, into [1, hidden] in x's
+    dtype. More: the pairs sorted into blocks of up to `Tuning.cuda_core_block` pairs of one expert (`route_blocks`),
+    down a block into its pairs' routed rows, summed over each token's k in a fixed order."""
     tokens, hidden = x.shape
     top_k = expert_ids.shape[-1]
-    pairs, width = expert_ids.numel(), gate_packed.shape[1]
+    pairs, experts, width = expert_ids.numel(), gate_packed.shape[0], gate_packed.shape[1]
     ids = expert_ids.reshape(-1).contiguous()  # read as they come (int64 from top-k): no cast launch
     weights = expert_weights.reshape(-1).contiguous()
+    use_asm = tuning.use_asm and x.is_cuda
+    fma_scale = gate_scale.dtype == torch.bfloat16 and down_scale.dtype == torch.bfloat16  # `_LOP3_AT`
+    routed_blocks = tokens > 1
+    block_m = tuning.cuda_core_block if routed_blocks else 1
+    if routed_blocks:
+        order, token, block_expert, block_first, block_pairs = route_blocks(expert_ids, experts, block_m)
+        blocks = block_expert.numel()
+    else:
+        order = token = block_expert = block_first = block_pairs = ids  # not read
+        blocks = pairs
     tiles = triton.cdiv(width, tuning.gemv_n)
-    # a step is one group of one nibble; no cap on the splits here: the last one to finish sums them
-    split, kw_per_split = _k_split(pairs * tiles, hidden // 8, group_size, x.device, tuning.gemv_per_sm, cap=None)
+    # a step is one group of one nibble; no cap on the splits here: the last one to finish sums them. The blocks
+    # a batch fills are fewer than the grid's (at most one an expert chosen): the split counts them so.
+    busy = min(blocks, experts) if routed_blocks else blocks
+    split, kw_per_split = _k_split(busy * tiles, hidden // 8, group_size, x.device, tuning.gemv_per_sm, cap=None)
     part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
-    counters = _split_counters(pairs * tiles, x.device)
+    counters = _split_counters(blocks * tiles, x.device)
     act = torch.empty((pairs, width), dtype=x.dtype, device=x.device)
-    _gate_up_gemv_kernel[(pairs, tiles, split)](
-        x, ids, gate_packed, gate_scale, up_packed, up_scale, part, counters, act, pairs, gate_packed.stride(0),
-        gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1), HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
-        GROUP=group_size, BLOCK_N=tuning.gemv_n, KW_PER_SPLIT=kw_per_split, num_warps=tuning.gemv_warps,
+    _gate_up_cc_kernel[(blocks, tiles, split)](
+        x, ids, token, block_expert, block_first, block_pairs, gate_packed, gate_scale, up_packed, up_scale, part,
+        counters, act, pairs, gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1),
+        HIDDEN=hidden, WIDTH=width, TOP_K=top_k, GROUP=group_size, BLOCK_N=tuning.gemv_n, KW_PER_SPLIT=kw_per_split,
+        BLOCK_M=block_m, ROUTED=routed_blocks, USE_ASM=use_asm, FMA_SCALE=fma_scale, num_warps=tuning.gemv_warps,
     )  # fmt: skip
-    result = torch.empty_like(x)
-    _down_gemv_kernel[(tokens, triton.cdiv(hidden, tuning.gemv_down_n))](
-        act, ids, weights, down_packed, down_scale, result, down_packed.stride(0), down_packed.stride(1),
-        down_scale.stride(0), down_scale.stride(1), HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
-        K_PAD=triton.next_power_of_2(top_k), GROUP=group_size, BLOCK_N=tuning.gemv_down_n,
-        num_warps=tuning.gemv_warps,
+    strides = (down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1))
+    if not routed_blocks:
+        result = torch.empty_like(x)
+        _down_token_kernel[(tokens, triton.cdiv(hidden, tuning.gemv_down_n))](
+            act, ids, weights, down_packed, down_scale, result, *strides, HIDDEN=hidden, WIDTH=width, TOP_K=top_k,
+            K_PAD=triton.next_power_of_2(top_k), GROUP=group_size, BLOCK_N=tuning.gemv_down_n, USE_ASM=use_asm,
+            FMA_SCALE=fma_scale, num_warps=tuning.gemv_warps,
+        )  # fmt: skip
+        return result
+    routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    _down_cc_kernel[(blocks, triton.cdiv(hidden, tuning.cuda_core_down_n))](
+        act, order, weights, block_expert, block_first, block_pairs, down_packed, down_scale, routed, *strides,
+        HIDDEN=hidden, WIDTH=width, GROUP=group_size, BLOCK_N=tuning.cuda_core_down_n, BLOCK_M=block_m, USE_ASM=use_asm,
+        FMA_SCALE=fma_scale, num_warps=tuning.gemv_warps,
     )  # fmt: skip
-    return result
+    return routed.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 # layout name -> the launches of its kernels
