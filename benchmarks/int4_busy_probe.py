@@ -1,6 +1,7 @@
 """The rows layout's tensor-core form against its CUDA-core form when a block's tokens share experts, at Kimi K2.x
-per-rank TP-8 dimensions on one GPU: the K split sized for every static slot (`Tuning.busy_slots` None) or for at
-most 16 / 32 / 64 busy ones, T = 9 .. 64, random, skewed and pooled routing (`benchmarks/int4_moe_gpu.py`).
+per-rank TP-8 dimensions on one GPU: the K split the chosen experts need (the default: `_busy_splits`, on the
+device) against fixed splits of 1, 2, 4 and 8 (`Tuning.rows_split`), T = 9 .. 64, random, skewed and pooled routing
+(`benchmarks/int4_moe_gpu.py`).
 
     python benchmarks/int4_busy_probe.py OUT_DIR
 
@@ -41,8 +42,8 @@ def main(argv=None) -> int:
     rows = [repack_rows(t) if t.dtype == torch.int32 else t for t in tensors]
     ceilings = measure_ceilings(False)
     expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
-    forms = {f"tensor_cores_busy_{b}": dataclasses.replace(DEFAULT_TUNING, gemv_tokens=0, busy_slots=b)
-             for b in (None, 16, 32, 64)}  # fmt: skip
+    forms = {f"tensor_cores_split_{b or 'needed'}": dataclasses.replace(DEFAULT_TUNING, gemv_tokens=0, rows_split=b)
+             for b in (None, 1, 2, 4, 8)}  # fmt: skip
     forms["cuda_cores"] = dataclasses.replace(DEFAULT_TUNING, gemv_tokens=10**9)
     table = []
     for kind in ("random", "skewed", "pooled"):

@@ -140,8 +140,8 @@ def test_w4a16_kernel_matches_reference_under_the_interpreter():
         from plugins.int4_moe.reference import int4_moe
         from tests.test_int4_moe import random_experts, random_routing, rel
         ids = torch.tensor([[3, 1], [3, 0], [3, 1]])
-        order, token, start, count, slot_expert = route(ids, 6)
-        assert count.tolist() == [1, 2, 0, 3, 0, 0] and start.tolist() == [0, 1, 3, 3, 6, 6]
+        order, token, start, count, slot_expert, active = route(ids, 6)
+        assert count.tolist() == [1, 2, 0, 3, 0, 0] and start.tolist() == [0, 1, 3, 3, 6, 6] and active.tolist() == [3]
         assert slot_expert.tolist() == [0, 1, 3, -1, -1, -1] and token.tolist() == [1, 0, 2, 0, 1, 2]
         # blocks of up to 2 sorted pairs of one expert: expert 0 [0], 1 [1, 2], 3 [3, 4] [5]; the rest unused (-1)
         order, token, block_expert, block_first, block_pairs = kernel.route_blocks(ids, 6, 2)

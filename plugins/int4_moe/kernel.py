@@ -69,10 +69,7 @@ class Tuning:
     gemv_warps: int = 4
     cuda_core_block: int = 2  # pairs of one expert a CUDA-core block multiplies at once (blocks of 1 narrower)
     cuda_core_down_n: int = 128  # rows a CUDA-core down program computes for a block (one token: `gemv_down_n`)
-    # the K split of the rows layout's tensor-core form counts at most this many of its min(E, pairs) static slots
-    # as holding an expert (None: all): a verify block's tokens share experts, so most slots stay empty and a split
-    # sized for all of them leaves the GPU idle (BENCHMARKS.md, section 8)
-    busy_slots: int | None = 32
+    rows_split: int | None = None  # K splits of the rows tensor-core form; None: what the chosen experts need
 
 
 # the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
@@ -80,8 +77,8 @@ DEFAULT_TUNING = Tuning()
 
 
 @triton.jit
-def _route_kernel(ids_ptr, order_ptr, token_ptr, start_ptr, count_ptr, slot_expert_ptr, pairs, experts, slots,
-                  block_expert_ptr, block_first_ptr, block_count_ptr, block_off_ptr, num_blocks,
+def _route_kernel(ids_ptr, order_ptr, token_ptr, start_ptr, count_ptr, slot_expert_ptr, active_ptr, pairs, experts,
+                  slots, block_expert_ptr, block_first_ptr, block_count_ptr, block_off_ptr, num_blocks,
                   TOP_K: tl.constexpr, P: tl.constexpr, E: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
     p = tl.arange(0, P)
     p_ok = p < pairs
@@ -99,6 +96,7 @@ def _route_kernel(ids_ptr, order_ptr, token_ptr, start_ptr, count_ptr, slot_expe
     tl.store(start_ptr + e, tl.cumsum(counts, 0) - counts, mask=e_ok)
     chosen = counts > 0
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
+    tl.store(active_ptr, tl.sum(chosen.to(tl.int32), 0))  # the experts chosen (slots that hold one)
     s = tl.arange(0, E)
     tl.store(slot_expert_ptr + s, tl.full((E,), -1, tl.int32), mask=s < slots)
     if BLOCK_M > 0:  # blocks of up to BLOCK_M sorted pairs of one expert, each expert's from its block offset on
@@ -120,11 +118,12 @@ def _route_kernel(ids_ptr, order_ptr, token_ptr, start_ptr, count_ptr, slot_expe
 
 
 def route(expert_ids: torch.Tensor, num_experts: int):
-    """(order, token of each sorted pair, start and count of each expert, slot -> expert or -1): device work only."""
+    """(order, token of each sorted pair, start and count of each expert, slot -> expert or -1, the number of
+    experts chosen as a 1-element tensor): device work only."""
     flat = expert_ids.reshape(-1)
     if flat.numel() > ROUTE_MAX_PAIRS:
         return _route_torch(expert_ids, num_experts)
-    return _route(expert_ids, num_experts, 0)[:5]
+    return _route(expert_ids, num_experts, 0)[:6]
 
 
 def block_count(pairs: int, num_experts: int, block_m: int) -> int:
@@ -136,7 +135,7 @@ def route_blocks(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     """`route`'s sort plus each expert's sorted pairs in blocks of up to `block_m` (up to ROUTE_MAX_PAIRS pairs):
     (order, token of each sorted pair, block -> expert or -1, its first sorted pair, its pairs); the blocks past the
     filled ones hold expert -1. Device work only, one launch."""
-    order, token, _, _, _, blocks = _route(expert_ids, num_experts, block_m)
+    order, token, _, _, _, _, blocks = _route(expert_ids, num_experts, block_m)
     return (order, token, *blocks)
 
 
@@ -152,14 +151,15 @@ def _route(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     start = torch.empty(num_experts, dtype=torch.int32, device=device)
     count = torch.empty(num_experts, dtype=torch.int32, device=device)
     slot_expert = torch.empty(slots, dtype=torch.int32, device=device)
+    active = torch.empty(1, dtype=torch.int32, device=device)
     blocks = block_count(pairs, num_experts, block_m) if block_m else 1
     block_expert, block_first, block_pairs = (torch.empty(blocks, dtype=torch.int32, device=device) for _ in "efp")
     block_off = torch.empty(num_experts if block_m else 1, dtype=torch.int32, device=device)
     span = triton.next_power_of_2(num_experts + 1)
-    _route_kernel[(1,)](flat.contiguous(), order, token, start, count, slot_expert, pairs, num_experts, slots,
+    _route_kernel[(1,)](flat.contiguous(), order, token, start, count, slot_expert, active, pairs, num_experts, slots,
                         block_expert, block_first, block_pairs, block_off, blocks, TOP_K=expert_ids.shape[-1],
                         P=max(16, triton.next_power_of_2(pairs)), E=span, BLOCK_M=block_m, num_warps=8)  # fmt: skip
-    return order, token, start, count, slot_expert, (block_expert, block_first, block_pairs)
+    return order, token, start, count, slot_expert, active, (block_expert, block_first, block_pairs)
 
 
 def _route_torch(expert_ids: torch.Tensor, num_experts: int):
@@ -177,7 +177,8 @@ def _route_torch(expert_ids: torch.Tensor, num_experts: int):
     slot_expert = torch.full((slots + 1,), -1, dtype=torch.int32, device=flat.device)
     experts = torch.arange(num_experts, dtype=torch.int32, device=flat.device)
     slot_expert.scatter_(0, slot, torch.where(chosen, experts, -1))
-    return order, token, start, count, slot_expert[:slots].contiguous()
+    active = chosen.sum().to(torch.int32).reshape(1)
+    return order, token, start, count, slot_expert[:slots].contiguous(), active
 
 
 @triton.jit
@@ -344,16 +345,18 @@ def _group_dot(acc, q, b, scale_ptr, scale_stride, rows, row_ok, k0, k_ok, GROUP
 
 
 @triton.jit
-def _gate_up_rows_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, gate_p, gate_s, up_p, up_s,
-                         part_ptr, hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e, s_stride_r,
-                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-                         KW_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
+def _gate_up_rows_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr, active_ptr, per_slot, gate_p,
+                         gate_s, up_p, up_s, part_ptr, hidden, width, num_pairs, p_stride_e, p_stride_r, s_stride_e,
+                         s_stride_r, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_KW: tl.constexpr, PRECISION: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
     """gate and up on the "rows" layout (`repack_rows`: nibble j of word w holds input j * words + w): the weight
     rows on the MMA's M side, the unpacked words its register operand; each 16-word step is 8 dots of one group
-    each, the group's scale multiplied into the operand before its dot."""
+    each, the group's scale multiplied into the operand before its dot. The K splits it uses are those the chosen
+    experts need (`_busy_splits`), up to the grid's; the other programs exit at once."""
     slot, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    splits, kw_per_split = _busy_splits(active_ptr, per_slot, tl.num_programs(2), hidden // 8, BLOCK_KW)
     expert = tl.load(slot_expert_ptr + slot)
-    if expert < 0:
+    if (expert < 0) | (split >= splits):
         return
     start = tl.load(start_ptr + expert)
     count = tl.load(count_ptr + expert)
@@ -361,7 +364,7 @@ def _gate_up_rows_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr
     words = hidden // 8
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < width
-    w_begin = split * KW_PER_SPLIT
+    w_begin = split * kw_per_split
     gate_p, gate_s = gate_p + expert * p_stride_e, gate_s + expert * s_stride_e
     up_p, up_s = up_p + expert * p_stride_e, up_s + expert * s_stride_e
     for m0 in range(0, count, BLOCK_M):
@@ -370,7 +373,7 @@ def _gate_up_rows_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr
         tokens = tl.load(token_ptr + pairs, mask=pair_ok, other=0)
         acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for w0 in range(w_begin, w_begin + KW_PER_SPLIT, BLOCK_KW):
+        for w0 in range(w_begin, w_begin + kw_per_split, BLOCK_KW):
             offs_w = w0 + tl.arange(0, BLOCK_KW)
             mask = row_ok[:, None] & (offs_w < words)[None, :]
             pg = tl.load(gate_p + rows[:, None] * p_stride_r + offs_w[None, :], mask=mask, other=0)
@@ -392,9 +395,23 @@ def _gate_up_rows_kernel(x_ptr, token_ptr, slot_expert_ptr, start_ptr, count_ptr
 
 
 @triton.jit
-def _act_kernel(part_ptr, splits, act_ptr, width, num_pairs, BLOCK: tl.constexpr):
+def _busy_splits(active_ptr, per_slot, most, words, BLOCK_KW: tl.constexpr):
+    """(K splits, words a split) for the rows tensor-core form: about `per_slot` programs (the GPU's share of each
+    chosen expert's tiles) over the experts chosen, at most `most` (the grid's), whole BLOCK_KW-word steps. A verify
+    block's tokens share experts, so far fewer than the grid's static slots hold one; read on the device, so the
+    split follows the routing without a host sync."""
+    active = tl.maximum(tl.load(active_ptr), 1)
+    want = tl.minimum(tl.maximum((per_slot + active - 1) // active, 1), most)
+    kw = ((words + want - 1) // want + BLOCK_KW - 1) // BLOCK_KW * BLOCK_KW
+    return (words + kw - 1) // kw, kw
+
+
+@triton.jit
+def _act_kernel(part_ptr, active_ptr, per_slot, most, words, act_ptr, width, num_pairs, BLOCK: tl.constexpr,
+                BLOCK_KW: tl.constexpr):  # fmt: skip
     """act[pair] = silu(gate) * up in act's dtype (as the reference rounds it), the K splits summed in a fixed order."""
     pair = tl.program_id(0)
+    splits, _ = _busy_splits(active_ptr, per_slot, most, words, BLOCK_KW)
     offs = tl.arange(0, BLOCK)
     for c0 in range(0, width, BLOCK):
         cols = c0 + offs
@@ -798,9 +815,12 @@ def _split_k(programs: int, hidden: int, block_k: int, device: torch.device, per
     at most `cap` (None: up to one step a split)."""
     if device.type != "cuda":
         return 1 if hidden <= block_k else 2
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     steps = triton.cdiv(hidden, block_k)
-    return max(1, min(steps, cap or steps, triton.cdiv(per_sm * sms, max(programs, 1))))
+    return max(1, min(steps, cap or steps, triton.cdiv(per_sm * _sm_count(device), max(programs, 1))))
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -840,11 +860,11 @@ def int4_moe_cuda(
             result = _rows_cuda_cores(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale,
                                 down_packed, down_scale, group_size, tuning)  # fmt: skip
             return result if out is None else out.copy_(result)
-        order, token, start, count, slot_expert = route(expert_ids, experts)
+        order, token, start, count, slot_expert, active = route(expert_ids, experts)
         routed = torch.empty((expert_ids.numel(), hidden), dtype=torch.float32, device=x.device)
         weights = expert_weights.reshape(-1).to(torch.float32).contiguous()  # no copy when already so
         precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 models: no TF32 rounding
-        LAYOUTS[layout](x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed,
+        LAYOUTS[layout](x, order, token, start, count, slot_expert, active, weights, gate_packed, gate_scale, up_packed,
                         up_scale, down_packed, down_scale, group_size, routed, precision, tuning)  # fmt: skip
         result = routed.view(tokens, -1, hidden).sum(dim=1)
         return result.to(x.dtype) if out is None else out.copy_(result)
@@ -858,8 +878,8 @@ def _k_split(programs: int, total: int, block: int, device: torch.device, per_sm
     return triton.cdiv(total, per_split), per_split
 
 
-def _tiles_kernels(x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed, up_scale,
-                   down_packed, down_scale, group_size, routed, precision, tuning):  # fmt: skip
+def _tiles_kernels(x, order, token, start, count, slot_expert, active, weights, gate_packed, gate_scale, up_packed,
+                   up_scale, down_packed, down_scale, group_size, routed, precision, tuning):  # fmt: skip
     """The compressed-tensors layout's gate + up and down launches, into `routed` [pairs, hidden]."""
     pairs, hidden = routed.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
@@ -884,25 +904,33 @@ def _tiles_kernels(x, order, token, start, count, slot_expert, weights, gate_pac
     )  # fmt: skip
 
 
-def _rows_kernels(x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed, up_scale,
-                  down_packed, down_scale, group_size, routed, precision, tuning):  # fmt: skip
+def _rows_kernels(x, order, token, start, count, slot_expert, active, weights, gate_packed, gate_scale, up_packed,
+                  up_scale, down_packed, down_scale, group_size, routed, precision, tuning):  # fmt: skip
     """The rows layout's gate + up, act and down launches, into `routed` [pairs, hidden]."""
     pairs, hidden = routed.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
     use_asm = tuning.use_asm and x.dtype == torch.bfloat16 and x.is_cuda
     block_kw = 16
-    tiles = triton.cdiv(width, tuning.gate_n)
-    busy = min(slots, tuning.busy_slots or slots)  # slots the split assumes hold an expert (the rest exit at once)
-    split, kw_per_split = _k_split(busy * tiles, hidden // 8, block_kw, x.device, tuning.programs_per_sm)
-    part = torch.empty((split, pairs, 2 * width), dtype=torch.float32, device=x.device)
-    _gate_up_rows_kernel[(slots, tiles, split)](
-        x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, part, hidden, width, pairs,
-        gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1), GROUP=group_size,
-        BLOCK_M=tuning.block_m, BLOCK_N=tuning.gate_n, BLOCK_KW=block_kw, KW_PER_SPLIT=kw_per_split,
-        PRECISION=precision, USE_ASM=use_asm, num_warps=tuning.num_warps, num_stages=tuning.stages,
+    tiles, words = triton.cdiv(width, tuning.gate_n), hidden // 8
+    # the grid holds the K splits the fewest chosen experts would need (a token's k experts are distinct); the
+    # kernels use as many as the experts chosen need (`_busy_splits`, on the device)
+    fewest = min(slots, pairs // x.shape[0])
+    most, _ = _k_split(fewest * tiles, words, block_kw, x.device, tuning.programs_per_sm)
+    if tuning.rows_split or not x.is_cuda:  # a fixed split (the interpreter: every split the grid holds)
+        most = tuning.rows_split or most
+        per_slot = most * slots
+    else:
+        per_slot = triton.cdiv(tuning.programs_per_sm * _sm_count(x.device), tiles)
+    part = torch.empty((most, pairs, 2 * width), dtype=torch.float32, device=x.device)
+    _gate_up_rows_kernel[(slots, tiles, most)](
+        x, token, slot_expert, start, count, active, per_slot, gate_packed, gate_scale, up_packed, up_scale, part,
+        hidden, width, pairs, gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1),
+        GROUP=group_size, BLOCK_M=tuning.block_m, BLOCK_N=tuning.gate_n, BLOCK_KW=block_kw, PRECISION=precision,
+        USE_ASM=use_asm, num_warps=tuning.num_warps, num_stages=tuning.stages,
     )  # fmt: skip
     act = torch.empty((pairs, width), dtype=x.dtype, device=x.device)
-    _act_kernel[(pairs,)](part, split, act, width, pairs, BLOCK=min(1024, triton.next_power_of_2(width)))
+    _act_kernel[(pairs,)](part, active, per_slot, most, words, act, width, pairs,
+                          BLOCK=min(1024, triton.next_power_of_2(width)), BLOCK_KW=block_kw)  # fmt: skip
     _down_rows_kernel[(slots, triton.cdiv(hidden, tuning.down_n))](
         act, order, weights, slot_expert, start, count, down_packed, down_scale, routed, hidden, width, pairs,
         down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1),
