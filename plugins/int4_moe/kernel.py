@@ -8,10 +8,13 @@ Two weight layouts, the same packed bytes:
   sit on the MMA's M side and the words are loaded straight into the dot's register operand, unpacked by a lop3 (two
   nibbles into two bfloat16 mantissas), scaled there (rounded once, as the reference's weights) and multiplied on
   tensor cores; no dequantized tile goes through shared memory. Launches: route; gate + up (program: slot, 64 rows,
-  K split); act (the K splits' sums, silu(gate) * up in the model's dtype); down (slot, 256 rows).
+  K split, as many splits as the experts chosen need: `_busy_splits`); act (the K splits' sums, silu(gate) * up in
+  the model's dtype); down (slot, 256 rows).
   For one token (`Tuning.gemv_tokens`: a decode, whose experts are distinct) a CUDA-core form on the same words:
   gate + up (pair, 16 rows, K split; the last split to finish adds the splits and writes the act), down (token, 16
-  rows, all its experts at once); no routing sort. More tokens share experts, which it would read once per pair.
+  rows, all its experts at once); no routing sort. For more tokens the same form runs blocks of up to
+  `Tuning.cuda_core_block` sorted pairs of one expert (`route_blocks`); inside a model, where a verify block's tokens
+  share experts, the tensor-core form is faster (BENCHMARKS.md, section 8), so `gemv_tokens` stays 1.
 - "compressed-tensors" (the checkpoint's order: nibble j of word w is input 8 w + j; the TensorRT plugin and other
   dimensions): the "tiles" kernels below, the dequantized tile on the MMA's N side through shared memory.
 
