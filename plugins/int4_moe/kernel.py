@@ -916,8 +916,9 @@ def _rows_kernels(x, order, token, start, count, slot_expert, active, weights, g
     block_kw = 16
     tiles, words = triton.cdiv(width, tuning.gate_n), hidden // 8
     # the grid holds the K splits the fewest chosen experts would need (a token's k experts are distinct); the
-    # kernels use as many as the experts chosen need (`_busy_splits`, on the device)
-    fewest = min(slots, pairs // x.shape[0])
+    # kernels use as many as the experts chosen need (`_busy_splits`, on the device). A prefill's pairs (routed by
+    # torch ops) choose nearly every expert: its grid and partial sums stay sized for all the slots
+    fewest = min(slots, pairs // x.shape[0]) if pairs <= ROUTE_MAX_PAIRS else slots
     most, _ = _k_split(fewest * tiles, words, block_kw, x.device, tuning.programs_per_sm)
     if tuning.rows_split or not x.is_cuda:  # a fixed split (the interpreter: every split the grid holds)
         most = tuning.rows_split or most
