@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment, graph_time_us, measure_ceilings  # noqa: E402
-from benchmarks.int4_moe_gpu import GROUP, make_weights, rank_config, routing  # noqa: E402
-from plugins.int4_moe.kernel import DEFAULT_TUNING, int4_moe_cuda, repack_rows  # noqa: E402
+from benchmarks.common import environment, graph_time_us  # noqa: E402
+from benchmarks.int4_moe_gpu import GROUP, routing, rows_probe_setup  # noqa: E402
+from plugins.int4_moe.kernel import DEFAULT_TUNING, int4_moe_cuda  # noqa: E402
 from plugins.int4_moe.reference import int4_moe  # noqa: E402
 
 
@@ -36,12 +36,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    config = rank_config(False)
-    tensors, _, _, width = make_weights(config, device, dtype, torch.Generator().manual_seed(0))
+    config, tensors, rows, expert_bytes, ceilings = rows_probe_setup(device, dtype)
     experts, hidden, k = config.n_routed_experts, config.hidden_size, config.num_experts_per_tok
-    rows = [repack_rows(t) if t.dtype == torch.int32 else t for t in tensors]
-    ceilings = measure_ceilings(False)
-    expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
     forms = {f"tensor_cores_split_{b or 'needed'}": dataclasses.replace(DEFAULT_TUNING, gemv_tokens=0, rows_split=b)
              for b in (None, 1, 2, 4, 8)}  # fmt: skip
     forms["cuda_cores"] = dataclasses.replace(DEFAULT_TUNING, gemv_tokens=10**9)

@@ -28,10 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment, graph_time_us, measure_ceilings  # noqa: E402
-from benchmarks.int4_moe_gpu import GROUP, make_weights, rank_config, routing  # noqa: E402
+from benchmarks.common import environment, graph_time_us  # noqa: E402
+from benchmarks.int4_moe_gpu import GROUP, routing, rows_probe_setup  # noqa: E402
 from benchmarks.int4_rows_probe import compiled_stats, profile  # noqa: E402
-from plugins.int4_moe.kernel import DEFAULT_TUNING, Tuning, int4_moe_cuda, repack_rows  # noqa: E402
+from plugins.int4_moe.kernel import DEFAULT_TUNING, Tuning, int4_moe_cuda  # noqa: E402
 from plugins.int4_moe.reference import int4_moe  # noqa: E402
 
 CUDA_CORES, TENSOR_CORES = 10**9, 0  # gemv_tokens that force one form or the other
@@ -44,12 +44,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    config = rank_config(False)
-    tensors, _, _, width = make_weights(config, device, dtype, torch.Generator().manual_seed(0))
+    config, tensors, rows_tensors, expert_bytes, ceilings = rows_probe_setup(device, dtype)
     experts, hidden, k = config.n_routed_experts, config.hidden_size, config.num_experts_per_tok
-    rows_tensors = [repack_rows(t) if t.dtype == torch.int32 else t for t in tensors]
-    ceilings = measure_ceilings(False)
-    expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
     log = open(args.out_dir / "int4_gemv_probe.log", "w")
 
     def emit(row):

@@ -38,7 +38,7 @@ from benchmarks.common import environment, graph_time_us, measure_ceilings  # no
 from models.config import QuantConfig  # noqa: E402
 from models.mapping import Mapping  # noqa: E402
 from models.presets import kimi_k2  # noqa: E402
-from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel, Tuning, int4_moe_cuda  # noqa: E402
+from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel, Tuning, int4_moe_cuda, repack_rows  # noqa: E402
 from plugins.int4_moe.reference import dequantize_experts, int4_moe  # noqa: E402
 
 GROUP = 32
@@ -65,6 +65,17 @@ def make_weights(config, device, dtype, gen):
     shared = [torch.randn(s, generator=gen).mul(0.02).to(device, dtype) for s in ((2 * width, hidden), (hidden, width))]
     router = torch.randn(experts, hidden, generator=gen).mul(0.02).to(device, dtype)
     return tensors, shared, router, width
+
+
+def rows_probe_setup(device, dtype):
+    """What the rows-layout probes share: the rank config, its random packed experts (checkpoint and rows layout),
+    the packed bytes of one expert (words and scales of gate, up and down) and the ceilings measured now."""
+    config = rank_config(False)
+    tensors, _, _, width = make_weights(config, device, dtype, torch.Generator().manual_seed(0))
+    rows = [repack_rows(t) if t.dtype == torch.int32 else t for t in tensors]
+    hidden = config.hidden_size
+    expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
+    return config, tensors, rows, expert_bytes, measure_ceilings(False)
 
 
 def routing(kind: str, tokens: int, experts: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
