@@ -973,6 +973,8 @@ def _rows_cuda_cores(x, expert_ids, expert_weights, gate_packed, gate_scale, up_
     use_asm = tuning.use_asm and x.is_cuda
     fma_scale = gate_scale.dtype == torch.bfloat16 and down_scale.dtype == torch.bfloat16  # `_LOP3_AT`
     routed_blocks = tokens > 1
+    if not 1 <= tuning.cuda_core_block <= 4:  # the kernels hold a block's pairs in up to four sums of their own
+        raise ValueError(f"Tuning.cuda_core_block must be 1 to 4 pairs: got {tuning.cuda_core_block}")
     block_m = tuning.cuda_core_block if routed_blocks else 1
     if routed_blocks:
         order, token, block_expert, block_first, block_pairs = route_blocks(expert_ids, experts, block_m)
