@@ -63,8 +63,9 @@ class Tuning:
     stages: int = 3  # Triton's default for CUDA launches
     block_m: int = 16  # pairs a program multiplies at once ("rows" layout)
     use_asm: bool = True  # "rows" layout in bfloat16 on a GPU: the lop3 unpack (inline PTX) instead of the plain one
-    # "rows" layout: the CUDA-core form (`_gate_up_cc_kernel`) up to this many tokens: blocks of one expert's pairs,
-    # so an expert's words are read once a block however the tokens share experts (BENCHMARKS.md, section 8)
+    # "rows" layout: the CUDA-core form (`_gate_up_cc_kernel`) up to this many tokens (one token: a block a pair; more:
+    # blocks of one expert's pairs). It wins on random routing, but a verify block's tokens share experts, and inside
+    # the whole rank the tensor-core form was faster at every verify measured, 9 to 33 tokens (BENCHMARKS.md, section 8)
     gemv_tokens: int = 1
     gemv_n: int = 16  # rows a CUDA-core gate/up program computes (of gate and of up each)
     gemv_down_n: int = 16  # rows a CUDA-core down program computes (for all of a token's experts)
