@@ -477,10 +477,12 @@ _LOP3_AT_8, _LOP3_AT_12, _LOP3_AT_16 = _LOP3_AT[8], _LOP3_AT[12], _LOP3_AT[16]
 
 
 @triton.jit
-def _place(lo, word, hi, j: tl.constexpr, USE_ASM: tl.constexpr):
-    """2^(23 - p) + n as float32, n nibble j of each word, from the words (`word`), the words << 8 (`lo`) and >> 12
-    (`hi`); p the bit the nibble sits at in its source."""
+def _weights(lo, word, hi, j: tl.constexpr, s, USE_ASM: tl.constexpr, FMA_SCALE: tl.constexpr):
+    """(n - 8) * s exactly in float32, n nibble j of each word; s float32, broadcastable (see `_LOP3_AT`). The nibble
+    comes from the words (`word`), the words << 8 (`lo`) or >> 12 (`hi`), where it sits at bit P: first as
+    2^(23 - P) + n."""
     P: tl.constexpr = 4 * j + 8 * (j < 2) - 12 * (j > 4)
+    BIAS: tl.constexpr = (1 << (23 - P)) + 8
     if j < 2:
         src = lo
     elif j < 5:
@@ -496,15 +498,7 @@ def _place(lo, word, hi, j: tl.constexpr, USE_ASM: tl.constexpr):
             raw = tl.inline_asm_elementwise(_LOP3_AT_16, "=r,r", [src], dtype=tl.int32, is_pure=True, pack=1)
     else:
         raw = (src & (0xF << P)) | ((150 - P) << 23)
-    return raw.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _weights(lo, word, hi, j: tl.constexpr, s, USE_ASM: tl.constexpr, FMA_SCALE: tl.constexpr):
-    """(n - 8) * s exactly in float32, n nibble j of each word; s float32, broadcastable (see `_LOP3_AT`)."""
-    P: tl.constexpr = 4 * j + 8 * (j < 2) - 12 * (j > 4)
-    BIAS: tl.constexpr = (1 << (23 - P)) + 8
-    raw = _place(lo, word, hi, j, USE_ASM)
+    raw = raw.to(tl.float32, bitcast=True)
     if FMA_SCALE:
         return tl.fma(raw, s, -(s * BIAS))
     else:
@@ -513,7 +507,7 @@ def _weights(lo, word, hi, j: tl.constexpr, s, USE_ASM: tl.constexpr, FMA_SCALE:
 
 @triton.jit
 def _spread(words):
-    """The two shifted copies of `words` that `_place` takes nibbles 0, 1 and 5, 6, 7 from."""
+    """The two shifted copies of `words` that `_weights` takes nibbles 0, 1 and 5, 6, 7 from."""
     return words << 8, words >> 12  # an arithmetic shift: its sign bits land above bit 19, which no mask keeps
 
 
@@ -526,6 +520,12 @@ def _pair_x(x_ptr, token_ptr, q, ok, HIDDEN: tl.constexpr, GROUP: tl.constexpr, 
     else:
         tok = q // TOP_K
     return x_ptr + tok * HIDDEN + tl.arange(0, GROUP)[None, None, :]
+
+
+@triton.jit
+def _row_sums(acc):
+    """[N] sums of one pair's [1, N, GROUP] products."""
+    return tl.sum(tl.sum(acc, 2), 0)
 
 
 @triton.jit
@@ -602,32 +602,28 @@ def _gate_up_cc(x_ptr, token_ptr, gate_p, gate_s, up_p, up_s, part_ptr, count_pt
                 xj = tl.load(x3 + at, mask=ok3 & w_ok, other=0.0).to(tl.float32)
                 g3, u3 = tl.fma(wg, xj, g3), tl.fma(wu, xj, u3)
     row_ok = rows < WIDTH
-    sums = (tl.sum(tl.sum(g0, 2), 0), tl.sum(tl.sum(u0, 2), 0))  # [N] each
+    # each pair's [N] sums (the pairs past M are never read, so never computed)
+    g0, g1, g2, g3 = _row_sums(g0), _row_sums(g1), _row_sums(g2), _row_sums(g3)
+    u0, u1, u2, u3 = _row_sums(u0), _row_sums(u1), _row_sums(u2), _row_sums(u3)
     last = splits == 1  # this program writes the act
     if splits > 1:
-        _split_sums(part_ptr, split, num_rows, first, rows, row_ok & ok0, sums[0], sums[1], WIDTH)
+        _split_sums(part_ptr, split, num_rows, first, rows, row_ok & ok0, g0, u0, WIDTH)
         if M > 1:
-            _split_sums(part_ptr, split, num_rows, first + 1, rows, row_ok & ok1, tl.sum(tl.sum(g1, 2), 0),
-                        tl.sum(tl.sum(u1, 2), 0), WIDTH)  # fmt: skip
+            _split_sums(part_ptr, split, num_rows, first + 1, rows, row_ok & ok1, g1, u1, WIDTH)
         if M > 2:
-            _split_sums(part_ptr, split, num_rows, first + 2, rows, row_ok & ok2, tl.sum(tl.sum(g2, 2), 0),
-                        tl.sum(tl.sum(u2, 2), 0), WIDTH)  # fmt: skip
-            _split_sums(part_ptr, split, num_rows, first + 3, rows, row_ok & ok3, tl.sum(tl.sum(g3, 2), 0),
-                        tl.sum(tl.sum(u3, 2), 0), WIDTH)  # fmt: skip
+            _split_sums(part_ptr, split, num_rows, first + 2, rows, row_ok & ok2, g2, u2, WIDTH)
+            _split_sums(part_ptr, split, num_rows, first + 3, rows, row_ok & ok3, g3, u3, WIDTH)
         counter = count_ptr + block * tl.num_programs(1) + tile
         last = tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1  # every other split's sums are written
         if last:
             tl.store(counter, 0)
     if last:
-        _write_act(part_ptr, splits, num_rows, first, rows, row_ok & ok0, sums[0], sums[1], act_ptr, WIDTH)
+        _write_act(part_ptr, splits, num_rows, first, rows, row_ok & ok0, g0, u0, act_ptr, WIDTH)
         if M > 1:
-            _write_act(part_ptr, splits, num_rows, first + 1, rows, row_ok & ok1, tl.sum(tl.sum(g1, 2), 0),
-                       tl.sum(tl.sum(u1, 2), 0), act_ptr, WIDTH)  # fmt: skip
+            _write_act(part_ptr, splits, num_rows, first + 1, rows, row_ok & ok1, g1, u1, act_ptr, WIDTH)
         if M > 2:
-            _write_act(part_ptr, splits, num_rows, first + 2, rows, row_ok & ok2, tl.sum(tl.sum(g2, 2), 0),
-                       tl.sum(tl.sum(u2, 2), 0), act_ptr, WIDTH)  # fmt: skip
-            _write_act(part_ptr, splits, num_rows, first + 3, rows, row_ok & ok3, tl.sum(tl.sum(g3, 2), 0),
-                       tl.sum(tl.sum(u3, 2), 0), act_ptr, WIDTH)  # fmt: skip
+            _write_act(part_ptr, splits, num_rows, first + 2, rows, row_ok & ok2, g2, u2, act_ptr, WIDTH)
+            _write_act(part_ptr, splits, num_rows, first + 3, rows, row_ok & ok3, g3, u3, act_ptr, WIDTH)
 
 
 @triton.jit
@@ -638,11 +634,11 @@ def _gate_up_cc_kernel(x_ptr, ids_ptr, token_ptr, block_expert_ptr, block_first_
                        ROUTED: tl.constexpr, USE_ASM: tl.constexpr, FMA_SCALE: tl.constexpr):  # fmt: skip
     """gate and up on the CUDA cores ("rows" layout), for batches with few pairs an expert: program (block, BLOCK_N
     rows, K split) streams its expert's rows a group (GROUP words of one nibble: GROUP inputs, one scale) at a time,
-    the next group's words loaded before this one's products, each weight made once (`_weights`) and multiplied in
-    float32 for every pair of the block. A block is up to BLOCK_M sorted pairs of one expert (`route_blocks`), or,
-    not ROUTED (one token: its experts are distinct), pair `block` alone; blocks of one or two pairs take narrower
-    code. The last split of a (block, rows) to finish (a counter a tile, left at 0 again) adds the splits' partial
-    sums in split order and writes silu(gate) * up in act's dtype, into the pairs' rows of act."""
+    the next groups' words loaded ahead (Triton's software pipeline), each weight made once (`_weights`) and
+    multiplied in float32 for every pair of the block. A block is up to BLOCK_M sorted pairs of one expert
+    (`route_blocks`), or, not ROUTED (one token: its experts are distinct), pair `block` alone; blocks of one or two
+    pairs take narrower code. The last split of a (block, rows) to finish (a counter a tile, left at 0 again) adds
+    the splits' partial sums in split order and writes silu(gate) * up in act's dtype, into the pairs' rows of act."""
     block = tl.program_id(0)
     if not ROUTED:
         expert = tl.load(ids_ptr + block)
@@ -673,7 +669,7 @@ def _routed_row(routed_ptr, order_ptr, pair_weight_ptr, q, ok, rows, sums, HIDDE
     """One pair's down rows, times its routing weight, into its routed row (the pair's place in [T * k] order)."""
     source = tl.load(order_ptr + q, mask=ok, other=0)
     weight = tl.load(pair_weight_ptr + source, mask=ok, other=0.0).to(tl.float32)
-    tl.store(routed_ptr + source * HIDDEN + rows, tl.sum(tl.sum(sums, 2), 0) * weight, mask=ok & (rows < HIDDEN))
+    tl.store(routed_ptr + source * HIDDEN + rows, _row_sums(sums) * weight, mask=ok & (rows < HIDDEN))
 
 
 @triton.jit
