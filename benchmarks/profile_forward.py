@@ -2,7 +2,7 @@
 drafter forward and the device loop's tree build and walk, each captured in a CUDA graph and profiled over replays,
 with the GPU's idle time between consecutive kernels (by the pair of kernels it falls between) and the replay time.
 
-    PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model kimi-rank|moe|dense] [--smoke]
+    PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model kimi-rank|kimi-rank-int4|moe|dense] [--smoke]
         [--draft-attention]   (also: the drafter with each form of its attention)
         [--steps]             (also: the device loop's step graphs and one request each, GPU only)
         [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
@@ -132,7 +132,7 @@ def print_replay_profile(name: str, graph_us: float | None, prof: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--model", default="kimi-rank", choices=["kimi-rank", "moe", "dense"])
+    parser.add_argument("--model", default="kimi-rank", choices=["kimi-rank", "kimi-rank-int4", "moe", "dense"])
     parser.add_argument("--draft-attention", action="store_true", help="the drafter with each form of its attention")
     parser.add_argument("--steps", action="store_true", help="the device loop's step graphs (GPU only)")
     parser.add_argument("--draft-capacities", action="store_true", help="the drafter against its cache's capacity")

@@ -58,6 +58,28 @@ class Router(nn.Module):
         return ids, weights * self.scaling
 
 
+class FusedRouter(Router):
+    """The GPU form: the same choice in two Triton launches (`models/triton_ops.py`, `route_top_k`: the logits a
+    K split at a time, each weight read once; then a program a token sums the splits in order, scores and picks)
+    where the torch form takes about ten (its float32 GEMM alone ran on the CUDA cores at 1.5 TB/s). Weights that
+    are bf16 values (a bf16 checkpoint's router, upcast at load) are kept in bf16, half the bytes, and multiplied
+    on tensor cores with float32 sums, products exact. Rows beyond the kernels' block (prefill) take the torch
+    form."""
+
+    def prepare_weights(self) -> None:
+        weight = self.weight.data
+        if weight.dtype == torch.float32 and torch.equal(weight.to(torch.bfloat16).to(torch.float32), weight):
+            self.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from models.triton_ops import ROUTER_MAX_TOKENS, route_top_k
+
+        if x.shape[0] > ROUTER_MAX_TOKENS or not x.is_cuda:
+            return super().forward(x)
+        return route_top_k(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                           self.norm_topk_prob, self.scaling, self.row_active)  # fmt: skip
+
+
 @contextmanager
 def active_rows(routers: list[Router], active: torch.Tensor | None):
     """`Router.row_active` set on `routers` for one forward (the device loop's narrow steps), and cleared after it,
@@ -78,7 +100,7 @@ class MoE(nn.Module):
         super().__init__()
         experts, hidden = config.n_routed_experts, config.hidden_size
         width = config.moe_intermediate_size // config.mapping.tp_size
-        self.gate = Router(config)
+        self.gate = ops.router(config)
         self.experts = nn.ModuleDict(
             {
                 "gate_proj": StackedExperts(experts, width, hidden),
@@ -182,7 +204,7 @@ class PackedMoE(nn.Module):
         experts, hidden = config.n_routed_experts, config.hidden_size
         width = config.moe_intermediate_size // config.mapping.tp_size
         self.group_size = config.quantization.group_size
-        self.gate = Router(config)
+        self.gate = ops.router(config)
         self.experts = nn.ModuleDict(
             {
                 "gate_proj": PackedExperts(experts, width, hidden, self.group_size),

@@ -139,3 +139,127 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     from models.rope import apply_rotary
 
     return rotary(x, cos, sin) if rotary_supported(x, cos) else apply_rotary(x, cos, sin)
+
+
+# The MoE router (`models/moe.py`, `Router`): the router's logits, then its choice, in two launches instead of the
+# torch form's ten (fp32 GEMM, sigmoid, bias add, top-k with its sort, gather, sum, division, scaling, casts).
+
+
+@triton.jit
+def _router_logits(x_ptr, w_ptr, part_ptr, tokens, x_stride, experts, hidden, split_k, BLOCK_T: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    """Program (expert block, K split): part[split, t, e] = sum over the split's inputs of x[t, k] w[e, k] for every
+    token, in float32. bf16 x and w: tensor cores (each product exact in float32); else float32 FMAs. Each weight is
+    read once."""
+    pid_e, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    t_ok, e_ok = offs_t < tokens, offs_e < experts
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    start = pid_k * split_k
+    for k0 in tl.range(start, start + split_k, BLOCK_K, num_stages=3):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < hidden
+        x = tl.load(x_ptr + offs_t[:, None] * x_stride + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_e[:, None] * hidden + offs_k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        if BF16:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    dst = part_ptr + (pid_k * tokens + offs_t[:, None]) * experts + offs_e[None, :]
+    tl.store(dst, acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _router_select(part_ptr, bias_ptr, active_ptr, ids_ptr, weights_ptr, splits, tokens, experts, scaling,
+                   BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP: tl.constexpr,
+                   N_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                   HAS_ACTIVE: tl.constexpr):  # fmt: skip
+    """Program t: token t's logits (the splits summed in split order), sigmoid scores, the noaux_tc choice (scores +
+    bias, limited to the best TOPK_GROUP of N_GROUP groups by the sum of each group's best two), the TOP_K best in
+    descending order (the lowest index among equals) and their plain scores, normalised over the k and scaled. A row
+    outside the step (HAS_ACTIVE, active[t] false) takes row 0's experts with zero weights, as `Router` does."""
+    t = tl.program_id(0)
+    src = t
+    if HAS_ACTIVE:
+        active = tl.load(active_ptr + t) != 0
+        src = tl.where(active, t, 0)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < experts
+    part = tl.load(part_ptr + (offs_s[:, None] * tokens + src) * experts + offs_e[None, :],
+                   mask=(offs_s[:, None] < splits) & e_ok[None, :], other=0.0)  # fmt: skip
+    scores = tl.sigmoid(tl.sum(part, axis=0))
+    choice = tl.where(e_ok, scores + tl.load(bias_ptr + offs_e, mask=e_ok, other=0.0), float("-inf"))
+    if N_GROUP > 1:
+        group = offs_e // (experts // N_GROUP)
+        offs_g = tl.arange(0, BLOCK_G)
+        group_score = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        for g in tl.static_range(N_GROUP):
+            mine = tl.where(group == g, choice, float("-inf"))
+            best = tl.max(mine, axis=0)
+            first = tl.min(tl.where(mine == best, offs_e, BLOCK_E), axis=0)
+            second = tl.max(tl.where(offs_e == first, float("-inf"), mine), axis=0)
+            group_score = tl.where(offs_g == g, best + second, group_score)
+        keep = offs_e < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(group_score, axis=0)
+            pick = tl.min(tl.where(group_score == best, offs_g, N_GROUP), axis=0)
+            keep = keep | (group == pick)
+            group_score = tl.where(offs_g == pick, float("-inf"), group_score)
+        choice = tl.where(keep, choice, float("-inf"))
+    offs_k = tl.arange(0, BLOCK_TOP)
+    ids = tl.zeros([BLOCK_TOP], dtype=tl.int64)
+    weights = tl.zeros([BLOCK_TOP], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        pick = tl.min(tl.where(choice == best, offs_e, BLOCK_E), axis=0)
+        ids = tl.where(offs_k == i, pick.to(tl.int64), ids)
+        weights = tl.where(offs_k == i, tl.sum(tl.where(offs_e == pick, scores, 0.0), axis=0), weights)
+        choice = tl.where(offs_e == pick, float("-inf"), choice)
+    if NORM:
+        weights = weights / (tl.sum(weights, axis=0) + 1e-20)
+    if HAS_ACTIVE:
+        weights = tl.where(active, weights, 0.0)
+    tl.store(ids_ptr + t * TOP_K + offs_k, ids, mask=offs_k < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + offs_k, weights * scaling, mask=offs_k < TOP_K)
+
+
+ROUTER_MAX_TOKENS = 64  # the kernels' token block (a verify of budget 32 has 33 rows); prefill keeps the torch form
+
+
+def router_splits(experts: int, hidden: int, block_e: int, block_k: int, device: torch.device) -> int:
+    """Inputs a K split of the router's logits: about two programs an SM over the expert blocks, whole chunks."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    splits = max(1, min(triton.cdiv(hidden, block_k), 2 * sms // triton.cdiv(experts, block_e)))
+    return triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
+
+
+def route_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
+                norm: bool, scaling: float, active: torch.Tensor | None = None):  # fmt: skip
+    """`Router.forward` for x [T <= ROUTER_MAX_TOKENS, hidden]: (expert ids [T, k] int64, weights [T, k] float32).
+    weight [E, hidden] float32, or bfloat16 where the router's weights are bf16 values (a bf16 checkpoint's): then
+    with bf16 x the logits run on tensor cores, each product exact, the sums in float32 as the torch form's."""
+    tokens, hidden = x.shape
+    experts = weight.shape[0]
+    if tokens > ROUTER_MAX_TOKENS:
+        raise ValueError(f"route_top_k takes at most {ROUTER_MAX_TOKENS} rows, got {tokens}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    # tensor cores for bf16 operands on a GPU; the Triton interpreter's bf16 dot is not exact, so on the CPU (tests)
+    # the same bf16 operands take the float32 form, whose products and sums are the same
+    bf16 = weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.is_cuda
+    block_e, block_k = 64, 128 if bf16 else 64
+    split_k = router_splits(experts, hidden, block_e, block_k, x.device)
+    splits = triton.cdiv(hidden, split_k)
+    part = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
+    _router_logits[(triton.cdiv(experts, block_e), splits)](
+        x, weight, part, tokens, x.stride(0), experts, hidden, split_k, BLOCK_T=max(16, triton.next_power_of_2(tokens)),
+        BLOCK_E=block_e, BLOCK_K=block_k, BF16=bf16, num_warps=4)  # fmt: skip
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
+    _router_select[(tokens,)](
+        part, bias, active if active is not None else ids, ids, weights, splits, tokens, experts, float(scaling),
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_E=triton.next_power_of_2(experts), TOP_K=top_k,
+        BLOCK_TOP=triton.next_power_of_2(top_k), N_GROUP=n_group, BLOCK_G=triton.next_power_of_2(n_group),
+        TOPK_GROUP=topk_group, NORM=norm, HAS_ACTIVE=active is not None, num_warps=4)  # fmt: skip
+    return ids, weights

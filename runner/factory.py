@@ -147,11 +147,12 @@ def cpu_ops(collectives, target_cfg=None) -> ModelOps:
 def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
     """The GPU forms: the Triton TreeAttention and drafter kernels, grouped-GEMM MoE (bf16; the gathered experts
     otherwise), the W4A16 grouped kernel for INT4 experts (their words reordered once at load where the dimensions
-    allow), fused RMSNorm and rotary, the in-place absorbed MLA, q/k/v and gate/up as one GEMM each."""
+    allow), the router in two Triton launches, fused RMSNorm and rotary, the in-place absorbed MLA, q/k/v and gate/up
+    as one GEMM each."""
     from models.dflash import KernelDraftAttention
     from models.layers import FusedRMSNorm
     from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
-    from models.moe import GroupedMoE, MoE
+    from models.moe import FusedRouter, GroupedMoE, MoE
     from models.triton_ops import fused_rotary
     from plugins.int4_moe.kernel import Int4MoEKernel
     from plugins.tree_attention.kernel import tree_attention_cuda
@@ -166,6 +167,7 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
         draft_attention=KernelDraftAttention,
         fused_projections=True,
         int4_moe=Int4MoEKernel(),
+        router=FusedRouter,
     )
 
 

@@ -120,3 +120,51 @@ def test_fused_residual_add_and_norm_equal_the_add_then_the_norm():
         print("OK")
     """)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+def test_fused_router_chooses_what_the_router_chooses():
+    """route_top_k (FusedRouter's two kernels) gives Router's experts, in its order, and its weights: Kimi's routing
+    (384 experts, top 8, one group) and DeepSeek-V3's (groups: the best 4 of 8 by their best two), a top-k that is not
+    a power of two, float32 weights and bf16 ones, 1 to 64 rows, rows outside a narrow step. FusedRouter keeps
+    bf16-valued weights in bf16 and float32 ones as they are. (bf16 operands take the kernel's float32 form here: the
+    interpreter's bf16 dot is not exact; the tensor-core form is checked on the GPU, benchmarks/router_gpu.py.)"""
+    done = run_interpreted("""
+        import torch
+        from dataclasses import replace
+        from models.moe import FusedRouter, Router
+        from models.presets import preset
+        from models.triton_ops import route_top_k
+        base = preset("kimi-rank", smoke=True).target
+        gen = torch.Generator().manual_seed(0)
+        cases = [dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1, hidden_size=256),
+                 dict(n_routed_experts=64, num_experts_per_tok=6, n_group=8, topk_group=4, hidden_size=192,
+                      norm_topk_prob=False)]
+        checked = 0
+        for fields in cases:
+            config = replace(base, **fields)
+            for dtype in (torch.float32, torch.bfloat16):
+                router = Router(config)
+                weight = torch.randn(router.weight.shape, generator=gen) * config.hidden_size ** -0.5
+                router.weight.data = weight.to(dtype).float()
+                router.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts, generator=gen) * 0.1)
+                fused = FusedRouter(config)
+                fused.load_state_dict(router.state_dict())
+                fused.prepare_weights()
+                assert fused.weight.dtype == dtype, (fused.weight.dtype, dtype)
+                for tokens in (1, 33) if dtype == torch.float32 else (5, 64):
+                    x = torch.randn(tokens, config.hidden_size, generator=gen).to(dtype)
+                    active = torch.rand(tokens, generator=gen) < 0.6
+                    for row_active in (None, active) if tokens > 1 else (None,):
+                        router.row_active = row_active
+                        want_ids, want_w = router(x)
+                        ids, w = route_top_k(x, fused.weight, fused.e_score_correction_bias, fused.top_k,
+                                             fused.n_group, fused.topk_group, fused.norm_topk_prob, fused.scaling,
+                                             row_active)
+                        assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == want_ids.shape
+                        assert torch.equal(ids, want_ids), (fields, dtype, tokens, ids, want_ids)
+                        assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6), (w - want_w).abs().max()
+                        checked += 1
+        print("checked", checked)
+        assert checked == 14, checked
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
