@@ -1,5 +1,6 @@
-"""Weight GEMMs at few rows on one GPU: cuBLAS (`F.linear`) against `models.triton_ops.linear_rows` over its launch
-shapes, at the weight shapes of one Kimi K2.x TP-8 rank (bf16), T = 1, 8 and 16 rows.
+"""Weight GEMMs at few rows on one GPU: cuBLAS (`F.linear`) against a Triton form (`linear_rows` below: a program a
+block of weight rows and K split, float32 partials summed in split order) over its launch shapes, at the weight
+shapes of one Kimi K2.x TP-8 rank (bf16), T = 1, 8 and 16 rows.
 
     PYTHONPATH=. python3 benchmarks/linear_rows_probe.py OUT_DIR
 
@@ -18,9 +19,77 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from benchmarks.common import environment, graph_time_us, measure_ceilings
-from models.triton_ops import linear_rows
+
+
+@triton.jit
+def _linear_rows(x_ptr, w_ptr, out_ptr, part_ptr, rows, n, k, x_stride, out_stride, split_k, BLOCK_T: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
+    """Program (block of BLOCK_N weight rows, K split): the rows' dot products with every x row, float32 sums on
+    tensor cores; one split writes y in x's dtype, several write float32 partials [split, T, N] for `_sum_splits`."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok, n_ok = offs_t < rows, offs_n < n
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    start = pid_k * split_k
+    for k0 in tl.range(start, start + split_k, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k
+        w = tl.load(w_ptr + offs_n[:, None] * k + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_t[:, None] * x_stride + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    ok = t_ok[:, None] & n_ok[None, :]
+    if SPLIT:
+        tl.store(part_ptr + (pid_k * rows + offs_t[:, None]) * n + offs_n[None, :], acc, mask=ok)
+    else:
+        tl.store(out_ptr + offs_t[:, None] * out_stride + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_splits(part_ptr, out_ptr, splits, rows, n, out_stride, BLOCK: tl.constexpr):
+    """y[t, cols] = the splits' partial sums added in split order, rounded once to y's dtype."""
+    t, pid = tl.program_id(0), tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(part_ptr + (s * rows + t) * n + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t * out_stride + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+LINEAR_ROWS_MAX = 16
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int = 256, splits: int | None = None,
+                stages: int = 4, warps: int = 4) -> torch.Tensor:  # fmt: skip
+    """x [T <= LINEAR_ROWS_MAX, K] @ weight [N, K]^T -> [T, N] in x's dtype (bf16 / fp16; float32 sums). K is split
+    so that about two programs an SM stream the weights (`splits`: a fixed split)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if rows > LINEAR_ROWS_MAX or weight.shape[1] != k or weight.stride(-1) != 1 or weight.stride(0) != k:
+        raise ValueError(f"linear_rows takes x [<= {LINEAR_ROWS_MAX}, K] and a contiguous weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)} strides {weight.stride()}")  # fmt: skip
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    blocks = triton.cdiv(n, block_n)
+    chunks = triton.cdiv(k, block_k)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
+        splits = max(1, min(chunks, 2 * sms // blocks))
+    split_k = triton.cdiv(chunks, splits) * block_k
+    splits = triton.cdiv(k, split_k)
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    _linear_rows[(blocks, splits)](x, weight, out, part, rows, n, k, x.stride(0), out.stride(0), split_k,
+                                   BLOCK_T=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1, STAGES=stages,
+                                   num_warps=warps)  # fmt: skip
+    if splits > 1:
+        _sum_splits[(rows, triton.cdiv(n, 1024))](part, out, splits, rows, n, out.stride(0), BLOCK=1024, num_warps=4)
+    return out
+
 
 # (name, N, K) of one rank's weights: MLA's fused q_a + kv_a, q_b, o_proj; the shared expert's gate + up and down;
 # the dense first layer's gate + up and down; the vocab-parallel head's shard

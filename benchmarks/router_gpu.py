@@ -14,6 +14,7 @@ the copy rate measured in the same run. Writes OUT_DIR/router_gpu.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import replace
@@ -60,6 +61,27 @@ def check(torch_form, fused, x) -> dict:
     return {"rows": x.shape[0], "rows_differing": int(rows.sum()), "score_gaps": gaps, "weight_error": weight_error}
 
 
+def launch_sweep(setup: Setup, hidden: int) -> list[dict]:
+    """route_top_k's launch shapes at Kimi's routing (bf16 weights), T = 1 and 33: experts a logits program and
+    its warps, the choice's warps."""
+    from models.triton_ops import route_top_k
+
+    torch_form, fused = routers(CASES["kimi"], hidden, torch.bfloat16, setup.device, seed=99)
+    rows = []
+    for tokens in (1, 33):
+        x = torch.randn(tokens, hidden, device=setup.device).to(setup.dtype)
+        want = torch_form(x)[0]
+        for block_e, warps, select_warps in itertools.product((16, 32, 64), (1, 2, 4), (1, 2, 4)):
+            shape = dict(block_e=block_e, warps=warps, select_warps=select_warps)
+            args = (x, fused.weight, fused.e_score_correction_bias, 8, 1, 1, True, fused.scaling)
+            same = bool(torch.equal(route_top_k(*args, **shape)[0], want))
+            us = graph_time_us(lambda a=args, b=shape: route_top_k(*a, **b), setup.device, setup.smoke)
+            rows.append({"tokens": tokens, **shape, "us": us, "same_ids": same})
+        best = min((r for r in rows if r["tokens"] == tokens), key=lambda r: r["us"])
+        print(f"launch sweep T={tokens}: best {best}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
@@ -88,6 +110,7 @@ def main(argv=None) -> int:
                           f"{row['fused_us']:6.1f} us  floor {row['floor_us']:5.1f} us  differing rows "
                           f"{row['rows_differing']} {row['score_gaps']}  weight error {row['weight_error']:.1e}",
                           flush=True)  # fmt: skip
+        info["launches"] = launch_sweep(setup, hidden) if not setup.smoke else []
     (args.out_dir / "router_gpu.json").write_text(json.dumps(info, indent=1) + "\n")
     return 0
 

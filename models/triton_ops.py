@@ -208,15 +208,18 @@ def _router_select(part_ptr, bias_ptr, active_ptr, ids_ptr, weights_ptr, splits,
             keep = keep | (group == pick)
             group_score = tl.where(offs_g == pick, float("-inf"), group_score)
         choice = tl.where(keep, choice, float("-inf"))
+    # the top k by one reduction each: a key that orders as the choice does (its float bits made signed-monotonic)
+    # with the lower index winning among equals
+    bits = choice.to(tl.int32, bitcast=True)
+    key = (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 16) | (0xFFFF - offs_e)
     offs_k = tl.arange(0, BLOCK_TOP)
     ids = tl.zeros([BLOCK_TOP], dtype=tl.int64)
     weights = tl.zeros([BLOCK_TOP], dtype=tl.float32)
     for i in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=0)
-        pick = tl.min(tl.where(choice == best, offs_e, BLOCK_E), axis=0)
-        ids = tl.where(offs_k == i, pick.to(tl.int64), ids)
+        pick = 0xFFFF - (tl.max(key, axis=0) & 0xFFFF)
+        ids = tl.where(offs_k == i, pick, ids)
         weights = tl.where(offs_k == i, tl.sum(tl.where(offs_e == pick, scores, 0.0), axis=0), weights)
-        choice = tl.where(offs_e == pick, float("-inf"), choice)
+        key = tl.where(offs_e == pick, -(1 << 62), key)
     if NORM:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
     if HAS_ACTIVE:
@@ -226,20 +229,24 @@ def _router_select(part_ptr, bias_ptr, active_ptr, ids_ptr, weights_ptr, splits,
 
 
 ROUTER_MAX_TOKENS = 64  # the kernels' token block (a verify of budget 32 has 33 rows); prefill keeps the torch form
+ROUTER_SPLITS = 8
 
 
 def router_splits(experts: int, hidden: int, block_e: int, block_k: int, device: torch.device) -> int:
-    """Inputs a K split of the router's logits: about two programs an SM over the expert blocks, whole chunks."""
+    """Inputs a K split of the router's logits: about two programs an SM over the expert blocks, whole chunks, at
+    most ROUTER_SPLITS splits (the choice's program sums them all)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    splits = max(1, min(triton.cdiv(hidden, block_k), 2 * sms // triton.cdiv(experts, block_e)))
+    splits = max(1, min(triton.cdiv(hidden, block_k), 2 * sms // triton.cdiv(experts, block_e), ROUTER_SPLITS))
     return triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
 
 
 def route_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                norm: bool, scaling: float, active: torch.Tensor | None = None):  # fmt: skip
+                norm: bool, scaling: float, active: torch.Tensor | None = None, block_e: int = 16, warps: int = 2,
+                select_warps: int = 2):  # fmt: skip
     """`Router.forward` for x [T <= ROUTER_MAX_TOKENS, hidden]: (expert ids [T, k] int64, weights [T, k] float32).
     weight [E, hidden] float32, or bfloat16 where the router's weights are bf16 values (a bf16 checkpoint's): then
-    with bf16 x the logits run on tensor cores, each product exact, the sums in float32 as the torch form's."""
+    with bf16 x the logits run on tensor cores, each product exact, the sums in float32 as the torch form's.
+    block_e / warps: the logits' launch (experts a program, warps); select_warps: the choice's."""
     tokens, hidden = x.shape
     experts = weight.shape[0]
     if tokens > ROUTER_MAX_TOKENS:
@@ -248,88 +255,18 @@ def route_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
     # tensor cores for bf16 operands on a GPU; the Triton interpreter's bf16 dot is not exact, so on the CPU (tests)
     # the same bf16 operands take the float32 form, whose products and sums are the same
     bf16 = weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.is_cuda
-    block_e, block_k = 64, 128 if bf16 else 64
+    block_k = 128 if bf16 else 64
     split_k = router_splits(experts, hidden, block_e, block_k, x.device)
     splits = triton.cdiv(hidden, split_k)
     part = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
     _router_logits[(triton.cdiv(experts, block_e), splits)](
         x, weight, part, tokens, x.stride(0), experts, hidden, split_k, BLOCK_T=max(16, triton.next_power_of_2(tokens)),
-        BLOCK_E=block_e, BLOCK_K=block_k, BF16=bf16, num_warps=4)  # fmt: skip
+        BLOCK_E=block_e, BLOCK_K=block_k, BF16=bf16, num_warps=warps)  # fmt: skip
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     _router_select[(tokens,)](
         part, bias, active if active is not None else ids, ids, weights, splits, tokens, experts, float(scaling),
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_E=triton.next_power_of_2(experts), TOP_K=top_k,
         BLOCK_TOP=triton.next_power_of_2(top_k), N_GROUP=n_group, BLOCK_G=triton.next_power_of_2(n_group),
-        TOPK_GROUP=topk_group, NORM=norm, HAS_ACTIVE=active is not None, num_warps=4)  # fmt: skip
+        TOPK_GROUP=topk_group, NORM=norm, HAS_ACTIVE=active is not None, num_warps=select_warps)  # fmt: skip
     return ids, weights
-
-
-# Weight GEMMs at decode's few rows (`linear_rows`): y = x W^T for x [T <= 16, K], W [N, K] bf16. At 1 to 8 rows
-# cuBLAS reads a rank's weights at about half the copy rate (BENCHMARKS.md, the decode forward).
-
-
-@triton.jit
-def _linear_rows(x_ptr, w_ptr, out_ptr, part_ptr, rows, n, k, x_stride, out_stride, split_k, BLOCK_T: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
-    """Program (block of BLOCK_N weight rows, K split): the rows' dot products with every x row, float32 sums on
-    tensor cores; one split writes y in x's dtype, several write float32 partials [split, T, N] for `_sum_splits`."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_ok, n_ok = offs_t < rows, offs_n < n
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    start = pid_k * split_k
-    for k0 in tl.range(start, start + split_k, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k
-        w = tl.load(w_ptr + offs_n[:, None] * k + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_t[:, None] * x_stride + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    ok = t_ok[:, None] & n_ok[None, :]
-    if SPLIT:
-        tl.store(part_ptr + (pid_k * rows + offs_t[:, None]) * n + offs_n[None, :], acc, mask=ok)
-    else:
-        tl.store(out_ptr + offs_t[:, None] * out_stride + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _sum_splits(part_ptr, out_ptr, splits, rows, n, out_stride, BLOCK: tl.constexpr):
-    """y[t, cols] = the splits' partial sums added in split order, rounded once to y's dtype."""
-    t, pid = tl.program_id(0), tl.program_id(1)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(part_ptr + (s * rows + t) * n + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + t * out_stride + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-LINEAR_ROWS_MAX = 16
-
-
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int = 256, splits: int | None = None,
-                stages: int = 4, warps: int = 4) -> torch.Tensor:  # fmt: skip
-    """x [T <= LINEAR_ROWS_MAX, K] @ weight [N, K]^T -> [T, N] in x's dtype (bf16 / fp16; float32 sums). K is split
-    so that about two programs an SM stream the weights (`splits`: a fixed split)."""
-    rows, k = x.shape
-    n = weight.shape[0]
-    if rows > LINEAR_ROWS_MAX or weight.shape[1] != k or weight.stride(-1) != 1 or weight.stride(0) != k:
-        raise ValueError(f"linear_rows takes x [<= {LINEAR_ROWS_MAX}, K] and a contiguous weight [N, K], got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)} strides {weight.stride()}")  # fmt: skip
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    blocks = triton.cdiv(n, block_n)
-    chunks = triton.cdiv(k, block_k)
-    if splits is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 8
-        splits = max(1, min(chunks, 2 * sms // blocks))
-    split_k = triton.cdiv(chunks, splits) * block_k
-    splits = triton.cdiv(k, split_k)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    _linear_rows[(blocks, splits)](x, weight, out, part, rows, n, k, x.stride(0), out.stride(0), split_k,
-                                   BLOCK_T=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=splits > 1, STAGES=stages,
-                                   num_warps=warps)  # fmt: skip
-    if splits > 1:
-        _sum_splits[(rows, triton.cdiv(n, 1024))](part, out, splits, rows, n, out.stride(0), BLOCK=1024, num_warps=4)
-    return out
