@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import DrafterConfig, TargetConfig
-from models.layers import GatedMLP, VocabParallelEmbedding, VocabParallelHead, fuse_linears, linear
+from models.layers import VocabParallelEmbedding, VocabParallelHead, fuse_linears, linear
 from models.rope import Rotary
 
 
@@ -174,7 +174,7 @@ class DraftLayer(nn.Module):
         self.self_attn = ops.draft_attention(config, ops)
         self.post_attention_layernorm = ops.norm(config.hidden_size, config.rms_norm_eps)
         width = config.intermediate_size // config.mapping.tp_size
-        self.mlp = GatedMLP(config.hidden_size, width, ops.fused_projections)
+        self.mlp = ops.gated_mlp(config.hidden_size, width, ops.fused_projections)
         self.collectives = ops.collectives
 
     def forward(self, x, ctx, block_rope, rows_rope, cache, key_bias, lengths):

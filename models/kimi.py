@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from models.config import TargetConfig
-from models.layers import GatedMLP, VocabParallelEmbedding, VocabParallelHead
+from models.layers import VocabParallelEmbedding, VocabParallelHead
 from models.moe import PackedMoE
 from models.ops import ModelOps
 from models.rope import Rotary
@@ -35,7 +35,7 @@ class DecoderLayer(nn.Module):
             # a checkpoint whose routed experts stayed INT4 runs them packed, through ops.int4_moe
             self.mlp = (PackedMoE if config.quantization else ops.moe)(config, layer_idx, ops)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size // tp, ops.fused_projections)
+            self.mlp = ops.gated_mlp(config.hidden_size, config.intermediate_size // tp, ops.fused_projections)
         self.collectives = ops.collectives
 
     def forward(self, x, cos, sin, tree_mask, cache, cache_length):

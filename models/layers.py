@@ -95,6 +95,19 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class FusedGatedMLP(GatedMLP):
+    """The GPU form: gate and up in one GEMM (always stacked), silu(gate) * up in one Triton kernel
+    (`models/triton_ops.py`, `silu_mul`) where the plain form launches two."""
+
+    def __init__(self, hidden: int, width: int, fused: bool = True):
+        super().__init__(hidden, width, fused=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from models.triton_ops import silu_mul
+
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up)))
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows [rank * V/tp, (rank + 1) * V/tp) of the embedding; ids outside the slice contribute zeros."""
 

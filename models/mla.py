@@ -14,10 +14,11 @@ Both return (partial output of this rank's heads before the o_proj all-reduce, t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from models.config import TargetConfig
-from models.layers import linear
+from models.layers import fuse_linears, linear
 from models.rope import deinterleave_permutation
 
 
@@ -47,6 +48,7 @@ class MultiLatentAttention(nn.Module):
         self.kv_lora, self.v_dim, self.scale = c.kv_lora_rank, c.v_head_dim, c.softmax_scale
         self.rope_interleave = c.rope_interleave
         self.tree_attention, self.apply_rotary = per_request(ops.tree_attention), ops.rotary
+        self.fused = ops.fused_projections
         self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
         self.q_a_layernorm = ops.norm(c.q_lora_rank, 1e-6)
         self.q_b_proj = linear(c.q_lora_rank, self.heads * c.qk_head_dim)
@@ -100,6 +102,15 @@ class InPlaceAbsorbedMLA(AbsorbedMLA):
         rope = config.qk_rope_head_dim
         return rope & (rope - 1) == 0
 
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        """The rope rows de-interleaved, then (fused projections) q_a_proj and kv_a_proj_with_mqa stacked into one
+        [q_lora + latent_dim, hidden] weight: one GEMM reads x for both (SGLang's fused_qkv_a_proj_with_mqa)."""
+        super().prepare_weights()
+        self.register_buffer("q_kv_a", None, persistent=False)
+        if self.fused:
+            self.q_kv_a = fuse_linears(self.q_a_proj, self.kv_a_proj_with_mqa)
+
     def forward(self, x, cos, sin, tree_mask, cache, cache_length):
         """`AbsorbedMLA.forward` for the GPU (Triton kernels): every result is written where the next op reads it: the
         normalized and rotated latent rows into one [T, latent_dim] buffer, q_nope @ W_kc and the rotated q_pe into
@@ -108,8 +119,12 @@ class InPlaceAbsorbedMLA(AbsorbedMLA):
         from models.triton_ops import rms_norm, rotary
 
         tokens, lora = x.shape[0], self.kv_lora
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(tokens, self.heads, self.nope + self.rope)
-        kv = self.kv_a_proj_with_mqa(x)
+        if getattr(self, "q_kv_a", None) is not None:  # q_a and kv_a in one GEMM, each read as its column range
+            q_kv = F.linear(x, self.q_kv_a)
+            q_a, kv = q_kv[:, : self.q_a_proj.weight.shape[0]], q_kv[:, self.q_a_proj.weight.shape[0] :]
+        else:
+            q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(tokens, self.heads, self.nope + self.rope)
         new_kv = torch.empty(tokens, lora + self.rope, dtype=x.dtype, device=x.device)
         rms_norm(kv[:, :lora], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, out=new_kv[:, :lora])
         rotary(kv[:, lora:], cos, sin, out=new_kv[:, lora:])

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import TargetConfig
-from models.layers import GatedMLP
 
 
 class StackedExperts(nn.Module):
@@ -63,8 +62,9 @@ class FusedRouter(Router):
     K split at a time, each weight read once; then a program a token sums the splits in order, scores and picks)
     where the torch form takes about ten (its float32 GEMM alone ran on the CUDA cores at 1.5 TB/s). Weights that
     are bf16 values (a bf16 checkpoint's router, upcast at load) are kept in bf16, half the bytes, and multiplied
-    on tensor cores with float32 sums, products exact. Rows beyond the kernels' block (prefill) take the torch
-    form."""
+    on tensor cores with float32 sums, products exact. Rows beyond the kernels' block (prefill), float32 weights
+    (whose float32-FMA form measured slower than torch's at one token, benchmarks/router_gpu.py) and activations
+    other than bf16 take the torch form."""
 
     def prepare_weights(self) -> None:
         weight = self.weight.data
@@ -74,7 +74,7 @@ class FusedRouter(Router):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from models.triton_ops import ROUTER_MAX_TOKENS, route_top_k
 
-        if x.shape[0] > ROUTER_MAX_TOKENS or not x.is_cuda:
+        if x.shape[0] > ROUTER_MAX_TOKENS or self.weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
             return super().forward(x)
         return route_top_k(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                            self.norm_topk_prob, self.scaling, self.row_active)  # fmt: skip
@@ -109,7 +109,7 @@ class MoE(nn.Module):
             }
         )
         width = config.shared_intermediate_size // config.mapping.tp_size
-        self.shared_experts = GatedMLP(hidden, width, ops.fused_projections)
+        self.shared_experts = ops.gated_mlp(hidden, width, ops.fused_projections)
 
     def _gather(self, projection: str, ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' slices: [T, k, out, in]."""
@@ -213,7 +213,7 @@ class PackedMoE(nn.Module):
             }
         )
         width = config.shared_intermediate_size // config.mapping.tp_size
-        self.shared_experts = GatedMLP(hidden, width, ops.fused_projections)
+        self.shared_experts = ops.gated_mlp(hidden, width, ops.fused_projections)
         self.int4_moe = ops.int4_moe
         self.int4_kwargs = {}  # {"layout": ...} once the op has reordered the words (`prepare_weights`)
 

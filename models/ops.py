@@ -2,9 +2,9 @@
 
 Every choice that depends on the hardware is one field here: which tree attention (the reference, the ONNX op, the
 GPU kernel), which collectives, which MoE (gathered experts or a grouped GEMM; for INT4 experts, which Int4MoE), which
-MLA form, the MoE router's form, fused or plain RMSNorm and rotary, the drafter's attention, fused projections. The
-rank factory (`runner/factory.py`) makes the choices once; modules read them in `__init__`, so no `forward` branches
-on the device.
+MLA form, the MoE router's and the SwiGLU MLPs' forms, fused or plain RMSNorm and rotary, the drafter's attention,
+fused projections. The rank factory (`runner/factory.py`) makes the choices once; modules read them in `__init__`,
+so no `forward` branches on the device.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from models.dflash import DraftAttention
-from models.layers import RMSNorm
+from models.layers import GatedMLP, RMSNorm
 from models.mla import AbsorbedMLA
 from models.moe import MoE, Router
 from models.rope import apply_rotary
@@ -32,3 +32,4 @@ class ModelOps:
     fused_projections: bool = False  # q/k/v and gate/up as one GEMM each (stacked weights)
     int4_moe: Callable = int4_moe  # routed experts kept INT4 (plugins/int4_moe): reference, ONNX op or GPU kernel
     router: type = Router  # the MoE router: Router (torch operators) or FusedRouter (two Triton launches, GPUs)
+    gated_mlp: type = GatedMLP  # SwiGLU MLPs: GatedMLP, or FusedGatedMLP (gate/up one GEMM, the act one kernel)

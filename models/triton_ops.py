@@ -141,6 +141,30 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotary(x, cos, sin) if rotary_supported(x, cos) else apply_rotary(x, cos, sin)
 
 
+@triton.jit
+def _silu_mul(gate_up_ptr, out_ptr, width, in_stride, out_stride, BLOCK: tl.constexpr):
+    """out[t, j] = silu(gate[t, j]) * up[t, j] for gate_up = [gate | up] rows, rounded as torch rounds
+    `F.silu(gate) * up` (the silu to the dtype, then the product)."""
+    t, pid = tl.program_id(0), tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < width
+    row = gate_up_ptr + t * in_stride
+    gate = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(row + width + offs, mask=ok, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
+    tl.store(out_ptr + t * out_stride + offs, (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2W] (gate and up side by side, one GEMM's output) -> silu(gate) * up [T, W], one kernel instead of two."""
+    tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(tokens, width, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _silu_mul[(tokens, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=block,
+                                                    num_warps=4)  # fmt: skip
+    return out
+
+
 # The MoE router (`models/moe.py`, `Router`): the router's logits, then its choice, in two launches instead of the
 # torch form's ten (fp32 GEMM, sigmoid, bias add, top-k with its sort, gather, sum, division, scaling, casts).
 
@@ -241,8 +265,8 @@ def router_splits(experts: int, hidden: int, block_e: int, block_k: int, device:
 
 
 def route_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
-                norm: bool, scaling: float, active: torch.Tensor | None = None, block_e: int = 16, warps: int = 2,
-                select_warps: int = 2):  # fmt: skip
+                norm: bool, scaling: float, active: torch.Tensor | None = None, block_e: int = 32, warps: int = 4,
+                select_warps: int = 4):  # fmt: skip
     """`Router.forward` for x [T <= ROUTER_MAX_TOKENS, hidden]: (expert ids [T, k] int64, weights [T, k] float32).
     weight [E, hidden] float32, or bfloat16 where the router's weights are bf16 values (a bf16 checkpoint's): then
     with bf16 x the logits run on tensor cores, each product exact, the sums in float32 as the torch form's.

@@ -147,10 +147,10 @@ def cpu_ops(collectives, target_cfg=None) -> ModelOps:
 def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
     """The GPU forms: the Triton TreeAttention and drafter kernels, grouped-GEMM MoE (bf16; the gathered experts
     otherwise), the W4A16 grouped kernel for INT4 experts (their words reordered once at load where the dimensions
-    allow), the router in two Triton launches, fused RMSNorm and rotary, the in-place absorbed MLA, q/k/v and gate/up
-    as one GEMM each."""
+    allow), the router in two Triton launches, fused RMSNorm and rotary, the in-place absorbed MLA (q_a and kv_a one
+    GEMM), q/k/v and gate/up as one GEMM each, the SwiGLU act one kernel."""
     from models.dflash import KernelDraftAttention
-    from models.layers import FusedRMSNorm
+    from models.layers import FusedGatedMLP, FusedRMSNorm
     from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
     from models.moe import FusedRouter, GroupedMoE, MoE
     from models.triton_ops import fused_rotary
@@ -168,6 +168,7 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
         fused_projections=True,
         int4_moe=Int4MoEKernel(),
         router=FusedRouter,
+        gated_mlp=FusedGatedMLP,
     )
 
 

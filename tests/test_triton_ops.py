@@ -57,7 +57,8 @@ def test_fused_norm_and_rotary_equal_the_torch_expressions():
 
 def test_in_place_absorbed_attention_equals_the_plain_expressions():
     """InPlaceAbsorbedMLA (the GPU form: results written into column ranges and the o_proj layout) equals
-    forward's concatenations and einsums, at one token and at a tree of several."""
+    forward's concatenations and einsums, at one token and at a tree of several; so does it with q_a and kv_a
+    stacked into one GEMM (fused projections)."""
     done = run_interpreted("""
         import torch
         from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
@@ -72,7 +73,13 @@ def test_in_place_absorbed_attention_equals_the_plain_expressions():
         with torch.no_grad():
             for p in mla.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5 + (1 if p.dim() == 1 else 0))
+        state = {name: value.clone() for name, value in mla.state_dict().items()}
         mla.prepare_weights()
+        # the GPU's fused projections: q_a and kv_a one GEMM over one stacked weight
+        fused = InPlaceAbsorbedMLA(target, 0, ModelOps(tree_attention_cuda, SingleRank(), fused_projections=True))
+        fused.load_state_dict(state)
+        fused.prepare_weights()
+        assert fused.q_kv_a.shape == (target.q_lora_rank + target.latent_dim, target.hidden_size)
         rotary = Rotary(target.rope, target.qk_rope_head_dim)
         worst = 0.0
         for tokens in (1, 6):
@@ -84,8 +91,9 @@ def test_in_place_absorbed_attention_equals_the_plain_expressions():
             args = (x, cos, sin, mask, cache, torch.tensor([23]))
             with torch.no_grad():
                 (want, want_kv), (got, got_kv) = mla(*args), InPlaceAbsorbedMLA.forward(mla, *args)
+                stacked, stacked_kv = fused(*args)
             assert got.shape == want.shape and got_kv.shape == want_kv.shape
-            for a, b in ((got, want), (got_kv, want_kv)):
+            for a, b in ((got, want), (got_kv, want_kv), (stacked, want), (stacked_kv, want_kv)):
                 worst = max(worst, float((a - b).norm() / b.norm()))
         print("worst", worst)
         assert worst < 1e-5, worst
@@ -166,5 +174,36 @@ def test_fused_router_chooses_what_the_router_chooses():
                         checked += 1
         print("checked", checked)
         assert checked == 14, checked
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_fused_gated_mlp_equals_the_plain_mlp():
+    """FusedGatedMLP (gate and up one GEMM, silu(gate) * up one kernel) equals GatedMLP: float32 at its tolerance,
+    float16 rounded as torch rounds the silu and the product (within one rounding: the exponentials may differ)."""
+    done = run_interpreted("""
+        import torch
+        from models.layers import FusedGatedMLP, GatedMLP
+        gen = torch.Generator().manual_seed(0)
+        for dtype in (torch.float32, torch.float16):
+            for tokens, hidden, width in ((1, 64, 96), (33, 48, 1200)):
+                plain, fused = GatedMLP(hidden, width).to(dtype), FusedGatedMLP(hidden, width).to(dtype)
+                with torch.no_grad():
+                    for p in plain.parameters():
+                        p.copy_((torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5).to(dtype))
+                fused.load_state_dict(plain.state_dict())
+                fused.prepare_weights()
+                x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+                with torch.no_grad():
+                    want, got = plain(x), fused(x)
+                    act_want = torch.nn.functional.silu(plain.gate_proj(x)) * plain.up_proj(x)
+                    from models.triton_ops import silu_mul
+                    act = silu_mul(torch.nn.functional.linear(x, fused.gate_up))
+                assert got.shape == want.shape and got.dtype == dtype
+                rel = float((got.float() - want.float()).norm() / want.float().norm())
+                act_rel = float(((act.float() - act_want.float()).abs() / act_want.float().abs().clamp_min(1e-3)).max())
+                print(dtype, tokens, rel, act_rel)
+                assert rel < (1e-6 if dtype == torch.float32 else 1e-3), rel
+                assert act_rel < (1e-5 if dtype == torch.float32 else 2e-3), act_rel
     """)
     assert done.returncode == 0, done.stderr[-3000:]
