@@ -70,6 +70,7 @@ def main(argv=None) -> int:
         help="comma-separated batch sizes: rows of that many copies of the "
         "request in-flight batched (autoregressive, DDTree 8 and 32; random and oracle drafters)",
     )
+    parser.add_argument("--drafters", default="random,oracle", help="the drafters of the speculative rows")
     parser.add_argument("--no-fixed", action="store_true", help="skip the fixed-budget rows (chain, DDTree 8/16/32): "
                         "the autoregressive row, then only what --auto-budget and --batches add")  # fmt: skip
     add_setup_args(parser)
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
                 several = SpecConfig(8, 32, extra_budgets=(8, 16))
                 modes += [("ddtree auto of 8/16/32", several, "auto"), ("ddtree 8 of 8/16/32", several, 8)]
             for drafter, mode, spec, budget in [("-", None, None, None)] + [
-                (d, m, s, b) for d in ("random", "oracle") for m, s, b in modes
+                (d, m, s, b) for d in args.drafters.split(",") for m, s, b in modes
             ]:
                 if mode is None:
                     row = ar
