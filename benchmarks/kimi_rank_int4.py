@@ -43,8 +43,12 @@ SEQUENCE = 131072
 
 
 def module_bytes(module) -> int:
-    tensors = {id(t): t for t in list(module.parameters()) + list(module.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """Bytes of the storages behind the module's parameters and buffers, each once (a fused GEMM's stacked weight and
+    the per-projection views of it are one storage)."""
+    storages = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def main(argv=None) -> int:
