@@ -5,8 +5,10 @@ spends more time in RMSNorm (6 kernels each: cast, square, mean, add, rsqrt, sca
 negate, concatenate, two products, a sum) than in the attention kernel, and the mean's reduction gets slower with
 the verify's 33 rows. Here each is one kernel, one program per row, so a row's result does not depend on how many
 rows the forward has (the verify and a decode step round alike). They reproduce the torch expressions' roundings
-(`layers.RMSNorm`, `rope.apply_rotary`) in the input dtype. CUDA tensors only; the CPU (and ONNX export) paths keep
-the plain torch expressions.
+(`layers.RMSNorm`, `rope.apply_rotary`) in the input dtype; so does the SwiGLU act (`silu_mul`, `FusedGatedMLP`).
+The MoE router (`route_top_k`, `moe.FusedRouter`) is two launches instead of about ten: its logits a K split at a
+time, then its choice a program a token. CUDA tensors only; the CPU (and ONNX export) paths keep the plain torch
+expressions.
 """
 
 from __future__ import annotations
