@@ -115,8 +115,9 @@ class InPlaceAbsorbedMLA(AbsorbedMLA):
         """`AbsorbedMLA.forward` for the GPU (Triton kernels): every result is written where the next op reads it: the
         normalized and rotated latent rows into one [T, latent_dim] buffer, q_nope @ W_kc and the rotated q_pe into
         the two column ranges of the query, the W_vc product straight into the [T, H, v] layout o_proj reads. At
-        T > 1 that saves the three copies (two concatenations, one transpose) the plain expressions launch."""
-        from models.triton_ops import rms_norm, rotary
+        T > 1 that saves the three copies (two concatenations, one transpose) the plain expressions launch. Up to
+        64 rows each absorbed product is one Triton launch for every head (`head_matmul`), else a batched GEMM."""
+        from models.triton_ops import HEAD_MATMUL_MAX_ROWS, head_matmul, rms_norm, rotary
 
         tokens, lora = x.shape[0], self.kv_lora
         if getattr(self, "q_kv_a", None) is not None:  # q_a and kv_a in one GEMM, each read as its column range
@@ -130,11 +131,18 @@ class InPlaceAbsorbedMLA(AbsorbedMLA):
         rotary(kv[:, lora:], cos, sin, out=new_kv[:, lora:])
         w_kc, w_vc = self.kv_b_weights()
         query = torch.empty(tokens, self.heads, lora + self.rope, dtype=x.dtype, device=x.device)
-        torch.bmm(q[..., : self.nope].transpose(0, 1), w_kc, out=query[..., :lora].transpose(0, 1))
+        few = tokens <= HEAD_MATMUL_MAX_ROWS  # decode and verify rows: every head's product in one launch
+        if few:
+            head_matmul(q[..., : self.nope], w_kc, query[..., :lora])
+        else:
+            torch.bmm(q[..., : self.nope].transpose(0, 1), w_kc, out=query[..., :lora].transpose(0, 1))
         rotary(q[..., self.nope :], cos, sin, out=query[..., lora:])
         latent = self.tree_attention(query, cache, cache_length, new_kv, tree_mask, self.scale, lora)
         out = torch.empty(tokens, self.heads, self.v_dim, dtype=x.dtype, device=x.device)
-        torch.bmm(latent.transpose(0, 1), w_vc.transpose(1, 2), out=out.transpose(0, 1))
+        if few:
+            head_matmul(latent, w_vc.transpose(1, 2), out)
+        else:
+            torch.bmm(latent.transpose(0, 1), w_vc.transpose(1, 2), out=out.transpose(0, 1))
         return self.o_proj(out.view(tokens, -1)), new_kv
 
 

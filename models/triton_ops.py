@@ -167,6 +167,50 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _head_matmul(a_ptr, w_ptr, out_ptr, rows, k, n, a_t, a_h, w_h, w_k, w_j, out_t, out_h, BLOCK_T: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Program (head h, block of output columns): out[t, h, j] = sum_k a[t, h, k] w[h, k, j] for every row t,
+    float32 sums (tensor cores; float32 inputs in full precision, not TF32), rounded once to out's dtype."""
+    h, pid = tl.program_id(0), tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_j = pid * BLOCK_J + tl.arange(0, BLOCK_J)
+    t_ok, j_ok = offs_t < rows, offs_j < n
+    acc = tl.zeros([BLOCK_T, BLOCK_J], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k
+        a = tl.load(a_ptr + offs_t[:, None] * a_t + h * a_h + offs_k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + h * w_h + offs_k[:, None] * w_k + offs_j[None, :] * w_j, mask=k_ok[:, None] & j_ok[None, :],
+                    other=0.0)  # fmt: skip
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    dst = out_ptr + offs_t[:, None] * out_t + h * out_h + offs_j[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & j_ok[None, :])
+
+
+HEAD_MATMUL_MAX_ROWS = 64
+
+
+def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[t, h, :] = a[t, h, :] @ w[h] for a [T <= HEAD_MATMUL_MAX_ROWS, H, K] and w [H, K, N] (any strides; a and
+    out with unit last stride), one launch for every head: MLA's absorbed products (q_nope @ W_kc, latent @ W_vc^T)
+    at decode and verify rows, where the batched GEMM took 4.6-6.4 us a call (BENCHMARKS.md, the decode forward)."""
+    rows, heads, k = a.shape
+    n = w.shape[2]
+    if rows > HEAD_MATMUL_MAX_ROWS or w.shape[:2] != (heads, k) or out.shape != (rows, heads, n):
+        raise ValueError(f"head_matmul: a [<= {HEAD_MATMUL_MAX_ROWS}, H, K], w [H, K, N], out [T, H, N]; got "
+                         f"{tuple(a.shape)}, {tuple(w.shape)}, {tuple(out.shape)}")  # fmt: skip
+    if a.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError(f"head_matmul: a and out need unit last strides, got {a.stride()} and {out.stride()}")
+    block_j = min(64, triton.next_power_of_2(n))
+    _head_matmul[(heads, triton.cdiv(n, block_j))](
+        a, w, out, rows, k, n, a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        out.stride(1), BLOCK_T=max(16, triton.next_power_of_2(rows)), BLOCK_K=min(128, triton.next_power_of_2(k)),
+        BLOCK_J=block_j, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)  # fmt: skip
+    return out
+
+
 # The MoE router (`models/moe.py`, `Router`): the router's logits, then its choice, in two launches instead of the
 # torch form's ten (fp32 GEMM, sigmoid, bias add, top-k with its sort, gather, sum, division, scaling, casts).
 

@@ -58,7 +58,8 @@ def test_fused_norm_and_rotary_equal_the_torch_expressions():
 def test_in_place_absorbed_attention_equals_the_plain_expressions():
     """InPlaceAbsorbedMLA (the GPU form: results written into column ranges and the o_proj layout) equals
     forward's concatenations and einsums, at one token and at a tree of several; so does it with q_a and kv_a
-    stacked into one GEMM (fused projections)."""
+    stacked into one GEMM (fused projections); up to 64 rows its absorbed products run in one launch for every head
+    (`head_matmul`)."""
     done = run_interpreted("""
         import torch
         from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
