@@ -96,8 +96,8 @@ class GatedMLP(nn.Module):
 
 
 class FusedGatedMLP(GatedMLP):
-    """The GPU form: gate and up in one GEMM (always stacked), silu(gate) * up in one Triton kernel
-    (`models/triton_ops.py`, `silu_mul`) where the plain form launches two."""
+    """The GPU form: gate and up in one GEMM (always stacked: `fused` is taken for GatedMLP's signature),
+    silu(gate) * up in one Triton kernel (`models/triton_ops.py`, `silu_mul`) where the plain form launches two."""
 
     def __init__(self, hidden: int, width: int, fused: bool = True):
         super().__init__(hidden, width, fused=True)
