@@ -11,7 +11,11 @@ distribution, acceptance per draft position (the share of steps that accepted at
 tokens/s (median over prompts of each prompt's rate; every mode runs the same prompts) and the speed-up over
 autoregressive decoding at the same temperature. Temperature 1.0 draws with a per-prompt seed. The modes run
 interleaved (each prompt through every mode in turn), so the machine's drift during the run affects them alike.
-Writes OUT_DIR/acceptance.json and prints a markdown table.
+A mode named twice (`ddtree16 ddtree16#2`) runs twice, on ranks of its own each time: how far two runs of the same
+mode land apart is the run-to-run noise the other comparisons are read against. With `auto` among the modes, each
+mode's decode rate over all prompts (decode tokens over decode seconds) is compared with auto's, paired by prompt:
+the ratio and its 95 % bootstrap interval (prompts resampled, 2000 draws).
+Writes OUT_DIR/acceptance.json and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.common import environment
@@ -63,16 +68,17 @@ class ModeRun:
     """One mode's ranks and what its requests gave (`run_modes` runs the modes interleaved, prompt by prompt)."""
 
     def __init__(self, ckpt: Path, device: str, mode: str, tokens: int, temperature: float):
-        self.mode, self.spec, self.temperature = mode, MODES[mode], temperature
+        self.mode, self.spec, self.temperature = mode, MODES[mode.split("#")[0]], temperature
         self.autoregressive = self.spec is None
         options = RankOptions("torch", device, None, self.autoregressive)
         build = BuildConfig(max_input_len=128, max_seq_len=128 + tokens + 64)
         ranks = local_ranks(CheckpointWeights(ckpt), options, self.spec or SpecConfig(8, 32), build)
         self.generator = Generator(ranks, self.autoregressive)
         self.requests = (SamplingParams(),) if temperature == 0 else (SamplingParams(temperature=temperature, seed=1),)
-        self.costs = dict(self.generator.enable_auto_budget()) if mode == "auto" else None  # as measured at start-up
+        self.costs = dict(self.generator.enable_auto_budget()) if self.spec is MODES["auto"] else None  # at start-up
         self.generator.warm_up(self.requests)
         self.accept, self.rates, self.emitted, self.budgets, self.seconds = [], [], 0, [], 0.0
+        self.decoded: list[tuple[int, float]] = []  # per prompt: tokens after the first, and the seconds they took
 
     def request(self, i: int, prompt: list[int], tokens: int, end_ids) -> None:
         t = self.temperature
@@ -85,6 +91,7 @@ class ModeRun:
         self.emitted += len(result.tokens)
         if result.decode_tokens_per_s:
             self.rates.append(result.decode_tokens_per_s)
+        self.decoded.append((len(result.tokens) - 1, result.decode_seconds))
 
     def row(self, prompts: int) -> dict:
         accept, policy = self.accept, self.generator.policy
@@ -128,9 +135,38 @@ def run_modes(ckpt: Path, device: str, modes: list[str], prompts, tokens: int, t
         for k in range(len(runs)):
             runs[(i + k) % len(runs)].request(i, prompt, tokens, end_ids)
     rows = [run.row(len(prompts)) for run in runs]
+    autos = [run for run in runs if run.costs is not None]
+    for run, row in zip(runs, rows):
+        if autos and run is not autos[0]:
+            row["auto_over_this"] = paired_ratio(autos[0].decoded, run.decoded)
     for run in runs:
         run.generator.ranks.close()
     return rows
+
+
+def paired_ratio(ours: list[tuple[int, float]], theirs: list[tuple[int, float]], draws: int = 2000) -> dict:
+    """Decode rate over all prompts (tokens over seconds) of `ours` over `theirs`, paired by prompt, with its 95 %
+    bootstrap interval: the prompts resampled with replacement, the same ones for both."""
+    a, b = np.array(ours, dtype=np.float64), np.array(theirs, dtype=np.float64)
+
+    def ratio(index):
+        return (a[index, 0].sum() / a[index, 1].sum()) / (b[index, 0].sum() / b[index, 1].sum())
+
+    rng = np.random.default_rng(0)
+    samples = [ratio(rng.integers(0, len(a), len(a))) for _ in range(draws)]
+    low, high = np.quantile(samples, [0.025, 0.975])
+    return {"ratio": round(float(ratio(np.arange(len(a)))), 4), "low": round(float(low), 4),
+            "high": round(float(high), 4)}  # fmt: skip
+
+
+def comparison(rows: list[dict]) -> str:
+    """`auto` against every other mode, paired by prompt (`paired_ratio`)."""
+    lines = ["| temperature | auto over | ratio | 95 % interval |", "|---|---|---:|---|"]
+    for r in rows:
+        if "auto_over_this" in r:
+            c = r["auto_over_this"]
+            lines.append(f"| {r['temperature']} | {r['mode']} | {c['ratio']:.3f} | {c['low']:.3f} – {c['high']:.3f} |")
+    return "\n".join(lines)
 
 
 def markdown(rows: list[dict]) -> str:
@@ -145,6 +181,12 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def mode_name(value: str) -> str:
+    if value.split("#")[0] not in MODES:
+        raise argparse.ArgumentTypeError(f"mode must be one of {list(MODES)} (NAME#k for a repeat), got {value!r}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
@@ -152,7 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=64, help="new tokens a prompt (fewer at [EOS])")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "auto"], choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "auto"], type=mode_name,
+                        help=f"of {list(MODES)}; NAME#2 runs NAME a second time")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -168,6 +211,8 @@ def main(argv=None) -> int:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     table = markdown(rows)
+    if any("auto_over_this" in r for r in rows):
+        table += "\n\n" + comparison(rows)
     result = {**environment(False), "dtype": dtype, "args": {k: str(v) for k, v in vars(args).items()},
               "rows": rows, "table": table}  # fmt: skip
     (args.out_dir / "acceptance.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -27,6 +27,7 @@ where that holds.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -160,7 +161,7 @@ class BudgetPolicy:
             recent = self.times.setdefault(self.last, deque(maxlen=COST_WINDOW))
             recent.append(seconds)
             if len(recent) >= COST_MIN_STEPS:
-                self.step_seconds[self.last] = float(np.median(recent))
+                self.step_seconds[self.last] = statistics.median(recent)
 
     def device_inputs(self) -> tuple[list[float], list[float]]:
         """What the device loop's choice reads, in budget order: the costs `best` uses and each budget's segment's

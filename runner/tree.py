@@ -79,30 +79,35 @@ def build_tree(
     parents = np.full(rows, -1, dtype=np.int64)
     depths = np.zeros(rows, dtype=np.int64)
     tokens[0] = root_token
-    scores = np.zeros(budget + 1, dtype=np.float64)
+    scores = [0.0]
     children: list[dict[int, int]] = [{}]
+    # Python lists: the loop reads single entries, which numpy scalars make several times slower
+    logprobs, ids = top_logprobs.tolist(), top_ids.tolist()
+    taken = []  # (token, parent, depth) of nodes 1, 2, ...
     # entries: (-score, tie-breaker, depth, rank, parent)
-    heap = [(-float(top_logprobs[0, 0]), 0, 1, 0, 0)] if depth_limit > 0 and k > 0 else []
+    heap = [(-logprobs[0][0], 0, 1, 0, 0)] if depth_limit > 0 and k > 0 else []
     count, pushes = 1, 1
     while heap and count <= budget:
         neg_score, _, depth, rank, parent = heapq.heappop(heap)
         node = count
         count += 1
-        token = int(top_ids[depth - 1, rank])
-        tokens[node], parents[node], depths[node] = token, parent, depth
+        token = ids[depth - 1][rank]
+        taken.append((token, parent, depth))
         children[parent][token] = node
         children.append({})
         score = -neg_score
-        scores[node] = score
+        scores.append(score)
         if rank + 1 < k:
-            sibling = score - top_logprobs[depth - 1, rank] + top_logprobs[depth - 1, rank + 1]
-            heapq.heappush(heap, (-float(sibling), pushes, depth, rank + 1, parent))
+            row = logprobs[depth - 1]
+            heapq.heappush(heap, (-(score - row[rank] + row[rank + 1]), pushes, depth, rank + 1, parent))
             pushes += 1
         if depth < depth_limit:
-            heapq.heappush(heap, (-float(score + top_logprobs[depth, 0]), pushes, depth + 1, 0, node))
+            heapq.heappush(heap, (-(score + logprobs[depth][0]), pushes, depth + 1, 0, node))
             pushes += 1
+    if taken:
+        tokens[1:count], parents[1:count], depths[1:count] = np.array(taken, dtype=np.int64).T
     return Tree(tokens=tokens, parents=parents, depths=depths, num_nodes=count, children=children,
-                scores=scores[:count])  # fmt: skip
+                scores=np.array(scores, dtype=np.float64))  # fmt: skip
 
 
 def follow_tree(tree: Tree, target_tokens: list[int]) -> tuple[list[int], int]:

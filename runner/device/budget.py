@@ -80,7 +80,7 @@ COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 tim
 # mean accepted plus two standard errors, at least the best's), EXPLORE_SHARE_SETTLED once even that loses, so a
 # drifting drafter is still noticed; never two within EXPLORE_GAP steps. On a Kimi K2 rank a budget-32 step costs 3x
 # a budget-8 step (BENCHMARKS.md, section 11): exploring every 8th step cost auto a fifth of its speed there.
-EXPLORE_SHARE, EXPLORE_SHARE_SETTLED, EXPLORE_GAP = 0.05, 0.005, 8
+EXPLORE_SHARE, EXPLORE_SHARE_SETTLED, EXPLORE_GAP = 0.02, 0.002, 8
 
 
 class StepBudgetPolicy:
