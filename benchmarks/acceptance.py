@@ -195,7 +195,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens a prompt (fewer at [EOS])")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "auto"], type=mode_name,
-                        help=f"of {list(MODES)}; NAME#2 runs NAME a second time")
+                        help=f"of {list(MODES)}; NAME#2 runs NAME a second time")  # fmt: skip
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
