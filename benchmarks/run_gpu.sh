@@ -27,7 +27,7 @@
 #   smoke     the tiny demo through the CLI on the GPU with several budgets (8/16/32): auto and budget 32, one request
 #             and four in-flight batched, each == the CPU's autoregressive tokens
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
-#             temperature 1.0, device loop)
+#             temperature 1.0, device loop; budget 16, the best there, twice: the run-to-run noise)
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
 #             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share)
 set -uo pipefail
@@ -83,8 +83,9 @@ fi
 if has autoacc; then
   mkdir -p "$OUT/autoacc"
   limit python3 benchmarks/acceptance.py "$OUT/autoacc" --device cuda --prompts "${AUTOACC_PROMPTS:-48}" \
-    --modes autoregressive chain ddtree4 ddtree8 ddtree16 ddtree32 auto > "$OUT/acceptance_auto.log" 2>&1
-  echo "autoacc rc=$?"; tail -16 "$OUT/acceptance_auto.log"
+    --modes ${AUTOACC_MODES:-autoregressive chain ddtree4 ddtree8 ddtree16 ddtree16#2 ddtree32 auto} \
+    > "$OUT/acceptance_auto.log" 2>&1
+  echo "autoacc rc=$?"; tail -40 "$OUT/acceptance_auto.log"
 fi
 if has tiny; then
   {
