@@ -6,7 +6,12 @@ emits E_b = 1 + sum of exp(path log-probability) over its b nodes (the bonus cou
 what warm-up measured on the running hardware (draft, tree, verify and commit), then, once COST_MIN_STEPS steps
 have been taken at it, the median of its last COST_WINDOW step times, so the costs follow what requests really pay
 (a longer cache makes wide verifies dearer than a short warm-up request shows) without one slow step (a page
-fault, another process) steering the choice. A wider tree never costs less than a narrower one (the same step
+fault, another process) steering the choice. A machine's speed drifts (on a shared CPU by 2x within a minute), and
+budgets taken at different moments would compare times of different speeds (a budget last taken while the machine
+was fast would look cheap for good): so every step time is first divided by the machine's current speed, the median
+of the last COST_WINDOW steps' time over their budget's warm-up cost, and a budget's cost is the median of its
+steps' speed-free times times the current speed. Only the ratios between budgets' costs steer the choice; a speed
+common to all of them does not. A wider tree never costs less than a narrower one (the same step
 with more verify rows), so the costs the choice uses are made non-decreasing in the budget (a budget measured
 dearer than a wider one is pooled with it: isotonic regression), which keeps noise in the measured costs from
 swinging the choice between two budgets of nearly equal cost. The policy takes the budget that maximises
@@ -58,12 +63,15 @@ class BudgetPolicy:
     # next smaller budget (its segment)
     segment_predicted: Counter = field(default_factory=Counter)
     segment_observed: Counter = field(default_factory=Counter)
-    times: dict = field(default_factory=dict)  # budget -> its recent step times
+    times: dict = field(default_factory=dict)  # budget -> its recent step times over the machine's speed then
+    speed: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # recent steps' time / warm-up cost
 
     def __post_init__(self) -> None:
         missing = [b for b in self.budgets if b not in self.step_seconds]
         if missing:
             raise ValueError(f"budget policy has no measured cost for budgets {missing}")
+        self.warm_up = dict(self.step_seconds)  # each budget's cost at start-up: the yardstick of the speed
+        self.relative = dict(self.step_seconds)  # each budget's cost at the warm-up's speed
 
     def expected_drafted(self, scores: np.ndarray) -> dict[int, float]:
         """Expected accepted drafted tokens at each budget from the best-first path log-probabilities (root first)."""
@@ -158,10 +166,13 @@ class BudgetPolicy:
                 self.segment_observed[b] += accepted[b] - observed_below
                 predicted_below, observed_below = self.last_drafted[b], accepted[b]
         if seconds is not None and self.last is not None:
+            self.speed.append(seconds / self.warm_up[self.last])
+            speed = statistics.median(self.speed)
             recent = self.times.setdefault(self.last, deque(maxlen=COST_WINDOW))
-            recent.append(seconds)
+            recent.append(seconds / speed)
             if len(recent) >= COST_MIN_STEPS:
-                self.step_seconds[self.last] = statistics.median(recent)
+                self.relative[self.last] = statistics.median(recent)
+            self.step_seconds = {b: self.relative[b] * speed for b in self.budgets}
 
     def device_inputs(self) -> tuple[list[float], list[float]]:
         """What the device loop's choice reads, in budget order: the costs `best` uses and each budget's segment's

@@ -27,16 +27,30 @@ def test_the_policy_maximises_expected_tokens_per_second():
     policy.record(3)
     assert policy.observed == 2  # accept length 3 = 2 drafted tokens + the bonus
     assert policy.calibration == pytest.approx((2 + 8) / (3.0 + 8))  # observed / predicted, with a prior
-    policy.choose(scores)
-    for _ in range(7):  # fewer steps than COST_MIN_STEPS at budget 4: still the warm-up cost
-        policy.record(3, seconds=3.0)
-    assert policy.step_seconds == {4: 1.0, 8: 1.1, 32: 2.0}
-    policy.record(3, seconds=50.0)  # one slow step does not move the median of the steps taken
-    assert policy.step_seconds[4] == pytest.approx(3.0)
-    # budget 4 measured at 3 s, dearer than the wider 8 (1.1 s) and 32 (2.0 s): a wider verify never costs less, so
-    # the three are pooled at their mean, and at equal cost the widest tree expects the most
-    assert policy.costs() == {b: pytest.approx(6.1 / 3) for b in (4, 8, 32)}
-    assert policy.choose(scores) == 32
+
+    def steps(budget, seconds, count):
+        for _ in range(count):
+            policy.last = budget
+            policy.record(3, seconds=seconds)
+
+    # the machine runs 3x slower than at warm-up: every budget's cost with it, their ratios unchanged
+    steps(4, 3.0, 7)
+    assert policy.step_seconds == {4: pytest.approx(3.0), 8: pytest.approx(3.3), 32: pytest.approx(6.0)}
+    assert policy.choose(scores) == 4
+    # at that speed, budget 8's steps take 6.6 s (twice their warm-up ratio to budget 4's) and budget 32's 6.0 s;
+    # one step of 50 s among them does not move the median
+    steps(8, 6.6, 8)
+    steps(8, 50.0, 1)
+    steps(32, 6.0, 9)
+    steps(4, 3.0, 2)
+    assert policy.step_seconds == {4: pytest.approx(3.0), 8: pytest.approx(6.6), 32: pytest.approx(6.0)}
+    # budget 8 dearer than the wider 32: a wider verify never costs less, so the two are pooled at their mean, and
+    # at equal cost the wider tree expects more
+    assert policy.costs() == {4: pytest.approx(3.0), 8: pytest.approx(6.3), 32: pytest.approx(6.3)}
+    # the machine speeds back up to the warm-up's speed while budget 4 alone is taken: the other budgets' costs
+    # follow it, and no budget last taken at a slower moment looks dear for good
+    steps(4, 1.0, 64)
+    assert policy.step_seconds == {4: pytest.approx(1.0), 8: pytest.approx(2.2), 32: pytest.approx(2.0)}
     with pytest.raises(ValueError, match="no measured cost for budgets"):
         BudgetPolicy((4, 8), {4: 1.0})
 
