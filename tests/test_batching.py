@@ -302,8 +302,8 @@ def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, d
 def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
     """`StepBudgetPolicy` (a batch's, or a lone request's with one slot): the largest budget until its steps
     informed every budget's acceptance, each (slots, budget) once to time it, then the most tokens a second; the
-    largest again when the exploration credit (a share of the chosen steps' time: 5 % while the largest budget could
-    still win, 0.5 % once even its optimistic rate loses) covers what it costs over the chosen budget, never twice
+    largest again when the exploration credit (a share of the chosen steps' time: 2 % while the largest budget could
+    still win, 0.2 % once even its optimistic rate loses) covers what it costs over the chosen budget, never twice
     within 8 steps; as a batch's wide steps get dearer the choice moves to a narrower budget."""
     from runner.device.budget import StepBudgetPolicy
 
@@ -321,30 +321,31 @@ def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
     assert policy.choose(2, 2) == 16
     policy.record(2, 16, 0.9, [])
     # 2 x 3 tokens / 0.5 s = 12 beats 2 x 4 / 0.9 = 8.9 and 2 x 4 / 1.0 = 8, and the largest's optimistic rate
-    # (4 slot-steps: 2 x (4 + 2 x 0.25) / 1.0 = 9) cannot reach 12: its credit grows by 0.5 % of 0.5 s a step
+    # (4 slot-steps: 2 x (4 + 2 x 0.25) / 1.0 = 9) cannot reach 12: its credit grows by 0.2 % of 0.5 s a step
     assert policy.choose(2, 2) == 8
     policy.record(2, 8, 0.95, [])
     policy.record(2, 8, 0.95, [])  # budget 8 now 0.95 s (median): 6.3 a second; budget 16 gives 8.9
-    # now the largest could win (9 >= 8.9): 5 % of 0.9 s a step pays its 0.1 s extra in 3 steps, but the gap
-    # since the last exploration (step 2) is at least 8 steps: steps 6 to 9 take 16, step 10 the largest
-    assert [policy.choose(2, 2) for _ in range(5)] == [16, 16, 16, 16, 32]
-    assert policy.chosen[(2, 32)] == 3 and policy.steps == 10
+    # now the largest could win (9 >= 8.9): 2 % of 0.9 s a step pays its 0.1 s extra (less the 0.001 s of step 5)
+    # in 6 steps, which also keep the 8 steps' gap since the last exploration (step 2): steps 6 to 10 take 16,
+    # step 11 the largest
+    assert [policy.choose(2, 2) for _ in range(6)] == [16] * 5 + [32]
+    assert policy.chosen[(2, 32)] == 3 and policy.steps == 11
     assert [policy.choose(2, 2) for _ in range(8)] == [16] * 7 + [32]  # every 8th while it could win
     # settled: 64 slot-steps with the same means and no spread; the largest's optimistic rate 2 x 4.125 / 1.0 = 8.25
-    # is below 8.9, its credit grows by 0.5 % of 0.9 s a step: 23 steps pay its 0.1 s extra
+    # is below 8.9, its credit grows by 0.2 % of 0.9 s a step: 56 steps pay its 0.1 s extra
     policy.informed, policy.accepted = 64, {8: 128.0, 16: 192.0, 32: 192.0}
     policy.squares = {8: 256.0, 16: 576.0, 32: 576.0}
-    later = [policy.choose(2, 2) for _ in range(46)]
-    assert [i for i, b in enumerate(later) if b == 32] == [22, 45]
+    later = [policy.choose(2, 2) for _ in range(112)]
+    assert [i for i, b in enumerate(later) if b == 32] == [55, 111]
 
 
 def test_exploring_costs_a_small_share_of_the_time_whatever_the_budgets_cost():
     """With a Kimi K2 rank's step costs (budget 32 three times budget 8) and a drafter that is never right, the steps
-    at the largest budget after the first ones cost at most about 0.5 % of the time over what budget 8 would have
+    at the largest budget after the first ones cost at most about 0.2 % of the time over what budget 8 would have
     taken; with the trained pair's costs on one H200 (nearly equal) exploring is cheap, and stays at least 8 apart."""
     from runner.device.budget import MIN_INFORMED, StepBudgetPolicy
 
-    for costs, wanted in (({8: 15.5, 16: 24.0, 32: 46.5}, 0.006), ({8: 1.01, 16: 1.03, 32: 1.33}, 0.06)):
+    for costs, wanted in (({8: 15.5, 16: 24.0, 32: 46.5}, 0.0025), ({8: 1.01, 16: 1.03, 32: 1.33}, 0.025)):
         policy = StepBudgetPolicy(tuple(costs), costs)
         wrong = {"accepted": dict.fromkeys(costs, 0), "drafted": dict.fromkeys(costs, 0.5)}
         chosen = []

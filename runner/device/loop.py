@@ -296,7 +296,7 @@ class DeviceLoop:
             for group in self.groups:
                 _run(group)
             self.host[slot].copy_(self.emitted)
-            if self.auto:
+            if self.auto and self.step_budget is None:  # only a step at the largest budget reports statistics
                 self.stats_host[slot].copy_(self.stats)
         else:
             mode = (self.sampled, self.filter, self.step_budget)
@@ -310,7 +310,7 @@ class DeviceLoop:
             if marks is not None:
                 self.events.append((*marks, timing_event()))
             self.host[slot].copy_(self.emitted, non_blocking=True)
-            if self.auto:
+            if self.auto and self.step_budget is None:  # a narrower step's statistics are not read: no copy
                 self.stats_host[slot].copy_(self.stats, non_blocking=True)
             self.done[slot].record()
         self.in_flight.append(slot)
