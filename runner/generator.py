@@ -6,6 +6,7 @@ SGLang and TensorRT-LLM do at start-up), and says in words what runs.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -60,10 +61,13 @@ class Generator:
         self.auto_default = True
         return costs
 
-    def measure_budgets(self, tokens: int = 32, calibration: float = 1.0) -> dict[int, float]:
-        """Measures one step's cost at every tree budget the ranks' engines verify (a short greedy request each, on
-        this hardware) for the policy that chooses the budget every step (`runner/budget.py`); returns the seconds
-        a step."""
+    def measure_budgets(self, tokens: int = 32, calibration: float = 1.0, rounds: int = 3) -> dict[int, float]:
+        """Measures one step's cost at every tree budget the ranks' engines verify (short greedy requests, on this
+        hardware) for the policy that chooses the budget every step (`runner/budget.py`); returns the seconds a
+        step. Each budget runs once untimed (first calls), then `rounds` times, the budgets interleaved (each round
+        takes them in turn, starting one further on) so a machine whose speed drifts meanwhile slows them alike:
+        a budget's cost is the median of its rounds' seconds a step. Only the ratios between the budgets steer the
+        choice, and the policy keeps them (`BudgetPolicy`: later steps are read against the machine's speed)."""
         from runner.budget import BudgetPolicy, require_several
 
         if self.autoregressive:
@@ -72,20 +76,26 @@ class Generator:
         require_several(budgets, "--ddtree_budget")
         prompt = self._warm_prompt()
         tokens = max(1, min(tokens, self.capacity - len(prompt) - 2 * self.spec.block_size - 1))
-        costs = {}
         on_device = self.device_budgets == budgets  # the device loop: the path `auto` requests take
-        for budget in budgets:
-            step_spec = self.spec.with_budget(budget)
-            for _ in range(2):  # the second run is timed: the first pays for first calls
-                if on_device:
-                    result = generate_on_device(self.ranks, self.spec, prompt, tokens, self.capacity, budget=budget)
-                else:
-                    result = generate(self.ranks, prompt, tokens, step_spec, Sampler(GREEDY))
+
+        def step_seconds(budget: int) -> float:
+            if on_device:
+                result = generate_on_device(self.ranks, self.spec, prompt, tokens, self.capacity, budget=budget)
+            else:
+                result = generate(self.ranks, prompt, tokens, self.spec.with_budget(budget), Sampler(GREEDY))
             steps = max(1, len(result.accept_lengths))
             if on_device:  # steps overlap: the time after the first token, a step
-                costs[budget] = result.decode_seconds / steps
-            else:
-                costs[budget] = sum(result.seconds.get(p, 0.0) for p in ("draft", "tree", "verify", "commit")) / steps
+                return result.decode_seconds / steps
+            return sum(result.seconds.get(p, 0.0) for p in ("draft", "tree", "verify", "commit")) / steps
+
+        for budget in budgets:
+            step_seconds(budget)  # untimed: first calls
+        times: dict[int, list[float]] = {b: [] for b in budgets}
+        for r in range(max(1, rounds)):
+            for i in range(len(budgets)):
+                budget = budgets[(i + r) % len(budgets)]
+                times[budget].append(step_seconds(budget))
+        costs = {b: statistics.median(t) for b, t in times.items()}
         self.policy = BudgetPolicy(budgets, costs, calibration)
         if on_device:
             from runner.device.budget import StepBudgetPolicy
