@@ -153,9 +153,39 @@ def run_on_all_ranks(main: Callable[[object], int]) -> int:
         text = "".join(traceback.format_exc())
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
         sys.stderr.write(f"[rank {rank}] aborting all {comm.Get_size()} ranks\n")
+        sys.stdout.flush()
         sys.stderr.flush()
+        wait_until_read((1, 2))
         comm.Abort(1)
         return 1
+
+
+def wait_until_read(fds, limit_s: float = 5.0, settle_s: float = 0.2) -> None:
+    """Waits until the launcher has read what this rank wrote to `fds` (pipes: nothing left unread in them), then
+    `settle_s` for the launcher to pass it on. MPI_Abort has the launcher kill every rank at once, and MPICH's hydra
+    then dropped a traceback still in the pipe (a CI run under load printed no output at all for a failing rank)."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+
+    deadline = time.monotonic() + limit_s
+    for fd in fds:
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue
+        # bytes the reader has not taken yet: FIONREAD on a pipe (either end), the send queue on a socket
+        request = termios.FIONREAD if stat.S_ISFIFO(mode) else termios.TIOCOUTQ if stat.S_ISSOCK(mode) else None
+        while request is not None and time.monotonic() < deadline:
+            try:
+                unread = struct.unpack("i", fcntl.ioctl(fd, request, b"\0" * 4))[0]
+            except OSError:
+                break
+            if unread == 0:
+                break
+            time.sleep(0.01)
+    time.sleep(settle_s)
 
 
 class MpiCollectives:

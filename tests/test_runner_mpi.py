@@ -310,3 +310,28 @@ def test_one_engine_runs_every_budget_it_was_built_for(demo_ckpt, reference, tmp
     assert all(set(r["budgets"]) <= {8, 16, 32} for r in out["results"])
     done, _ = run(1, engine, tmp_path, "--ddtree_budget", "12")
     assert done.returncode == 2 and "the engine verifies tree budgets [8, 16, 32]" in done.stderr
+
+
+def test_a_rank_aborts_only_once_the_launcher_has_read_its_output():
+    """`wait_until_read` returns once the pipe's reader has taken every byte (MPI_Abort then kills the ranks; hydra
+    had dropped a traceback still in the pipe), and at once when nothing is unread."""
+    import threading
+
+    from runner.mpi import wait_until_read
+
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, b"[rank 1] Traceback ...\n")
+        reader = threading.Timer(0.3, lambda: os.read(read_end, 1024))
+        started = time.monotonic()
+        reader.start()
+        wait_until_read((write_end,), limit_s=5.0, settle_s=0.0)
+        waited = time.monotonic() - started
+        reader.join()
+        assert 0.25 < waited < 3.0
+        started = time.monotonic()
+        wait_until_read((write_end,), limit_s=5.0, settle_s=0.0)
+        assert time.monotonic() - started < 0.1
+    finally:
+        os.close(read_end)
+        os.close(write_end)
