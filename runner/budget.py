@@ -3,18 +3,20 @@
 For the best-first tree of the largest budget, the b best nodes form the tree of budget b, and node i is accepted
 only if the target agrees along its whole path; with the drafter's own probabilities as the estimate, budget b
 emits E_b = 1 + sum of exp(path log-probability) over its b nodes (the bonus counts one). Each budget's step costs
-what warm-up measured on the running hardware (draft, tree, verify and commit), then, once COST_MIN_STEPS steps
-have been taken at it, the median of its last COST_WINDOW step times, so the costs follow what requests really pay
-(a longer cache makes wide verifies dearer than a short warm-up request shows) without one slow step (a page
-fault, another process) steering the choice. A machine's speed drifts (on a shared CPU by 2x within a minute), and
-budgets taken at different moments would compare times of different speeds (a budget last taken while the machine
-was fast would look cheap for good): so every step time is first divided by the machine's current speed, the median
-of the last COST_WINDOW steps' time over their budget's warm-up cost, and a budget's cost is the median of its
-steps' speed-free times times the current speed. Only the ratios between budgets' costs steer the choice; a speed
-common to all of them does not. A wider tree never costs less than a narrower one (the same step
-with more verify rows), so the costs the choice uses are made non-decreasing in the budget (a budget measured
-dearer than a wider one is pooled with it: isotonic regression), which keeps noise in the measured costs from
-swinging the choice between two budgets of nearly equal cost. The policy takes the budget that maximises
+what warm-up measured on the running hardware (draft, tree, verify and commit), then what the steps taken show. A
+machine's speed drifts (on a shared CPU by 2x within a minute), so one budget's steps timed at one moment and another
+budget's at another would compare times of different speeds. What the policy learns is therefore the ratio between
+budgets' costs, from **consecutive steps at different budgets** (the machine's speed is the same for both, and
+cancels): the median of the recent log-ratios of each pair of budgets, all pairs and the warm-up's costs (worth
+PAIR_PRIOR such pairs each) fitted by least squares to one log-cost per budget. The current speed, the median of the
+recent steps' time over their budget's fitted cost, gives the costs in seconds; only their ratios steer the choice.
+A budget never taken would keep its warm-up cost for good, wrong or not, and one taken rarely would be fitted from
+few pairs: so while a budget's expected rate is within COST_MARGIN of the step's best and it has been timed fewer
+than COST_MIN_STEPS times, the step takes it instead (the one timed least): cost sampling, which costs at most that
+margin on those few steps, and only where the choice is close. A wider tree never costs less than a narrower one (the
+same step with more verify rows), so the costs the choice uses are made non-decreasing in the budget (a budget
+measured dearer than a wider one is pooled with it: isotonic regression), which keeps noise in the measured costs
+from swinging the choice between two budgets of nearly equal cost. The policy takes the budget that maximises
 1 + sum over the segments up to b of calibration_s * (the drafter's expected tokens in segment s), over that cost.
 A segment is the nodes a budget adds to the next smaller one (nodes 1-4, 5-8, 9-16, 17-32 for budgets 4/8/16/32),
 and `calibration_s` scales the drafter's probabilities there to what the target accepts there: the observed over
@@ -32,6 +34,7 @@ where that holds.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -39,7 +42,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 PRIOR = 8.0  # drafted tokens of pseudo-evidence for calibration 1.0
-COST_WINDOW, COST_MIN_STEPS = 64, 8  # a budget's cost: the median of its last 64 step times, once it has 8
+COST_WINDOW = 64  # a pair of budgets' cost ratio: the median of its last 64 paired steps; the speed: of 64 steps
+PAIR_PRIOR = 4.0  # the warm-up's cost of a budget counts as this many paired steps
+COST_MARGIN, COST_MIN_STEPS = 0.10, 16  # cost sampling: a budget within 10 % of the best rate, timed < 16 times
 
 
 def require_several(budgets: tuple[int, ...], flag: str) -> None:
@@ -63,15 +68,17 @@ class BudgetPolicy:
     # next smaller budget (its segment)
     segment_predicted: Counter = field(default_factory=Counter)
     segment_observed: Counter = field(default_factory=Counter)
-    times: dict = field(default_factory=dict)  # budget -> its recent step times over the machine's speed then
-    speed: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # recent steps' time / warm-up cost
+    speed: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))  # recent steps' time / fitted cost
+    pairs: dict = field(default_factory=dict)  # (b1, b2), b1 < b2 -> recent log(t2 / t1) of consecutive steps
+    timed: Counter = field(default_factory=Counter)  # budget -> steps timed at it
+    previous: tuple | None = None  # (budget, seconds) of the last timed step of the current sequence
 
     def __post_init__(self) -> None:
         missing = [b for b in self.budgets if b not in self.step_seconds]
         if missing:
             raise ValueError(f"budget policy has no measured cost for budgets {missing}")
-        self.warm_up = dict(self.step_seconds)  # each budget's cost at start-up: the yardstick of the speed
-        self.relative = dict(self.step_seconds)  # each budget's cost at the warm-up's speed
+        self.warm_up = dict(self.step_seconds)  # each budget's cost at start-up: the fit's prior
+        self.log_cost = {b: math.log(self.warm_up[b]) for b in self.budgets}  # fitted, up to a common constant
 
     def expected_drafted(self, scores: np.ndarray) -> dict[int, float]:
         """Expected accepted drafted tokens at each budget from the best-first path log-probabilities (root first)."""
@@ -121,10 +128,21 @@ class BudgetPolicy:
         return {b: total / len(pooled) for total, pooled in blocks for b in pooled}
 
     def best(self, drafted: dict[int, float]) -> int:
-        """The budget with the most expected tokens a second (the smallest one on ties)."""
+        """The budget with the most expected tokens a second (the smallest one on ties), unless one within
+        COST_MARGIN of that rate has been timed fewer than COST_MIN_STEPS times: that one (cost sampling, once the
+        policy times its steps)."""
         costs, expected = self.costs(), self.expected(drafted)
         rate = {b: expected[b] / costs[b] for b in self.budgets}
-        return max(self.budgets, key=lambda b: (rate[b], -b))
+        top = max(self.budgets, key=lambda b: (rate[b], -b))
+        if not self.timed:  # no step timed yet (or none ever is, as in a replay): nothing to sample for
+            return top
+        close = [b for b in self.budgets if self.timed[b] < COST_MIN_STEPS and rate[b] >= (1 - COST_MARGIN) * rate[top]]
+        return min(close, key=lambda b: (self.timed[b], b)) if close else top
+
+    def start_sequence(self) -> None:
+        """A new request's steps follow: its first step is not paired with the last one of the request before (a
+        prefill, and any time at all, came between them)."""
+        self.previous = None
 
     def choose(self, scores: np.ndarray) -> int:
         """A host step's budget, from its tree's best-first path log-probabilities; `record` follows the step."""
@@ -166,13 +184,39 @@ class BudgetPolicy:
                 self.segment_observed[b] += accepted[b] - observed_below
                 predicted_below, observed_below = self.last_drafted[b], accepted[b]
         if seconds is not None and self.last is not None:
-            self.speed.append(seconds / self.warm_up[self.last])
-            speed = statistics.median(self.speed)
-            recent = self.times.setdefault(self.last, deque(maxlen=COST_WINDOW))
-            recent.append(seconds / speed)
-            if len(recent) >= COST_MIN_STEPS:
-                self.relative[self.last] = statistics.median(recent)
-            self.step_seconds = {b: self.relative[b] * speed for b in self.budgets}
+            self._time(self.last, seconds)
+
+    def _time(self, budget: int, seconds: float) -> None:
+        """A step's time: paired with the previous step's if that was at another budget, the costs refitted, the
+        machine's speed followed."""
+        self.timed[budget] += 1
+        if self.previous is not None and self.previous[0] != budget:
+            other, before = self.previous
+            low, high = sorted((budget, other))
+            ratio = math.log(seconds / before) if budget == high else math.log(before / seconds)
+            self.pairs.setdefault((low, high), deque(maxlen=COST_WINDOW)).append(ratio)
+            self._fit()
+        self.previous = (budget, seconds)
+        self.speed.append(seconds / math.exp(self.log_cost[budget]))
+        speed = statistics.median(self.speed)
+        self.step_seconds = {b: math.exp(self.log_cost[b]) * speed for b in self.budgets}
+
+    def _fit(self) -> None:
+        """Log-costs by least squares: every pair's median log-ratio (weighted by its paired steps) and each
+        budget's warm-up cost (weighted PAIR_PRIOR)."""
+        index = {b: i for i, b in enumerate(self.budgets)}
+        normal = np.eye(len(self.budgets)) * PAIR_PRIOR
+        target = np.array([PAIR_PRIOR * math.log(self.warm_up[b]) for b in self.budgets])
+        for (low, high), ratios in self.pairs.items():
+            weight, ratio, i, j = len(ratios), statistics.median(ratios), index[low], index[high]
+            normal[i, i] += weight
+            normal[j, j] += weight
+            normal[i, j] -= weight
+            normal[j, i] -= weight
+            target[j] += weight * ratio
+            target[i] -= weight * ratio
+        fitted = np.linalg.solve(normal, target)
+        self.log_cost = {b: float(fitted[index[b]]) for b in self.budgets}
 
     def device_inputs(self) -> tuple[list[float], list[float]]:
         """What the device loop's choice reads, in budget order: the costs `best` uses and each budget's segment's

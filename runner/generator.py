@@ -67,7 +67,7 @@ class Generator:
         step. Each budget runs once untimed (first calls), then `rounds` times, the budgets interleaved (each round
         takes them in turn, starting one further on) so a machine whose speed drifts meanwhile slows them alike:
         a budget's cost is the median of its rounds' seconds a step. Only the ratios between the budgets steer the
-        choice, and the policy keeps them (`BudgetPolicy`: later steps are read against the machine's speed)."""
+        choice; the policy starts from them and learns them from consecutive steps (`BudgetPolicy`)."""
         from runner.budget import BudgetPolicy, require_several
 
         if self.autoregressive:

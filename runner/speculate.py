@@ -160,6 +160,8 @@ def generate(
     """Prefill, then speculative steps until max_new_tokens, an end token or a stop sequence."""
     timer, start = PhaseTimer(), time.perf_counter()
     result = GenerationResult(prompt=list(prompt), tokens=[])
+    if policy is not None:
+        policy.start_sequence()  # this request's first step is not paired with the last one's (`runner/budget.py`)
     engine.reset()
     with timer("prefill"):
         first = sampler.choose(engine.prefill(list(prompt)))

@@ -256,7 +256,9 @@ class Batcher:
             elif stats.get(slot):
                 member.result.budgets.append(stats[slot]["budget"])
                 if member.budget == "auto" and self.policy is not None:
-                    self.policy.observe(stats[slot], len(tokens), seconds)
+                    # no time: the batch verified the widest rows whatever this slot's budget, so its time is no
+                    # cost of that budget (the slot's costs stay the single request's, `Generator.measure_budgets`)
+                    self.policy.observe(stats[slot], len(tokens))
             _, finished = self._emit(member, tokens)
             if finished:
                 done.append(self._finish(self.members.pop(slot)))
