@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -211,6 +212,9 @@ def generate_all(args, generator, job: Job) -> tuple[list[dict], dict | None]:
         stream = TextStream(tokenizer) if args.streaming else None
         if batched is not None:
             result = batched[i]
+        elif i == 0 and (profile := os.environ.get("DDTREE_PROFILE_FIRST_REQUEST")):
+            result = _profiled(Path(profile), generator.generate, prompt, args.max_output_len, params, job.end_ids,
+                               stream)  # fmt: skip
         else:
             result = generator.generate(prompt, args.max_output_len, params, job.end_ids, stream)
         text = tokenizer.decode(result.tokens, skip_special_tokens=True)
@@ -237,6 +241,23 @@ def generate_all(args, generator, job: Job) -> tuple[list[dict], dict | None]:
             }
         )
     return results, summary
+
+
+def _profiled(path: Path, call, *args):
+    """call(*args) under cProfile, its statistics written to `path` as text (benchmarks/first_request.py: where the
+    first request's host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    result = profiler.runcall(call, *args)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    path.write_text(text.getvalue())
+    return result
 
 
 def format_stats(result, mode: str) -> str:
