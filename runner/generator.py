@@ -117,6 +117,15 @@ class Generator:
             self.measure_budgets()
         return self.step_policy
 
+    def _warm_prefill_lengths(self, params: SamplingParams) -> None:
+        """A one-token request at every prompt length of `warm_lengths` up to the longest prefill: on a GPU a GEMM
+        of another row count takes another kernel, which the first request that needs it loads (one H200, the
+        trained pair through the CLI: a first prefill of 73 tokens took 125 ms in bf16 and 2084 ms in float32
+        after a warm-up at 32 tokens, the later ones 10-25 ms; `benchmarks/first_request.py`)."""
+        longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]
+        for length in warm_lengths(min(longest, self.capacity - 2)):
+            self.generate([1 + i % 255 for i in range(length)], 1, params)
+
     def _warm_prompt(self) -> list[int]:
         block = self.spec.block_size
         longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]
@@ -218,6 +227,8 @@ class Generator:
         # longer than a block, so the host loop's first draft takes the draft_prefill profile as a real prompt does
         prompt = self._warm_prompt()
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
+        if self.on_gpu:
+            self._warm_prefill_lengths(requests[0] if requests else GREEDY)
         for params in requests:
             self.generate(prompt, tokens, params)
             if self.on_gpu and self.on_device(params) and len(self.device_budgets) > 1:
@@ -237,3 +248,13 @@ class Generator:
                 for budget in self.device_budgets if len(self.device_budgets) > 1 else ():  # a policy of one budget
                     self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
         return time.perf_counter() - start
+
+
+def warm_lengths(longest: int) -> list[int]:
+    """Prompt lengths whose prefills the warm-up runs on a GPU: each power of two and one and a half times it, up to
+    `longest`, and `longest` itself (GEMM kernels are chosen by row-count ranges)."""
+    lengths, power = {longest}, 1
+    while power <= longest:
+        lengths.update(n for n in (power, power + power // 2) if n <= longest)
+        power *= 2
+    return sorted(lengths)

@@ -254,3 +254,12 @@ def tokenizer_seconds(tokenizer, text: str) -> float:
     started = time.perf_counter()
     tokenizer.encode(text)
     return time.perf_counter() - started
+
+
+def test_the_gpu_warm_up_prefills_every_range_of_prompt_lengths():
+    """`warm_lengths`: each power of two and one and a half times it up to the longest prefill, and the longest."""
+    from runner.generator import warm_lengths
+
+    assert warm_lengths(128) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    assert warm_lengths(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert warm_lengths(1) == [1]
