@@ -33,7 +33,7 @@ from benchmarks.concurrency import CLI_MODES, build_engine, prompts  # noqa: E40
 def run_job(engine: Path, out: Path, texts: list[str], tokens: int, mode: str, device: str,
             profile: Path | None = None) -> dict:  # fmt: skip
     slug = "".join(c for c in mode if c.isalnum())
-    path = out / f"first-{slug}-{engine.parent.name}.json"
+    path = out / f"first-{slug}-{engine.parent.name}{'-profiled' if profile else ''}.json"
     args = [sys.executable, "-m", "runner", "--engine_dir", str(engine), "--backend", "torch", "--loop", "device",
             "--max_output_len", str(tokens), "--end_id", "-1", "--output_json", str(path)]  # fmt: skip
     args += CLI_MODES[mode]
