@@ -73,16 +73,17 @@ def prompts(count: int, smoke: bool) -> list[str]:
     return [held[i % len(held)]["text"][-200:] for i in range(count)]  # the end of each: a short prompt
 
 
-def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, mode: str, device: str) -> dict:
-    slug = "".join(c for c in mode if c.isalnum())
-    path = out / f"cli-{slug}-{len(texts)}-{batch}.json"
+def run_cli(engine: Path, path: Path, texts: list[str], tokens: int, mode: str, device: str, flags: tuple = (),
+            env: dict | None = None) -> dict:  # fmt: skip
+    """One job of the CLI (`mpirun -np 1 python -m runner --backend torch --loop device`) on `texts`, in `mode`
+    (`CLI_MODES`) with `flags` and `env` added; returns its --output_json (written to `path`)."""
     args = [sys.executable, "-m", "runner", "--engine_dir", str(engine), "--backend", "torch", "--loop", "device",
-            "--max_batch_size", str(batch), "--max_output_len", str(tokens), "--end_id", "-1",
-            "--output_json", str(path)]  # fmt: skip
+            "--max_output_len", str(tokens), "--end_id", "-1", "--output_json", str(path), *flags]  # fmt: skip
     args += CLI_MODES[mode]
     for text in texts:
         args += ["--input_text", text]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": threads, **(env or {})}
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     launcher = Path(sys.executable).parent / "mpirun"
@@ -90,7 +91,13 @@ def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, 
                           text=True, env=env, cwd=ROOT, timeout=3600)  # fmt: skip
     if done.returncode:
         raise RuntimeError(done.stderr[-3000:])
-    result = json.loads(path.read_text())
+    return json.loads(path.read_text())
+
+
+def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, mode: str, device: str) -> dict:
+    slug = "".join(c for c in mode if c.isalnum())
+    path = out / f"cli-{slug}-{len(texts)}-{batch}.json"
+    result = run_cli(engine, path, texts, tokens, mode, device, ("--max_batch_size", str(batch)))
     rows = result["results"]
     total = sum(len(r["output_ids"]) for r in rows)
     seconds = result["batch"]["seconds"] if result["batch"] else sum(r["elapsed"] for r in rows)

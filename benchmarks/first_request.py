@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,29 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment  # noqa: E402
-from benchmarks.concurrency import CLI_MODES, build_engine, prompts  # noqa: E402
+from benchmarks.concurrency import CLI_MODES, build_engine, prompts, run_cli  # noqa: E402
 
 
 def run_job(engine: Path, out: Path, texts: list[str], tokens: int, mode: str, device: str,
             profile: Path | None = None) -> dict:  # fmt: skip
     slug = "".join(c for c in mode if c.isalnum())
     path = out / f"first-{slug}-{engine.parent.name}{'-profiled' if profile else ''}.json"
-    args = [sys.executable, "-m", "runner", "--engine_dir", str(engine), "--backend", "torch", "--loop", "device",
-            "--max_output_len", str(tokens), "--end_id", "-1", "--output_json", str(path)]  # fmt: skip
-    args += CLI_MODES[mode]
-    for text in texts:
-        args += ["--input_text", text]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    if profile is not None:
-        env["DDTREE_PROFILE_FIRST_REQUEST"] = str(profile)
-    launcher = Path(sys.executable).parent / "mpirun"
-    done = subprocess.run([str(launcher if launcher.exists() else "mpirun"), "-np", "1", *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=1800)  # fmt: skip
-    if done.returncode:
-        raise RuntimeError(done.stderr[-3000:])
-    result = json.loads(path.read_text())
+    env = {"DDTREE_PROFILE_FIRST_REQUEST": str(profile)} if profile is not None else None
+    result = run_cli(engine, path, texts, tokens, mode, device, env=env)
     rows = [{"prompt_tokens": len(r["prompt_ids"]), "tokens": len(r["output_ids"]),
              "elapsed_ms": round(r["elapsed"] * 1e3, 2), "prefill_ms": round(r["prefill_seconds"] * 1e3, 2),
              "decode_ms": round(r["decode_seconds"] * 1e3, 2), "phases_ms": {k: round(v * 1e3, 2)
