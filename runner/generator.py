@@ -13,6 +13,7 @@ from collections.abc import Callable
 from runner.device.loop import generate_on_device
 from runner.ranks import Ranks
 from runner.sampling import Sampler, SamplingParams
+from runner.sessions.base import length_buckets
 from runner.speculate import GenerationResult, generate, generate_autoregressive
 
 GREEDY = SamplingParams()
@@ -118,12 +119,13 @@ class Generator:
         return self.step_policy
 
     def _warm_prefill_lengths(self, params: SamplingParams) -> None:
-        """A one-token request at every prompt length of `warm_lengths` up to the longest prefill: on a GPU a GEMM
+        """A one-token request at every prompt length of `length_buckets` up to the longest prefill: on a GPU a GEMM
         of another row count takes another kernel, which the first request that needs it loads (one H200, the
         trained pair through the CLI: a first prefill of 73 tokens took 125 ms in bf16 and 2084 ms in float32
-        after a warm-up at 32 tokens, the later ones 10-25 ms; `benchmarks/first_request.py`)."""
+        after a warm-up at 32 tokens, the later ones 10-25 ms; `benchmarks/first_request.py`). Prompts up to
+        `PREFILL_GRAPH_TOKENS` are padded to these lengths and replayed as a graph each, captured here."""
         longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]
-        for length in warm_lengths(min(longest, self.capacity - 2)):
+        for length in length_buckets(min(longest, self.capacity - 2)):
             self.generate([1 + i % 255 for i in range(length)], 1, params)
 
     def _warm_prompt(self) -> list[int]:
@@ -248,13 +250,3 @@ class Generator:
                 for budget in self.device_budgets if len(self.device_budgets) > 1 else ():  # a policy of one budget
                     self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
         return time.perf_counter() - start
-
-
-def warm_lengths(longest: int) -> list[int]:
-    """Prompt lengths whose prefills the warm-up runs on a GPU: each power of two and one and a half times it, up to
-    `longest`, and `longest` itself (GEMM kernels are chosen by row-count ranges)."""
-    lengths, power = {longest}, 1
-    while power <= longest:
-        lengths.update(n for n in (power, power + power // 2) if n <= longest)
-        power *= 2
-    return sorted(lengths)

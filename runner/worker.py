@@ -86,10 +86,20 @@ class RankWorker:
         for begin in range(0, len(prompt), chunk):
             piece = prompt[begin : begin + chunk]
             count, start = len(piece), self.cache.num_cached
-            causal = np.tril(np.ones((count, count), dtype=bool))
-            out = self._target("prefill", piece, np.arange(start, start + count), causal, [count - 1])
-            self.cache.commit_target(out["new_latent_kv"], out["taps"], rows=None)
+            rows = self._prefill_rows(count, start)
+            if rows > count:  # padded to a captured length: rows past the prompt's see it, it never sees them
+                piece = piece + [piece[-1]] * (rows - count)
+            causal = np.tril(np.ones((rows, rows), dtype=bool))
+            out = self._target("prefill", piece, np.arange(start, start + rows), causal, [count - 1])
+            taps = out["taps"][:count] if rows > count else out["taps"]
+            self.cache.commit_target(out["new_latent_kv"][:, :count], taps, rows=None)
         return out["logits"]
+
+    def _prefill_rows(self, count: int, start: int) -> int:
+        """The rows a prefill of `count` tokens runs: the session's next `prefill_buckets` length (a CUDA graph each
+        on GPUs, `CudaGraphSession`) while its rows fit in the cache, else `count`."""
+        rows = next((b for b in getattr(self.session, "prefill_buckets", ()) if b >= count), count)
+        return rows if start + rows <= self.cache.capacity else count
 
     def decode(self, token: int) -> torch.Tensor:
         """One autoregressive step (no drafter): [1, V] logits of the next token."""

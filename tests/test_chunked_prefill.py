@@ -37,6 +37,35 @@ def test_chunks_give_the_whole_prompts_logits_and_tokens(demo_ckpt, device_loop)
         assert tokens == whole_tokens, chunk
 
 
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_a_prefill_padded_to_a_captured_length_changes_nothing(demo_ckpt, chunk):
+    """What a GPU's prefill graphs do (`CudaGraphSession.prefill_buckets`: a prompt padded to the next captured
+    length), here eagerly on the CPU ranks: the prompt's logits, its cache rows, the drafter's pending context and the
+    generation are those of the unpadded prompt; the padding's rows are not counted as cached. Lengths 4, 8, 16, 32:
+    the 23-token prompt runs as 32 rows, chunks of 5 as 8 (the last, of 3, as 4)."""
+    outputs = []
+    for buckets in ((), (4, 8, 16, 32)):
+        ranks = cpu_ranks(demo_ckpt(2), SPEC, BuildConfig(**ENGINE_LIMITS), chunked_prefill_size=chunk)
+        try:
+            for worker in ranks.workers:
+                worker.session.prefill_buckets = buckets
+            logits = ranks.prefill(PROMPT).float()
+            cache = ranks.lead.cache
+            rows = cache.latent[:, : cache.num_cached].float().clone()
+            taps = cache.pending_taps.float().clone()
+            cached = cache.num_cached
+            ranks.reset()
+            tokens = Generator(ranks).generate(PROMPT, 24).tokens
+        finally:
+            ranks.close()
+        outputs.append((logits, rows, taps, cached, tokens))
+    (logits, rows, taps, cached, tokens), padded = outputs
+    assert cached == padded[3] == len(PROMPT) and taps.shape == padded[2].shape
+    for exact, got in ((logits, padded[0]), (rows, padded[1]), (taps, padded[2])):
+        torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
+    assert padded[4] == tokens
+
+
 def test_the_cli_chunks_prompts_under_mpirun(demo_engine, tmp_path):
     """ONNX Runtime engines under mpirun -np 2: chunks of 3 tokens emit what the whole prompt does; a negative
     size is refused on every rank."""

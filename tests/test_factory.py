@@ -257,9 +257,9 @@ def tokenizer_seconds(tokenizer, text: str) -> float:
 
 
 def test_the_gpu_warm_up_prefills_every_range_of_prompt_lengths():
-    """`warm_lengths`: each power of two and one and a half times it up to the longest prefill, and the longest."""
-    from runner.generator import warm_lengths
+    """`length_buckets`: each power of two and one and a half times it up to the longest prefill, and the longest."""
+    from runner.sessions.base import length_buckets
 
-    assert warm_lengths(128) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
-    assert warm_lengths(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
-    assert warm_lengths(1) == [1]
+    assert length_buckets(128) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    assert length_buckets(100) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert length_buckets(1) == [1]

@@ -35,10 +35,23 @@ class EngineSession:
         raise NotImplementedError
 
 
+def length_buckets(longest: int) -> list[int]:
+    """Each power of two and one and a half times it, up to `longest`, and `longest` itself: the prompt lengths a GPU's
+    warm-up prefills (a GEMM's kernel is chosen by row-count ranges) and the lengths a prefill graph is captured at
+    (a prompt is padded up to the next one: at most half again its rows)."""
+    lengths, power = {longest}, 1
+    while power <= longest:
+        lengths.update(n for n in (power, power + power // 2) if n <= longest)
+        power *= 2
+    return sorted(lengths)
+
+
 class TorchSession(EngineSession):
-    """Eager per-rank modules: the numerical reference of every other backend."""
+    """Eager per-rank modules: the numerical reference of every other backend. `prefill_buckets`: lengths a
+    prefill is padded up to (`RankWorker.prefill`; empty here: every prompt at its own length)."""
 
     backend = "torch"
+    prefill_buckets: tuple[int, ...] = ()
 
     def __init__(self, target, drafter, profiles, io):
         super().__init__(profiles, io)

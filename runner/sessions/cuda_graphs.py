@@ -1,6 +1,12 @@
 """The torch backend on a GPU: one CUDA graph per fixed-shape profile (draft, decode, verify_chain, verify_tree),
 captured on first use and replayed after copying each new input *into* its captured buffer (a graph ignores a fresh
-tensor). The caches are the runner's own tensors, captured in place. Prefill profiles run eagerly.
+tensor). The caches are the runner's own tensors, captured in place.
+
+Prefill: a prompt of up to PREFILL_GRAPH_TOKENS tokens is padded to the next of `prefill_buckets` (`RankWorker.prefill`)
+and replays that length's graph: run eagerly, a prefill is about a thousand small launches (one H200, the trained
+pair's 6 layers: 10-15 ms for a 70-token prompt, a quarter of a 128-token request), where a graph replays them
+back to back. Longer prompts run eagerly (their launches are a small part of their time, and padding them would
+not be).
 
 With `record_events` (benchmarks' probes), CUDA events around every replay measure how long the GPU waits for the
 host between graphs.
@@ -10,8 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from runner.sessions.base import TorchSession
+from runner.sessions.base import TorchSession, length_buckets
 from runner.sessions.trt import BOUND_IN_PLACE, graph_capturable
+
+PREFILL_GRAPH_TOKENS = 256  # prompts up to this many tokens replay a prefill graph of their padded length
 
 
 class CudaGraphSession(TorchSession):
@@ -23,14 +31,20 @@ class CudaGraphSession(TorchSession):
         self.graphs: dict[str, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = [] if record_events else None
+        if "prefill" in profiles:
+            longest = min(profiles["prefill"].dims["tokens"][2], PREFILL_GRAPH_TOKENS)
+            self.prefill_buckets = tuple(length_buckets(longest))
 
     @torch.no_grad()
     def execute(self, profile, feeds):
-        if not graph_capturable(profile):
+        key = profile.name
+        if profile.name == "prefill" and feeds["input_ids"].shape[0] in self.prefill_buckets:
+            key = f"prefill:{feeds['input_ids'].shape[0]}"  # a padded prefill: its length's graph
+        elif not graph_capturable(profile):
             return super().execute(profile, feeds)
-        entry = self.graphs.get(profile.name)
+        entry = self.graphs.get(key)
         if entry is None or any(entry[1][n].data_ptr() != feeds[n].data_ptr() for n in BOUND_IN_PLACE if n in feeds):
-            entry = self._capture(profile, feeds)
+            entry = self._capture(profile, feeds, key)
         graph, inputs, outputs = entry
         for name, value in feeds.items():
             if name not in BOUND_IN_PLACE:
@@ -40,17 +54,19 @@ class CudaGraphSession(TorchSession):
         else:
             start = timing_event()
             graph.replay()
-            self.events.append((profile.name, start, timing_event()))
+            self.events.append((key, start, timing_event()))
+        if key != profile.name:  # a prefill's outputs outlive the next replay (its taps wait for the drafter)
+            return {name: value.clone() for name, value in outputs.items()}
         return outputs
 
-    def _capture(self, profile, feeds):
+    def _capture(self, profile, feeds, key: str):
         inputs = {n: (v if n in BOUND_IN_PLACE else v.to(self.device, copy=True)) for n, v in feeds.items()}
         names = [t.name for t in self.io[profile.role][0]]
         module = self.modules[profile.role]
         graph, results = capture_graph(lambda: module(*(inputs[n] for n in names)), self.device, 2, self.pool)
         outputs = {t.name: value for t, value in zip(self.io[profile.role][1], results)}
-        self.graphs[profile.name] = (graph, inputs, outputs)
-        return self.graphs[profile.name]
+        self.graphs[key] = (graph, inputs, outputs)
+        return self.graphs[key]
 
     def host_gaps(self) -> list[float]:
         """GPU idle time (seconds) between consecutive graph replays, in order."""
