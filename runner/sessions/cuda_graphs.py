@@ -14,6 +14,8 @@ host between graphs.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from runner.sessions.base import TorchSession, length_buckets
@@ -44,7 +46,16 @@ class CudaGraphSession(TorchSession):
             return super().execute(profile, feeds)
         entry = self.graphs.get(key)
         if entry is None or any(entry[1][n].data_ptr() != feeds[n].data_ptr() for n in BOUND_IN_PLACE if n in feeds):
-            entry = self._capture(profile, feeds, key)
+            try:
+                entry = self._capture(profile, feeds, key)
+            except RuntimeError as err:
+                if key == profile.name:
+                    raise
+                # a form that cannot be captured at this length: prefills run eagerly from now on, as before graphs
+                logging.getLogger(__name__).warning("prefill graphs off, prefills run eagerly: capturing %s: %s", key,
+                                                    err)  # fmt: skip
+                self.prefill_buckets = ()
+                return super().execute(profile, feeds)
         graph, inputs, outputs = entry
         for name, value in feeds.items():
             if name not in BOUND_IN_PLACE:
