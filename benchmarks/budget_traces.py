@@ -59,6 +59,9 @@ class TraceRecorder:
         self.scores = [round(float(s), 5) for s in scores]
         return self.budget
 
+    def start_sequence(self) -> None:
+        """A new request (`runner.budget.BudgetPolicy.start_sequence`): each request's steps are kept on their own."""
+
     def record(self, accept_length: int, seconds: float | None = None, path: list[int] | None = None) -> None:
         self.steps.append({"scores": self.scores, "path": [int(n) for n in path]})
 
