@@ -121,7 +121,7 @@ class Generator:
     def _warm_prefill_lengths(self, params: SamplingParams) -> None:
         """A one-token request at every prompt length of `length_buckets` up to the longest prefill: on a GPU a GEMM
         of another row count takes another kernel, which the first request that needs it loads (one H200, the
-        trained pair through the CLI: a first prefill of 73 tokens took 125 ms in bf16 and 2084 ms in float32
+        trained pair through the CLI: a first prefill of 73 tokens took 1332 ms in bf16 and 2084 ms in float32
         after a warm-up at 32 tokens, the later ones 10-25 ms; `benchmarks/first_request.py`). Prompts up to
         `PREFILL_GRAPH_TOKENS` are padded to these lengths and replayed as a graph each, captured here."""
         longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]

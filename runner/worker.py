@@ -98,7 +98,7 @@ class RankWorker:
     def _prefill_rows(self, count: int, start: int) -> int:
         """The rows a prefill of `count` tokens runs: the session's next `prefill_buckets` length (a CUDA graph each
         on GPUs, `CudaGraphSession`) while its rows fit in the cache, else `count`."""
-        rows = next((b for b in getattr(self.session, "prefill_buckets", ()) if b >= count), count)
+        rows = next((b for b in self.session.prefill_buckets if b >= count), count)
         return rows if start + rows <= self.cache.capacity else count
 
     def decode(self, token: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from engines.spec import Profile
 
 class EngineSession:
     backend = "abstract"
+    prefill_buckets: tuple[int, ...] = ()  # lengths a prefill is padded up to (`RankWorker.prefill`; empty: none)
 
     def __init__(self, profiles: dict[str, Profile], io: dict[str, tuple[list[TensorIO], list[TensorIO]]]):
         self.profiles, self.io = profiles, io
@@ -47,11 +48,9 @@ def length_buckets(longest: int) -> list[int]:
 
 
 class TorchSession(EngineSession):
-    """Eager per-rank modules: the numerical reference of every other backend. `prefill_buckets`: lengths a
-    prefill is padded up to (`RankWorker.prefill`; empty here: every prompt at its own length)."""
+    """Eager per-rank modules: the numerical reference of every other backend."""
 
     backend = "torch"
-    prefill_buckets: tuple[int, ...] = ()
 
     def __init__(self, target, drafter, profiles, io):
         super().__init__(profiles, io)
