@@ -10,8 +10,8 @@ was, and no partial folder behind.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,19 +38,25 @@ def staged_output_dir(path: Path, force: bool, protect: tuple[Path, ...] = ()) -
     path = Path(path)
     check_output_dir(path, force, protect)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # a folder as mkdir makes it, not mkdtemp's owner-only one
+    # the name is chosen before anything is created, so that an interrupt at any point (even between the mkdir and
+    # the `try`) finds the folder to remove
+    staging = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.mkdir(mode=0o777 & ~umask)  # a folder as mkdir makes it
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    previous = None
-    if path.exists():
-        previous = path.with_name(f".{path.name}.replaced-{os.getpid()}")
-        path.rename(previous)
-    staging.rename(path)
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
+    previous = path.with_name(f".{path.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        if path.exists():
+            path.rename(previous)
+        staging.rename(path)
+    except BaseException:  # interrupted while moving into place: the previous output goes back where it was
+        if previous.exists() and not path.exists():
+            previous.rename(path)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import onnx
 import pytest
@@ -227,6 +228,23 @@ def test_a_failed_forced_build_leaves_the_previous_engine(demo_ckpt, tmp_path, m
     assert load_engine_dir(out).spec.budget == 16 and [p.name for p in tmp_path.iterdir()] == ["engine"]
 
 
+def test_an_interrupt_as_the_staging_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C right after the staging folder is created (before anything is written into it) removes it too."""
+    from engines import output_dir
+
+    made = Path.mkdir
+
+    def mkdir_then_interrupt(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        if ".partial-" in self.name:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_interrupt)
+    with pytest.raises(KeyboardInterrupt), output_dir.staged_output_dir(tmp_path / "out", force=False):
+        pass
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ctrl_c_during_a_build_leaves_the_output_as_it_was(demo_hf, tmp_path):
     """SIGINT while the engines are being built: build-engine exits with 130 and says so, and leaves no output and no
     partial folder (a previous engine there would stay: `test_a_failed_forced_build_leaves_the_previous_engine`)."""
@@ -240,7 +258,7 @@ def test_ctrl_c_during_a_build_leaves_the_output_as_it_was(demo_hf, tmp_path):
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     for line in job.stdout:
-        if "engine:" in line:  # the first engine is built: the build is under way
+        if line.split("] ")[-1].startswith("rank 0 ") and "engine:" in line:  # the first engine is built
             break
     job.send_signal(signal.SIGINT)
     rest = job.stdout.read()
