@@ -7,9 +7,10 @@ what warm-up measured on the running hardware (draft, tree, verify and commit), 
 machine's speed drifts (on a shared CPU by 2x within a minute), so one budget's steps timed at one moment and another
 budget's at another would compare times of different speeds. What the policy learns is therefore the ratio between
 budgets' costs, from **consecutive steps at different budgets** (the machine's speed is the same for both, and
-cancels): the median of the recent log-ratios of each pair of budgets, all pairs and the warm-up's costs (worth
-PAIR_PRIOR such pairs each) fitted by least squares to one log-cost per budget. The current speed, the median of the
-recent steps' time over their budget's fitted cost, gives the costs in seconds; only their ratios steer the choice.
+cancels; a request's first step, whose draft also reads the whole prompt, is left out): the median of the recent
+log-ratios of each pair of budgets, all pairs and the warm-up's costs (worth PAIR_PRIOR such pairs each) fitted by
+least squares to one log-cost per budget. The current speed, the median of the recent steps' time over their
+budget's fitted cost, gives the costs in seconds; only their ratios steer the choice.
 A budget never taken would keep its warm-up cost for good, wrong or not, and one taken rarely would be fitted from
 few pairs: so while a budget's expected rate is within COST_MARGIN of the step's best and it has been timed fewer
 than COST_MIN_STEPS times, the step takes it instead (the one timed least): cost sampling, which costs at most that
@@ -72,6 +73,7 @@ class BudgetPolicy:
     pairs: dict = field(default_factory=dict)  # (b1, b2), b1 < b2 -> recent log(t2 / t1) of consecutive steps
     timed: Counter = field(default_factory=Counter)  # budget -> steps timed at it
     previous: tuple | None = None  # (budget, seconds) of the last timed step of the current sequence
+    first_step: bool = False  # the next step is a sequence's first (its time is not a cost of its budget)
 
     def __post_init__(self) -> None:
         missing = [b for b in self.budgets if b not in self.step_seconds]
@@ -141,8 +143,11 @@ class BudgetPolicy:
 
     def start_sequence(self) -> None:
         """A new request's steps follow: its first step is not paired with the last one of the request before (a
-        prefill, and any time at all, came between them)."""
+        prefill, and any time at all, came between them), and its own time is not learnt from: the first draft after
+        a prefill reads the whole prompt's context into the drafter (`RankWorker.draft`'s draft_prefill profile; on
+        the CPU ~8 ms where a later draft takes ~6), a cost of the prompt, not of the budget the step took."""
         self.previous = None
+        self.first_step = True
 
     def choose(self, scores: np.ndarray) -> int:
         """A host step's budget, from its tree's best-first path log-probabilities; `record` follows the step."""
@@ -183,8 +188,9 @@ class BudgetPolicy:
                 self.segment_predicted[b] += self.last_drafted[b] - predicted_below
                 self.segment_observed[b] += accepted[b] - observed_below
                 predicted_below, observed_below = self.last_drafted[b], accepted[b]
-        if seconds is not None and self.last is not None:
+        if seconds is not None and self.last is not None and not self.first_step:
             self._time(self.last, seconds)
+        self.first_step = False
 
     def _time(self, budget: int, seconds: float) -> None:
         """A step's time: paired with the previous step's if that was at another budget, the costs refitted, the

@@ -53,10 +53,14 @@ def test_the_policy_maximises_expected_tokens_per_second():
     # budget 32, never paired, is not known to follow budget 4 or budget 8: its cost lies between its warm-up
     # ratios to them (2.0 / 1.0 and 2.0 / 1.1)
     assert costs[32] / costs[4] > 2.0 and costs[32] / costs[8] < 2.0 / 1.1
-    # a new request's first step is not paired with the request before
+    # a new request's first step (its draft reads the whole prompt) is not learnt from, and the step after it is not
+    # paired with the request before
     policy.start_sequence()
+    timed, speed = dict(policy.timed), list(policy.speed)
+    steps(4, 40.0, 1)
+    assert policy.timed == timed and list(policy.speed) == speed and policy.step_seconds == costs
     steps(4, 0.5, 1)
-    assert len(policy.pairs[(4, 8)]) == 64 and policy.pairs[(4, 8)][-1] != np.log(2.0 * 4.0 / 0.5)
+    assert len(policy.pairs[(4, 8)]) == 64 and policy.timed[4] == timed[4] + 1
     with pytest.raises(ValueError, match="no measured cost for budgets"):
         BudgetPolicy((4, 8), {4: 1.0})
 
