@@ -36,10 +36,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The tests: one worker a core (pytest-xdist), each file on one worker, so its session fixtures (the engines)
-# are built once.
+# The tests: one worker a logical core (pytest-xdist; PYTEST_XDIST_AUTO_NUM_WORKERS=N sets N), each file on one
+# worker, so its session fixtures (the engines) are built once.
 test: lint $(TRITON_STAMP)
-	DDTREE_TRITON_VENV=$(TRITON_VENV) $(PY) -m pytest -q -ra -n auto --dist loadfile tests
+	DDTREE_TRITON_VENV=$(TRITON_VENV) $(PY) -m pytest -q -ra -n logical --dist loadfile tests
 
 # Serve the demo engines with a real tritonserver on 127.0.0.1:8000 (HTTP) / 8001 (gRPC); Ctrl-C stops everything.
 # SERVE_ARGS: more triton_repo flags, e.g. "--backend torch --max_batch_size 8" (in-flight batching).
