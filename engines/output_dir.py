@@ -42,9 +42,7 @@ def staged_output_dir(path: Path, force: bool, protect: tuple[Path, ...] = ()) -
     # the `try`) finds the folder to remove
     staging = path.with_name(f".{path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.mkdir(mode=0o777 & ~umask)  # a folder as mkdir makes it
+        staging.mkdir()  # mode 0o777 less the umask, as any folder the user makes
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
