@@ -4,7 +4,11 @@ EngineBytesFromNetwork shape): parse, add one profile per name, build, and fail 
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from engines.io import TensorIO
@@ -33,6 +37,31 @@ def make_logger(trt, verbose: bool = False):
     return CapturingLogger()
 
 
+@contextmanager
+def deferred_interrupt():
+    """Ctrl-C while TensorRT parses or builds is held until it returns, then raised as KeyboardInterrupt. Raised at
+    once, it lands in one of the Python callbacks TensorRT makes meanwhile (the logger's, the plugins'), which
+    TensorRT swallows, and the build went on to write the output as if nothing had happened. (Cancelling through the
+    build's progress monitor instead crashed TensorRT-RTX 1.7 in malloc.)"""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread receives signals
+        yield
+        return
+    interrupted = []
+
+    def hold(signum, frame):
+        if not interrupted:
+            print("build-engine: interrupted; stopping once TensorRT returns", file=sys.stderr, flush=True)
+        interrupted.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+
+
 def check_plugin_creators(trt: TensorRT, onnx_path: Path) -> None:
     """Every custom-domain node needs a registered creator; say which one is missing before TensorRT parses."""
     import onnx
@@ -47,6 +76,7 @@ def check_plugin_creators(trt: TensorRT, onnx_path: Path) -> None:
             )
 
 
+@deferred_interrupt()  # the parse calls the plugins' Python creators, the build the logger and the plugins
 def build_engine(trt: TensorRT, onnx_path: Path, inputs: list[TensorIO], profiles: list[Profile]) -> tuple[bytes, dict]:
     """Returns (plan bytes, build record). Profile i of the engine is `profiles[i]`."""
     rt = trt.module

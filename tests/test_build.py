@@ -245,6 +245,24 @@ def test_an_interrupt_as_the_staging_folder_is_made_leaves_nothing(tmp_path, mon
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ctrl_c_while_tensorrt_builds_is_raised_once_it_returns(capsys):
+    """SIGINT inside `build_engine` (where TensorRT's Python callbacks would swallow the KeyboardInterrupt) is held:
+    the code inside runs on, and the interrupt is raised when it is done; the handler before is restored."""
+    import os
+    import signal
+    import time
+
+    from builder.trt_build import deferred_interrupt
+
+    before, finished = signal.getsignal(signal.SIGINT), []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupt():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # the handler runs between these bytecodes: no KeyboardInterrupt here
+        finished.append(True)
+    assert finished == [True] and signal.getsignal(signal.SIGINT) is before
+    assert "stopping once TensorRT returns" in capsys.readouterr().err
+
+
 def test_ctrl_c_during_a_build_leaves_the_output_as_it_was(demo_hf, tmp_path):
     """SIGINT while the engines are being built: build-engine exits with 130 and says so, and leaves no output and no
     partial folder (a previous engine there would stay: `test_a_failed_forced_build_leaves_the_previous_engine`)."""
