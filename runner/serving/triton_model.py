@@ -155,11 +155,13 @@ class TritonPythonModel:
     def _watch_cancellations(self):
         while not self.shutting_down:
             time.sleep(CANCEL_POLL_S)
+            # asked under the lock, so only of requests still pending: every final response is sent after its
+            # request left `pending` under this lock, and is_cancelled on a sender whose final response has gone
+            # reads a freed response factory (tritonserver 2.51 crashed with SIGSEGV there, under load)
             with self.lock:
-                entries = list(self.pending.items())
-            for request_id, entry in entries:
-                if entry["sender"].is_cancelled():
-                    self._cancel(request_id)
+                cancelled = [request_id for request_id, entry in self.pending.items() if entry["sender"].is_cancelled()]
+            for request_id in cancelled:
+                self._cancel(request_id)
 
     def _cancel(self, request_id: str):
         with self.lock:
