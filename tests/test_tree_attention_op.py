@@ -107,3 +107,30 @@ def test_triton_kernel_causal_prefill_skips_hidden_blocks_exactly():
     done = run_interpreted(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
+
+
+def test_triton_kernel_reads_no_cache_row_past_the_device_length():
+    """A cache's rows from the device length on are never read (they are NaN here): a prefill graph captured over one
+    cache replays for a batch slot's prefill from row 0 (`runner/sessions/cuda_graphs.py`), whose rows it must not
+    see, and a verify never sees rows past its request's length."""
+    script = """
+        import torch
+        from plugins.tree_attention.kernel import tree_attention_cuda
+        from plugins.tree_attention.reference import tree_attention
+        from tests.test_tree_attention_op import random_case, rel
+        worst = 0.0
+        for i, (tokens, capacity, length) in enumerate([(24, 96, 0), (33, 96, 0), (9, 96, 37)]):
+            q, cache, cached, new_kv, _ = random_case(tokens, 2, capacity, length, 32, 8, seed=i)
+            mask = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool))
+            expected = tree_attention(q.double(), cache.double(), cached, new_kv.double(), mask, 0.3, 32)
+            cache[length:] = float("nan")
+            out = torch.full((tokens, 2, 32), float("nan"))
+            tree_attention_cuda(q, cache, cached, new_kv, mask, 0.3, 32, out=out, block_m=16, block_n=16,
+                                num_warps=1, num_stages=1)
+            assert not out.isnan().any(), (tokens, length)
+            worst = max(worst, rel(out, expected))
+        print("worst", worst)
+    """
+    done = run_interpreted(script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]

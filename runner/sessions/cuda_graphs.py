@@ -6,7 +6,10 @@ Prefill: a prompt of up to PREFILL_GRAPH_TOKENS tokens is padded to the next of 
 and replays that length's graph: run eagerly, a prefill is about a thousand small launches (one H200, the trained
 pair's 6 layers: 10-15 ms for a 70-token prompt, a quarter of a 128-token request), where a graph replays them
 back to back. Longer prompts run eagerly (their launches are a small part of their time, and padding them would
-not be).
+not be). A graph is captured over the rank's own cache; a batch slot's prefill from row 0 replays it too (it reads no
+cache row), while a later chunk of a slot's long prompt runs eagerly: recapturing whenever the cache changed took
+every prefill of two alternating slots through a capture (one H200, the trained pair, two requests in flight: half
+the tokens/s of one at a time).
 
 With `record_events` (benchmarks' probes), CUDA events around every replay measure how long the GPU waits for the
 host between graphs.
@@ -45,7 +48,14 @@ class CudaGraphSession(TorchSession):
         elif not graph_capturable(profile):
             return super().execute(profile, feeds)
         entry = self.graphs.get(key)
-        if entry is None or any(entry[1][n].data_ptr() != feeds[n].data_ptr() for n in BOUND_IN_PLACE if n in feeds):
+        moved = entry is not None and any(
+            entry[1][n].data_ptr() != feeds[n].data_ptr() for n in BOUND_IN_PLACE if n in feeds
+        )
+        if moved and key != profile.name:  # a prefill over another cache than its graph's (a batch slot's)
+            if int(feeds["cache_length"].reshape(-1)[0]) > 0:
+                return super().execute(profile, feeds)  # it reads that cache's rows: eagerly, no graph per cache
+            moved = False  # it reads no cache row (the kernel stops at the device length): the graph serves any cache
+        if entry is None or moved:
             try:
                 entry = self._capture(profile, feeds, key)
             except RuntimeError as err:
