@@ -203,6 +203,8 @@ def generate_all(args, generator, job: Job) -> tuple[list[dict], dict | None]:
         wall = time.perf_counter() - started
         total = sum(len(r.tokens) for r in batched)
         summary = {"requests": len(batched), "max_batch_size": generator.batch_slots, "tokens": total, "seconds": wall}
+        if generator.batch_policy is not None and generator.batch_policy.chosen:  # an all-`auto` batch's choices
+            summary["policy"] = generator.batch_policy.summary()
         print(f"[batch] {len(batched)} requests, up to {generator.batch_slots} a step: {total} tokens in "
               f"{wall * 1e3:.1f} ms = {total / wall:.1f} tokens/s together", flush=True)  # fmt: skip
     for i, prompt in enumerate(job.prompts):
@@ -264,7 +266,9 @@ def format_stats(result, mode: str) -> str:
     tokens, elapsed = len(result.tokens), result.elapsed
     mean = f", mean acceptance length {result.mean_accept_length:.2f}" if result.accept_lengths else ""
     if "budget auto" in mode and result.budgets:
-        mean += ", budgets chosen " + ", ".join(f"{b}: {result.budgets.count(b)}" for b in sorted(set(result.budgets)))
+        label = lambda b: "autoregressive" if b == 0 else str(b)  # noqa: E731  (0: `DECODE`, a batch's policy)
+        counts = ", ".join(f"{label(b)}: {result.budgets.count(b)}" for b in sorted(set(result.budgets)))
+        mean += ", budgets chosen " + counts
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     return (
         f"[stats {mode}] {tokens} tokens: prefill {result.prefill_seconds * 1e3:.1f} ms; decode {tokens - 1} tokens "

@@ -38,6 +38,9 @@ class Generator:
         self.rank_description = lead.description
         self.policy = None  # the cost-aware tree budget's policy (`runner/budget.py`), measured on first use
         self.step_policy = None  # `auto` on the device loop (`runner/device/budget.py`), seeded with the same costs
+        # an all-`auto` batch's one budget a step, autoregressive steps among the choices (`StepBudgetPolicy`); shared
+        # by the batchers, so what one job or server learnt of the costs at each batch size the next step uses
+        self.batch_policy = None
         self.auto_default = False  # `enable_auto_budget`: requests that name no budget take `auto`
 
     def on_device(self, params: SamplingParams, banned: tuple[int, ...] = (), budget: int | str | None = None) -> bool:
@@ -158,8 +161,10 @@ class Generator:
         if self.batch_slots < 2:
             raise ValueError("batched steps need ranks built with max_batch_size > 1 (--max_batch_size)")
         several = len(self.device_budgets) > 1  # `auto` requests share one budget a step, chosen for the batch
-        batch_policy = StepBudgetPolicy(self.device_budgets) if several else None
-        return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy, batch_policy)
+        if several and self.batch_policy is None:
+            self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=not self.autoregressive)
+        return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy,
+                       self.batch_policy if several else None)  # fmt: skip
 
     def admit(self, batcher, prompt: list[int], max_new_tokens: int, params: SamplingParams = GREEDY,
               end_ids: set[int] = frozenset(), on_tokens=None, stop_sequences=(), budget=None, tag=None):  # fmt: skip
@@ -245,8 +250,9 @@ class Generator:
                 lengths = [min(most, 1 + (i + 1) * (self.spec.draft_depth + 1)) for i in range(self.batch_slots)][::-1]
                 batch = ([prompt] * self.batch_slots, lengths, [params] * self.batch_slots)
                 self.generate_many(*batch)
-                from runner.device.budget import StepBudgetPolicy
+                from runner.device.budget import DECODE, StepBudgetPolicy
 
-                for budget in self.device_budgets if len(self.device_budgets) > 1 else ():  # a policy of one budget
+                # a policy of one budget; DECODE: `auto`'s autoregressive steps
+                for budget in (DECODE, *self.device_budgets) if len(self.device_budgets) > 1 else ():
                     self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
         return time.perf_counter() - start

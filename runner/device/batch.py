@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from models.moe import active_rows
+from runner.device.budget import DECODE
 from runner.device.loop import DeviceLoop, first_token
 from runner.kv_cache import SequenceCache
 from runner.probes import Probes
@@ -97,6 +98,8 @@ class BatchLoop:
         loops = self.loops[:count]
         if self.autoregressive:
             return self._decode(loops)
+        if budget == DECODE:
+            return self._decode_speculative(loops)
         self._draft(loops)
         for loop in loops:
             if self.oracle is not None:
@@ -158,6 +161,38 @@ class BatchLoop:
             loop.num_cached += 1
             loop.emitted[:1].copy_(token)
             loop.emitted[-1:].copy_(loop.decode_mask.reshape(1))
+            loop.bonus.copy_(token)
+
+    def _decode_speculative(self, loops) -> None:
+        """An autoregressive step of speculative requests (`DECODE`: the batch policy's choice when no tree pays for
+        its rows). Each slot's pending context (its last step's accepted rows) goes into its draft cache as a draft
+        would commit it (`DFlashDrafter.context_kv`, every slot's rows in one call); then every slot's bonus token
+        runs in one target forward, its KV is committed and its taps become the next context: the state a step that
+        accepted only the bonus leaves, so the next step may draft or decode again."""
+        lead, block, count = loops[0], self.block, len(loops)
+        context = torch.cat([loop.context for loop in loops])
+        context_positions = torch.cat([loop.num_cached - loop.context_count + lead.arange_block for loop in loops])
+        context_kv = self.drafter.context_kv(context, context_positions)
+        for b, loop in enumerate(loops):
+            loop.cache.draft.index_copy_(2, loop.num_drafted + lead.arange_block,
+                                         context_kv[:, :, b * block : (b + 1) * block])  # fmt: skip
+            loop.num_drafted += loop.context_count
+        tokens = torch.cat([loop.bonus for loop in loops])
+        lengths = torch.cat([loop.num_cached for loop in loops])
+        masks = lead.decode_mask.expand(count, 1, 1)
+        caches = tuple(loop.cache.latent for loop in loops)
+        logits, new_kv, taps = self.target(tokens, lengths, masks, caches, lengths, self.logit_rows[:count])
+        for b, loop in enumerate(loops):
+            if self.oracle is not None:  # benchmarks' oracle: the continuation's next token, as a verify takes it
+                token = loop._oracle_tokens(lead.arange_block[:1] + 1)
+            else:
+                token = loop._choose(logits[b : b + 1])
+            loop.cache.latent.index_copy_(1, loop.num_cached, new_kv[:, b : b + 1])
+            loop.context[:1].copy_(taps[b : b + 1])
+            loop.context_count.fill_(1)
+            loop.num_cached += 1
+            loop.emitted[:1].copy_(token)
+            loop.emitted[-1:].fill_(1)
             loop.bonus.copy_(token)
 
     def _capture(self, count: int, budget: int | None = None):

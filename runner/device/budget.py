@@ -11,6 +11,13 @@ made padding) would still run the attention and the dense layers over every row,
 would still take kernel work; with a graph each, a budget-8 step of an engine with budgets 8/16/32 costs what a
 budget-8-only engine's does (whole Kimi K2 rank on one H200, two runs: 15.58 against 15.57 ms; BENCHMARKS.md 11).
 
+**Autoregressive steps** (`DECODE`, a batch's policy only): a step of one target row a request, no draft and no tree
+(`BatchLoop._decode_speculative`: the drafter's pending context is committed and the new row's becomes the next;
+requests stay lossless and the next speculative step drafts from a full context). As a batch grows, its verify rows
+cost more while an autoregressive step's rows stay few: one H200, the trained pair, 16 requests of 128 tokens in
+flight took 7944 tokens/s at budget 8 where autoregressive steps took 12029 (BENCHMARKS.md 18), so the policy weighs
+an autoregressive step, one token a request, against the budgets like any other choice.
+
 The tensor functions below rank a tree's nodes by path log-probability: a step at the largest budget reports what
 every budget would have accepted (`accepted_at`) and what the drafter expected (`expected_drafted`: predicted against
 observed acceptance). A batch that mixes `auto` with fixed budgets (`runner/device/batch.py`, each slot's own budget
@@ -75,6 +82,10 @@ def accepted_at(rank, path, length, budgets) -> torch.Tensor:
 
 MIN_INFORMED = 4  # request-steps at the largest budget before the acceptance estimates are used
 COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 times
+# steps of a (slots, budget) pair timed before its cost is used: one time can be an outlier (one H200, two requests:
+# budget 8 timed once lost to 16 for the rest of the run, though the batch of two ran 24 % faster at a fixed 8)
+MIN_TIMED = 3
+DECODE = 0  # the choice of an autoregressive step (a batch's policy: `StepBudgetPolicy(decode=True)`)
 # Exploration (a step at the largest budget, which informs every smaller one) is paid for out of a share of the time
 # the chosen budget's steps take: EXPLORE_SHARE while the largest budget could still win (its optimistic rate, the
 # mean accepted plus two standard errors, at least the best's), EXPLORE_SHARE_SETTLED once even that loses, so a
@@ -95,28 +106,35 @@ class StepBudgetPolicy:
     covers what such a step costs over the chosen one (the credit grows by a share of each chosen step's cost:
     `EXPLORE_SHARE` while the largest budget's optimistic rate could beat the best, `EXPLORE_SHARE_SETTLED` once it
     cannot), so exploring never costs more than that share of the time, whatever the budgets cost. Costs: `costs`
-    seeds a lone request's (seconds a step at each budget, as warm-up measured them); a (slots, budget) pair not
-    timed yet is taken once to time it, then the median of its last `COST_WINDOW` step times. As the batch grows the
-    wide verify's rows cost more and more, and the choice moves to narrower trees where their tokens a second win.
+    seeds a lone request's (seconds a step at each budget, as warm-up measured them: medians, trusted as they are); a
+    (slots, budget) pair timed fewer than `MIN_TIMED` times is taken to time it, then the median of its last
+    `COST_WINDOW` step times. As the batch grows the wide verify's rows cost more and more, and the choice moves to
+    narrower trees where their tokens a second win; with `decode`, to autoregressive steps once even the narrowest
+    tree's tokens a second lose to one token a request at an autoregressive step's cost.
     The drafter's own expectation at each budget is summed next to what was accepted (`predicted`, `accepted`): how
     far its probabilities are from the target's agreement."""
 
-    def __init__(self, budgets: tuple[int, ...], costs: dict[int, float] | None = None):
+    def __init__(self, budgets: tuple[int, ...], costs: dict[int, float] | None = None, decode: bool = False):
         self.budgets = tuple(sorted(budgets))
+        # what a step can take: the budgets, and with `decode` an autoregressive step (`DECODE`) as well
+        self.options = ((DECODE,) if decode and DECODE not in self.budgets else ()) + self.budgets
         self.accepted = dict.fromkeys(self.budgets, 0.0)  # drafted tokens accepted at b, summed over request-steps
         self.squares = dict.fromkeys(self.budgets, 0.0)  # and their squares (the estimates' standard errors)
         self.predicted = dict.fromkeys(self.budgets, 0.0)  # the drafter's expectation of the same
         self.informed = 0  # request-steps at the largest budget
         self.times: dict[tuple[int, int], deque] = {}
         for budget, seconds in (costs or {}).items():
-            self.times[(1, budget)] = deque([seconds], maxlen=COST_WINDOW)
+            self.times[(1, budget)] = deque([seconds] * MIN_TIMED, maxlen=COST_WINDOW)
         self.steps = 0
         self.credit = 0.0  # seconds of exploration earned and not spent yet
         self.explored_at = 0  # the step that last took the largest budget
         self.chosen: Counter = Counter()  # (slots stepped, budget) -> steps
 
     def expected(self, budget: int) -> float:
-        """Tokens a request emits a step at `budget` (the bonus and the drafted tokens accepted)."""
+        """Tokens a request emits a step at `budget` (the bonus and the drafted tokens accepted; an autoregressive
+        step's one)."""
+        if budget == DECODE:
+            return 1.0
         return 1.0 + self.accepted[budget] / max(self.informed, 1)
 
     def cost(self, budget: int, count: int = 1) -> float | None:
@@ -135,14 +153,14 @@ class StepBudgetPolicy:
     def choose(self, busy: int = 1, count: int = 1) -> int:
         self.steps += 1
         largest = self.budgets[-1]
-        untimed = [b for b in self.budgets if (count, b) not in self.times]
+        untimed = [b for b in self.options if len(self.times.get((count, b), ())) < MIN_TIMED]
         if self.informed < MIN_INFORMED:
             best = largest
         elif untimed:
             best = untimed[0]
         else:
             rate = lambda b: busy * self.expected(b) / self.cost(b, count)  # noqa: E731
-            best = max(self.budgets, key=lambda b: (rate(b), -b))
+            best = max(self.options, key=lambda b: (rate(b), -b))
             if best != largest:
                 extra = self.cost(largest, count) - self.cost(best, count)
                 could_win = busy * self.optimistic(largest) / self.cost(largest, count) >= rate(best)
@@ -159,6 +177,8 @@ class StepBudgetPolicy:
         """A step of `count` slots at `budget`: its time, and at the largest budget each busy request's statistics
         (`DeviceLoop.read_stats`)."""
         self.times.setdefault((count, budget), deque(maxlen=COST_WINDOW)).append(seconds)
+        if budget == DECODE:
+            return  # an autoregressive step informs no budget
         if budget == self.budgets[-1]:
             for request in stats:
                 self.informed += 1
@@ -166,3 +186,13 @@ class StepBudgetPolicy:
                     self.accepted[b] += request["accepted"][b]
                     self.squares[b] += request["accepted"][b] ** 2
                     self.predicted[b] += request["drafted"][b]
+
+    def summary(self) -> dict:
+        """What the policy chose and measured, by the slots a step ran: {slots: {"steps": {budget: steps},
+        "ms": {budget: median ms a step}}} (budget 0: autoregressive steps)."""
+        out: dict = {}
+        for (count, budget), steps in sorted(self.chosen.items()):
+            out.setdefault(count, {"steps": {}, "ms": {}})["steps"][budget] = steps
+        for (count, budget), times in sorted(self.times.items()):
+            out.setdefault(count, {"steps": {}, "ms": {}})["ms"][budget] = round(statistics.median(times) * 1e3, 3)
+        return out
