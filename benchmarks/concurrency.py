@@ -105,7 +105,8 @@ def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, 
             "seconds": seconds, "tokens_per_s": total / seconds, "outputs": [r["output_ids"] for r in rows],
             "latency_s": [r["elapsed"] for r in rows], "mode": rows[0]["mode"],
             "budgets": [r["budgets"] for r in rows],
-            "budgets_chosen": _histogram(b for r in rows for b in r["budgets"])}  # fmt: skip
+            "budgets_chosen": _histogram(b for r in rows for b in r["budgets"]),  # 0: autoregressive steps
+            "policy": (result["batch"] or {}).get("policy")}  # fmt: skip
 
 
 def one_at_a_time(row: dict, n: int) -> dict:
