@@ -131,6 +131,27 @@ class Generator:
         for length in length_buckets(min(longest, self.capacity - 2)):
             self.generate([1 + i % 255 for i in range(length)], 1, params)
 
+    def _warm_batch(self, prompt: list[int], params: SamplingParams) -> None:
+        """Every batched step's graph: at each slot count, one step of that many requests of two tokens (the first
+        from the prefill, the second from the step) at two budgets alternating (each slot's own: a mixed batch's
+        form), then one with each budget for the whole batch (an all-`auto` batch's, or all at one fixed budget) and one
+        autoregressive step (`DECODE`); each under a policy of that one choice, so the batch policy learns nothing
+        from these steps (they include the captures). Requests of
+        different lengths leaving one after another missed slot counts whenever two left at the same step (one
+        H200: the first step at such a count took 100-160 ms, and its time steered the policy)."""
+        from runner.device.budget import DECODE, StepBudgetPolicy
+
+        several, budgets = len(self.device_budgets) > 1, self.device_budgets
+        for count in range(self.batch_slots, 0, -1):
+            batch = ([prompt] * count, 2, [params] * count)
+            if not several:
+                self.generate_many(*batch, budget=self.spec.budget)
+                continue
+            if count > 1:  # requests of different budgets: each slot's own (the largest budget's rows)
+                self.generate_many(*batch, budget=[(budgets[0], budgets[-1])[i % 2] for i in range(count)])
+            for budget in (DECODE, *budgets):  # one budget for the batch (all `auto`, or all at one fixed budget)
+                self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
+
     def _warm_prompt(self) -> list[int]:
         block = self.spec.block_size
         longest = self.ranks.lead.session.profile("prefill").dims["tokens"][2]
@@ -179,17 +200,18 @@ class Generator:
                       end_ids: set[int] = frozenset(), budget=None,
                       batch_policy=None) -> list[GenerationResult]:  # fmt: skip
         """Several requests at once, in-flight batched: each joins when a slot is free and leaves when done; returns
-        their results in order. max_new_tokens: one for all, or each request's. batch_policy: chooses the budget of
-        each step of an all-`auto` batch instead of the batcher's own `StepBudgetPolicy` (warm-up)."""
+        their results in order. max_new_tokens, budget: one for all, or each request's. batch_policy: chooses the
+        budget of each step of an all-`auto` batch instead of the batcher's own `StepBudgetPolicy` (warm-up)."""
         batcher, results = self.batcher(), {}
         if batch_policy is not None:
             batcher.batch_policy = batch_policy
         counts = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
-        waiting = list(enumerate(zip(prompts, params, counts)))
+        budgets = budget if isinstance(budget, list) else [budget] * len(prompts)
+        waiting = list(enumerate(zip(prompts, params, counts, budgets)))
         while waiting or batcher.members:
             while waiting and batcher.free:
-                index, (prompt, request_params, tokens) = waiting.pop(0)
-                member = self.admit(batcher, prompt, tokens, request_params, end_ids, budget=budget, tag=index)
+                index, (prompt, request_params, tokens, request_budget) = waiting.pop(0)
+                member = self.admit(batcher, prompt, tokens, request_params, end_ids, budget=request_budget, tag=index)
                 if member.result.elapsed:  # done at its first token
                     results[index] = member.result
             for member in batcher.step():
@@ -242,17 +264,5 @@ class Generator:
                 for budget in self.device_budgets:  # each budget's graph (the default's was just captured)
                     self.generate(prompt, tokens, params, budget=budget)
             if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
-                # every slot count's step graph: requests that need one more step each, the lowest slot's the
-                # longest, so they leave from the top one after another whatever the acceptance (the steps run
-                # slots 0 .. the highest busy one); an all-`auto` batch's steps take one budget for the batch, a graph
-                # each: every budget is taken in turn
-                most = max(1, self.capacity - len(prompt) - 2 * block - 1)
-                lengths = [min(most, 1 + (i + 1) * (self.spec.draft_depth + 1)) for i in range(self.batch_slots)][::-1]
-                batch = ([prompt] * self.batch_slots, lengths, [params] * self.batch_slots)
-                self.generate_many(*batch)
-                from runner.device.budget import DECODE, StepBudgetPolicy
-
-                # a policy of one budget; DECODE: `auto`'s autoregressive steps
-                for budget in (DECODE, *self.device_budgets) if len(self.device_budgets) > 1 else ():
-                    self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
+                self._warm_batch(prompt, params)
         return time.perf_counter() - start

@@ -186,12 +186,12 @@ class RankWorker:
     def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None, budget=None):
         """One step of slots [0, count) (`idle` ones reset first); choices: the budget policy's inputs of the slots
         whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`). Returns (each
-        slot's tokens, each several-budget slot's statistics)."""
+        slot's tokens, each several-budget slot's statistics, whether the step captured its graph)."""
         loops = self.batch.loops
         for slot, choice in (choices or {}).items():
             loops[slot].set_choice(choice)
         emitted = self.batch.step(count, idle, budget)
-        return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}
+        return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}, self.batch.captured
 
     def device_prefill_context(self) -> None:
         self.loop.prefill_context()

@@ -301,14 +301,14 @@ def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, d
 
 def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
     """`StepBudgetPolicy` (a batch's, or a lone request's with one slot): the largest budget until its steps
-    informed every budget's acceptance, each (slots, budget) three times to time it (one time can be an outlier),
+    informed every budget's acceptance, each (slots, budget) twice to time it (one time can be an outlier),
     then the most tokens a second; the largest again when the exploration credit (a share of the chosen steps' time:
     2 % while the largest budget could still win, 0.2 % once even its optimistic rate loses) covers what it costs
     over the chosen budget, never twice within 8 steps; as a batch's wide steps get dearer the choice moves to a
     narrower budget."""
     from runner.device.budget import MIN_TIMED, StepBudgetPolicy
 
-    assert MIN_TIMED == 3
+    assert MIN_TIMED == 2
     policy = StepBudgetPolicy((8, 32, 16))
     # two busy slots: budget 16 accepts what 32 does; the drafter expected a little more
     stats = [{"accepted": {8: 2, 16: 3, 32: 3}, "drafted": {8: 2.5, 16: 3.5, 32: 4.0}}] * 2
@@ -318,20 +318,21 @@ def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
     assert policy.predicted == {8: 5.0, 16: 7.0, 32: 8.0}
     assert policy.choose(2, 2) == 32  # still fewer than 4 slot-steps informed
     policy.record(2, 32, 1.0, stats)
-    for budget, seconds in ((8, 0.5), (16, 0.95), (32, 1.0)):  # each (slots, budget) pair timed three times
-        for _ in range(3 if budget != 32 else 1):
+    for budget, seconds in ((8, 0.5), (16, 0.95)):  # each (slots, budget) pair timed twice (32 already is)
+        for _ in range(2):
             assert policy.choose(2, 2) == budget
-            policy.record(2, budget, seconds, stats if budget == 32 else [])
-    assert policy.cost(8, 2) == 0.5 and policy.steps == 9 and policy.informed == 6
+            policy.record(2, budget, seconds, [])
+    policy.record(2, 16, None, [])  # a step that captured its graph: no time
+    assert policy.cost(8, 2) == 0.5 and policy.cost(16, 2) == 0.95 and policy.steps == 6
     # 2 x 3 tokens / 0.5 s = 12 beats 2 x 4 / 0.95 = 8.4 and 2 x 4 / 1.0 = 8, and the largest's optimistic rate
-    # (6 slot-steps: 2 x (4 + 2 x (0.25 / 6) ** 0.5) / 1.0 = 8.8) cannot reach 12: its credit grows by 0.2 % of 0.5 s
+    # (4 slot-steps: 2 x (4 + 2 x 0.25) / 1.0 = 9) cannot reach 12: its credit grows by 0.2 % of 0.5 s
     assert policy.choose(2, 2) == 8
-    for _ in range(4):
-        policy.record(2, 8, 0.95, [])  # budget 8 now 0.95 s (the median of 7): 6.3 a second; budget 16 gives 8.4
-    # now the largest could win (8.8 >= 8.4): 2 % of 0.95 s a step pays its 0.05 s extra in 3 steps, but the last
-    # exploration was step 9: steps 11 to 16 take 16, step 17 (8 steps on) the largest
-    assert [policy.choose(2, 2) for _ in range(7)] == [16] * 6 + [32]
-    assert policy.chosen[(2, 32)] == 4 and policy.steps == 17
+    for _ in range(3):
+        policy.record(2, 8, 0.95, [])  # budget 8 now 0.95 s (the median of 5): 6.3 a second; budget 16 gives 8.4
+    # now the largest could win (9 >= 8.4): 2 % of 0.95 s a step pays its 0.05 s extra in 3 steps, which also keep
+    # the 8 steps' gap since the last exploration (step 2): steps 8 and 9 take 16, step 10 the largest
+    assert [policy.choose(2, 2) for _ in range(3)] == [16, 16, 32]
+    assert policy.chosen[(2, 32)] == 3 and policy.steps == 10
     assert [policy.choose(2, 2) for _ in range(8)] == [16] * 7 + [32]  # every 8th while it could win
     # settled: 64 slot-steps with the same means and no spread; the largest's optimistic rate 2 x 4.125 / 1.0 = 8.25
     # is below 8.4, its credit grows by 0.2 % of 0.95 s a step: 27 steps pay its 0.05 s extra
@@ -342,8 +343,8 @@ def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
 
 
 def test_a_batch_policy_takes_autoregressive_steps_when_no_tree_pays():
-    """With `decode`, an autoregressive step (`DECODE`: one token a request) is a choice like a budget: timed three
-    times at each batch size, then taken when its tokens a second win (one H200, the trained pair, 16 requests: budget
+    """With `decode`, an autoregressive step (`DECODE`: one token a request) is a choice like a budget: timed twice
+    at each batch size, then taken when its tokens a second win (one H200, the trained pair, 16 requests: budget
     8's steps cost about 4.5 times an autoregressive one's for about 3 tokens a request); trees still win while the
     batch is small; the largest budget is still explored now and then (its steps inform every budget)."""
     from runner.device.budget import DECODE, StepBudgetPolicy
@@ -475,6 +476,42 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
     rows = min(d.shape[2] for d in drafts)
     assert rows > 20
     torch.testing.assert_close(drafts[0][:, :, :rows], drafts[1][:, :, :rows], rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_every_step_form(demo_ckpt):
+    """An engine of budgets 4, 8 and 16: requests all at budget 8 step the batch-wide form of budget 8 (its rows
+    only, not the largest budget's) and decode as autoregressive decoding does; a mixed batch steps each slot's own;
+    the GPU warm-up of the batch (`Generator._warm_batch`, run here on the CPU) takes every form at every slot count
+    (mixed, each budget, autoregressive steps) and leaves the batch policy untaught."""
+    from runner.device.budget import DECODE
+    from runner.generator import Generator
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    GREEDY = SamplingParams()
+    spec = SpecConfig(8, 16, extra_budgets=(4, 8))
+    ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
+    generator, batch = Generator(ranks), ranks.lead.batch
+    taken, step = [], batch.step
+
+    def spy(count, idle=(), budget=None):
+        taken.append((count, budget))
+        return step(count, idle, budget)
+
+    batch.step = spy
+    results = generator.generate_many(PROMPTS[:3], 20, [GREEDY] * 3, budget=8)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.tokens == generate_autoregressive(ranks, prompt, 20, Sampler(SamplingParams())).tokens
+    assert {b for _, b in taken} == {8}
+    taken.clear()
+    generator.generate_many(PROMPTS[:2], 6, [GREEDY] * 2, budget=[4, 16])
+    assert {b for _, b in taken} == {None}
+    taken.clear()
+    generator._warm_batch(PROMPTS[0], GREEDY)
+    forms = {(c, b) for c in (1, 2, 3) for b in (DECODE, 4, 8, 16)} | {(2, None), (3, None)}
+    assert set(taken) == forms
+    assert generator.batch_policy is not None and not generator.batch_policy.chosen
+    ranks.close()
 
 
 def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):

@@ -189,7 +189,9 @@ def test_concurrency_benchmark_smoke(tmp_path):
     assert len(batched) == 4 and all(r["equal_to_one_at_a_time"] for r in batched)
     assert [r["requests"] for r in result["phases"]] == [1, 8] and all(r["verify"] > 0 for r in result["phases"])
     auto = [r for r in batched if r["cli_mode"].startswith("DDTree auto")]
-    assert auto and set(auto[0]["budgets_chosen"]) <= {"8", "16", "32"} and auto[0]["budgets_chosen"]
+    assert (
+        auto and set(auto[0]["budgets_chosen"]) <= {"0", "8", "16", "32"} and auto[0]["budgets_chosen"]
+    )  # 0: autoregressive steps
     assert all("batched: up to 2 requests a step" in r["mode"] for r in batched)
     assert {(r["model"], r["clients"]) for r in result["triton"]} == {
         (m, c) for m in ("ddtree", "ddtree-batched", "ar", "ar-batched") for c in (1, 2)

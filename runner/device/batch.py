@@ -58,6 +58,7 @@ class BatchLoop:
         self.routers = lead.routers if lead.auto else []
         self.logit_rows = torch.arange(slots * self.rows, device=main.latent.device)
         self.use_graph, self.graphs = use_graph, {}
+        self.captured = False  # whether the last step captured its graph
         self.device = main.latent.device
 
     def release(self, slot: int) -> None:
@@ -83,7 +84,8 @@ class BatchLoop:
             self._run(count, budget)
         else:
             key = (count, tuple((loop.sampled, loop.filter) for loop in loops), budget)
-            if key not in self.graphs:
+            self.captured = key not in self.graphs  # this step's time includes the capture: no cost of the step
+            if self.captured:
                 self.graphs[key] = self._capture(count, budget)
             self.graphs[key].replay()
         emitted = torch.stack([loop.emitted for loop in loops]).tolist()  # the one device -> host copy of a step
@@ -273,13 +275,20 @@ class Batcher:
         idle = tuple(s for s in range(count) if s not in self.members)
         batch_wide = self.batch_policy is not None and all(m.budget == "auto" for m in self.members.values())
         budget = self.batch_policy.choose(len(self.members), count) if batch_wide else None
+        fixed = {m.budget for m in self.members.values()}
+        if self.batch_policy is not None and len(fixed) == 1 and isinstance(min(fixed), int):
+            # an engine of several budgets, every request at one fixed budget: the batch-wide graph of that budget,
+            # whose verify has its rows only; the per-slot form verifies the largest budget's rows (padding outside
+            # each slot's budget), which cost a batch of 16 budget-8 requests as much as budget 32 (one H200)
+            budget = min(fixed)
         auto = [s for s, m in self.members.items() if m.budget == "auto" and self.policy is not None]
         choices = {} if batch_wide else {s: self.policy.device_inputs() for s in auto}
         started = time.perf_counter()
-        emitted, stats = self.ranks.call("batch_step", count, idle, choices, budget)
+        emitted, stats, captured = self.ranks.call("batch_step", count, idle, choices, budget)
         seconds = time.perf_counter() - started
-        if batch_wide:
-            self.batch_policy.record(count, budget, seconds, [stats[s] for s in self.members if stats.get(s)])
+        if batch_wide:  # a step that captured its graph tells nothing of its cost (its statistics still count)
+            self.batch_policy.record(count, budget, None if captured else seconds,
+                                     [stats[s] for s in self.members if stats.get(s)])  # fmt: skip
         done = []
         for slot, member in list(self.members.items()):
             tokens = emitted[slot]

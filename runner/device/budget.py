@@ -83,8 +83,10 @@ def accepted_at(rank, path, length, budgets) -> torch.Tensor:
 MIN_INFORMED = 4  # request-steps at the largest budget before the acceptance estimates are used
 COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 times
 # steps of a (slots, budget) pair timed before its cost is used: one time can be an outlier (one H200, two requests:
-# budget 8 timed once lost to 16 for the rest of the run, though the batch of two ran 24 % faster at a fixed 8)
-MIN_TIMED = 3
+# budget 8, timed once, lost to 16 for the rest of the run, though the batch ran 24 % faster at a fixed 8; that time
+# was most likely a graph capture, which a step's time no longer counts). Each new batch size costs these steps at
+# every choice: in a short run (16 requests of 128 tokens, leaving one by one) they are a large share of the steps.
+MIN_TIMED = 2
 DECODE = 0  # the choice of an autoregressive step (a batch's policy: `StepBudgetPolicy(decode=True)`)
 # Exploration (a step at the largest budget, which informs every smaller one) is paid for out of a share of the time
 # the chosen budget's steps take: EXPLORE_SHARE while the largest budget could still win (its optimistic rate, the
@@ -173,10 +175,11 @@ class StepBudgetPolicy:
         self.chosen[(count, best)] += 1
         return best
 
-    def record(self, count: int, budget: int, seconds: float, stats: list[dict]) -> None:
+    def record(self, count: int, budget: int, seconds: float | None, stats: list[dict]) -> None:
         """A step of `count` slots at `budget`: its time, and at the largest budget each busy request's statistics
         (`DeviceLoop.read_stats`)."""
-        self.times.setdefault((count, budget), deque(maxlen=COST_WINDOW)).append(seconds)
+        if seconds is not None:  # None: a step whose time is no cost (it captured its graph)
+            self.times.setdefault((count, budget), deque(maxlen=COST_WINDOW)).append(seconds)
         if budget == DECODE:
             return  # an autoregressive step informs no budget
         if budget == self.budgets[-1]:
