@@ -126,7 +126,8 @@ class StepBudgetPolicy:
         self.informed = 0  # request-steps at the largest budget
         self.times: dict[tuple[int, int], deque] = {}
         for budget, seconds in (costs or {}).items():
-            self.times[(1, budget)] = deque([seconds] * MIN_TIMED, maxlen=COST_WINDOW)
+            self.times[(1, budget)] = deque([seconds], maxlen=COST_WINDOW)
+        self.seeded = {(1, budget) for budget in costs or {}}  # timed already: a median of warm-up's steps each
         self.steps = 0
         self.credit = 0.0  # seconds of exploration earned and not spent yet
         self.explored_at = 0  # the step that last took the largest budget
@@ -155,7 +156,9 @@ class StepBudgetPolicy:
     def choose(self, busy: int = 1, count: int = 1) -> int:
         self.steps += 1
         largest = self.budgets[-1]
-        untimed = [b for b in self.options if len(self.times.get((count, b), ())) < MIN_TIMED]
+        untimed = [
+            b for b in self.options if len(self.times.get((count, b), ())) < MIN_TIMED and (count, b) not in self.seeded
+        ]
         if self.informed < MIN_INFORMED:
             best = largest
         elif untimed:
