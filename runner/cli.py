@@ -266,8 +266,10 @@ def format_stats(result, mode: str) -> str:
     tokens, elapsed = len(result.tokens), result.elapsed
     mean = f", mean acceptance length {result.mean_accept_length:.2f}" if result.accept_lengths else ""
     if "budget auto" in mode and result.budgets:
-        label = lambda b: "autoregressive" if b == 0 else str(b)  # noqa: E731  (0: `DECODE`, a batch's policy)
-        counts = ", ".join(f"{label(b)}: {result.budgets.count(b)}" for b in sorted(set(result.budgets)))
+        from runner.device.budget import DECODE
+
+        names = {DECODE: "autoregressive"}  # a batch policy's autoregressive steps
+        counts = ", ".join(f"{names.get(b, b)}: {result.budgets.count(b)}" for b in sorted(set(result.budgets)))
         mean += ", budgets chosen " + counts
     phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result.seconds.items())
     return (

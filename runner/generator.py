@@ -134,11 +134,11 @@ class Generator:
     def _warm_batch(self, prompt: list[int], params: SamplingParams) -> None:
         """Every batched step's graph: at each slot count, one step of that many requests of two tokens (the first
         from the prefill, the second from the step) at two budgets alternating (each slot's own: a mixed batch's
-        form), then one with each budget for the whole batch (an all-`auto` batch's, or all at one fixed budget) and one
-        autoregressive step (`DECODE`); each under a policy of that one choice, so the batch policy learns nothing
-        from these steps (they include the captures). Requests of
-        different lengths leaving one after another missed slot counts whenever two left at the same step (one
-        H200: the first step at such a count took 100-160 ms, and its time steered the policy)."""
+        form), then one with each budget for the whole batch (an all-`auto` batch's, or all at one fixed budget) and
+        one autoregressive step (`DECODE`); each under a policy of that one choice, so the batch policy learns nothing
+        from these steps (they include the captures). Requests of different lengths leaving one after another missed
+        slot counts whenever two left at the same step (one H200: the first step at such a count took 110-161 ms, and
+        its time steered the policy)."""
         from runner.device.budget import DECODE, StepBudgetPolicy
 
         several, budgets = len(self.device_budgets) > 1, self.device_budgets

@@ -101,7 +101,7 @@ class BatchLoop:
         if self.autoregressive:
             return self._decode(loops)
         if budget == DECODE:
-            return self._decode_speculative(loops)
+            return self._decode(loops, speculative=True)
         self._draft(loops)
         for loop in loops:
             if self.oracle is not None:
@@ -118,17 +118,29 @@ class BatchLoop:
         lead, block = loops[0], self.block
         ids = torch.cat([torch.cat((loop.bonus, loop.masks)) for loop in loops])
         positions = torch.cat([loop.num_cached + lead.arange_block for loop in loops])
-        context = torch.cat([loop.context for loop in loops])
-        context_positions = torch.cat([loop.num_cached - loop.context_count + lead.arange_block for loop in loops])
+        context, context_positions = self._context(loops)
         counts = torch.cat([loop.context_count for loop in loops])
         caches = tuple(loop.cache.draft for loop in loops)
         drafted = torch.cat([loop.num_drafted for loop in loops])
         logits, new_context_kv = self.drafter(context, context_positions, counts, ids, positions, caches, drafted)
+        self._commit_context(loops, new_context_kv)
         for b, loop in enumerate(loops):
-            loop.cache.draft.index_copy_(2, loop.num_drafted + lead.arange_block,
-                                         new_context_kv[:, :, b * block : (b + 1) * block])  # fmt: skip
-            loop.num_drafted += loop.context_count
             loop.draft_logits = logits[b * (block - 1) : (b + 1) * (block - 1)]
+
+    def _context(self, loops) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot's pending context rows (a block each, `context_count` of them valid) and their positions."""
+        arange = loops[0].arange_block
+        context = torch.cat([loop.context for loop in loops])
+        return context, torch.cat([loop.num_cached - loop.context_count + arange for loop in loops])
+
+    def _commit_context(self, loops, new_context_kv) -> None:
+        """Each slot's context K/V rows into its draft cache (a block written, its `context_count` rows kept)."""
+        arange, block = loops[0].arange_block, self.block
+        for b, loop in enumerate(loops):
+            loop.cache.draft.index_copy_(
+                2, loop.num_drafted + arange, new_context_kv[:, :, b * block : (b + 1) * block]
+            )
+            loop.num_drafted += loop.context_count
 
     def _verify(self, loops, per_slot: bool = True) -> None:
         """Every slot's tree in one target forward, each over its own cache; each slot's choices from its rows.
@@ -149,49 +161,30 @@ class BatchLoop:
             loop.new_kv, loop.taps = new_kv[:, b * rows : (b + 1) * rows], taps[b * rows : (b + 1) * rows]
             loop.choices = loop._choose(logits[b * rows : (b + 1) * rows])
 
-    def _decode(self, loops) -> None:
-        """Autoregressive: every slot's bonus token in one forward, each over its own cache."""
+    def _decode(self, loops, speculative: bool = False) -> None:
+        """Every slot's bonus token in one target forward, each over its own cache; its KV committed, the next token
+        chosen. speculative: an autoregressive step of speculative requests (`DECODE`: the batch policy's choice when
+        no tree pays for its rows): each slot's pending context (its last step's accepted rows) first goes into its
+        draft cache as a draft would commit it (`DFlashDrafter.context_kv`, every slot's rows in one call), and the
+        new row's taps become the next context: the state a step that accepted only the bonus leaves, so the next
+        step may draft or decode again."""
         count = len(loops)
+        if speculative:
+            self._commit_context(loops, self.drafter.context_kv(*self._context(loops)))
         tokens = torch.cat([loop.bonus for loop in loops])
         lengths = torch.cat([loop.num_cached for loop in loops])
         masks = loops[0].decode_mask.expand(count, 1, 1)
         caches = tuple(loop.cache.latent for loop in loops)
-        logits, new_kv, _ = self.target(tokens, lengths, masks, caches, lengths, self.logit_rows[:count])
-        for b, loop in enumerate(loops):
-            token = loop._choose(logits[b : b + 1])
-            loop.cache.latent.index_copy_(1, loop.num_cached, new_kv[:, b : b + 1])
-            loop.num_cached += 1
-            loop.emitted[:1].copy_(token)
-            loop.emitted[-1:].copy_(loop.decode_mask.reshape(1))
-            loop.bonus.copy_(token)
-
-    def _decode_speculative(self, loops) -> None:
-        """An autoregressive step of speculative requests (`DECODE`: the batch policy's choice when no tree pays for
-        its rows). Each slot's pending context (its last step's accepted rows) goes into its draft cache as a draft
-        would commit it (`DFlashDrafter.context_kv`, every slot's rows in one call); then every slot's bonus token
-        runs in one target forward, its KV is committed and its taps become the next context: the state a step that
-        accepted only the bonus leaves, so the next step may draft or decode again."""
-        lead, block, count = loops[0], self.block, len(loops)
-        context = torch.cat([loop.context for loop in loops])
-        context_positions = torch.cat([loop.num_cached - loop.context_count + lead.arange_block for loop in loops])
-        context_kv = self.drafter.context_kv(context, context_positions)
-        for b, loop in enumerate(loops):
-            loop.cache.draft.index_copy_(2, loop.num_drafted + lead.arange_block,
-                                         context_kv[:, :, b * block : (b + 1) * block])  # fmt: skip
-            loop.num_drafted += loop.context_count
-        tokens = torch.cat([loop.bonus for loop in loops])
-        lengths = torch.cat([loop.num_cached for loop in loops])
-        masks = lead.decode_mask.expand(count, 1, 1)
-        caches = tuple(loop.cache.latent for loop in loops)
         logits, new_kv, taps = self.target(tokens, lengths, masks, caches, lengths, self.logit_rows[:count])
         for b, loop in enumerate(loops):
-            if self.oracle is not None:  # benchmarks' oracle: the continuation's next token, as a verify takes it
-                token = loop._oracle_tokens(lead.arange_block[:1] + 1)
+            if speculative and self.oracle is not None:  # benchmarks' oracle: the continuation's next token
+                token = loop._oracle_tokens(loop.arange_block[:1] + 1)
             else:
                 token = loop._choose(logits[b : b + 1])
             loop.cache.latent.index_copy_(1, loop.num_cached, new_kv[:, b : b + 1])
-            loop.context[:1].copy_(taps[b : b + 1])
-            loop.context_count.fill_(1)
+            if speculative:
+                loop.context[:1].copy_(taps[b : b + 1])
+                loop.context_count.fill_(1)
             loop.num_cached += 1
             loop.emitted[:1].copy_(token)
             loop.emitted[-1:].fill_(1)
@@ -276,11 +269,11 @@ class Batcher:
         batch_wide = self.batch_policy is not None and all(m.budget == "auto" for m in self.members.values())
         budget = self.batch_policy.choose(len(self.members), count) if batch_wide else None
         fixed = {m.budget for m in self.members.values()}
-        if self.batch_policy is not None and len(fixed) == 1 and isinstance(min(fixed), int):
+        if self.batch_policy is not None and len(fixed) == 1 and isinstance(next(iter(fixed)), int):
             # an engine of several budgets, every request at one fixed budget: the batch-wide graph of that budget,
             # whose verify has its rows only; the per-slot form verifies the largest budget's rows (padding outside
             # each slot's budget), which cost a batch of 16 budget-8 requests as much as budget 32 (one H200)
-            budget = min(fixed)
+            budget = next(iter(fixed))
         auto = [s for s, m in self.members.items() if m.budget == "auto" and self.policy is not None]
         choices = {} if batch_wide else {s: self.policy.device_inputs() for s in auto}
         started = time.perf_counter()
