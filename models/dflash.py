@@ -10,9 +10,10 @@ padding. Every layer projects them with its own k/v (k_norm, rope at their absol
 non-causally, from the block to [cached context | new context | block]. The draft cache keeps context K/V only.
 The drafter borrows the target's vocab-parallel embedding and lm_head.
 
-Several requests in one forward (batched steps, `runner/device/batch.py`): draft_cache a tuple of each request's
-cache, context_length and draft_cache_length [n], request r's rows the r-th equal share of the context rows and of
-the block rows; draft_logits then [n * (B - 1), vocab], request by request.
+Several requests in one forward (batched steps, `runner/device/batch.py`): draft_cache each request's cache
+stacked [n, layers, 2, S, kv_heads, head_dim] (the batch's slots), context_length and draft_cache_length [n],
+request r's rows the r-th equal share of the context rows and of the block rows; draft_logits then
+[n * (B - 1), vocab], request by request.
 """
 
 from __future__ import annotations
@@ -80,14 +81,14 @@ class DraftAttention(nn.Module):
         """h [B, hidden] block rows, ctx [C, hidden] context features, block_rope / rows_rope the (cos, sin) of the
         block rows / of the C + B context-then-block rows, cache [2, S, kv_heads, head_dim], lengths (valid cached
         rows [1], valid context rows [1]) and key_bias (`key_bias`; None for the kernel form). Several requests
-        (batched steps): cache a tuple of each one's [2, S, ...], lengths [n] each, key_bias a list, request r's rows
-        the r-th equal share of the context rows and of the block rows (`attend_requests`)."""
+        (batched steps): cache each one's [2, S, ...] stacked [n, 2, S, ...], lengths [n] each, key_bias a list,
+        request r's rows the r-th equal share of the context rows and of the block rows (`attend_requests`)."""
         blocks, context, dim = h.shape[0], ctx.shape[0], self.head_dim
         q, k, v = self.project(h, torch.cat((ctx, h)))
         q = self.apply_rotary(self.q_norm(q.view(blocks, self.heads, dim)), *block_rope)
         k_new = self.apply_rotary(self.k_norm(k.view(context + blocks, self.kv_heads, dim)), *rows_rope)
         v_new = v.view(context + blocks, self.kv_heads, dim)  # [C + B, kv_heads, head_dim]
-        if torch.is_tensor(cache):
+        if cache.dim() == 4:
             attended = self.attend_rows(q, cache, k_new, v_new, key_bias, lengths)
         else:
             attended = self.attend_requests(q, cache, k_new, v_new, key_bias, lengths, context)
@@ -154,6 +155,8 @@ class KernelDraftAttention(DraftAttention):
     new rows, without the concatenation or a key bias (measured against the torch forms in
     `benchmarks/profile_forward.py --draft-attention`)."""
 
+    kernel_config: dict = {}  # the kernel's tiles (default: its own; tests under the interpreter take small ones)
+
     @staticmethod
     def key_bias(capacity, context, blocks, cache_length, context_length, dtype):
         return None
@@ -163,8 +166,19 @@ class KernelDraftAttention(DraftAttention):
 
         context = k_new.shape[0] - q.shape[0]
         out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new, context, lengths[1],
-                                   self.scale)  # fmt: skip
+                                   self.scale, **self.kernel_config)  # fmt: skip
         return self.unfold_heads(out, q.shape[0])
+
+    def attend_requests(self, q, caches, k_new, v_new, key_biases, lengths, context):
+        """Every request in one launch: each request's block rows folded, the kernel's batched form."""
+        from models.draft_attention_kernel import draft_attention_cuda
+
+        count, kv, groups, dim = caches.shape[0], self.kv_heads, self.heads // self.kv_heads, self.head_dim
+        blocks = q.shape[0] // count
+        folded = q.view(count, blocks, kv, groups, dim).permute(0, 2, 3, 1, 4).reshape(count, kv, groups * blocks, dim)
+        out = draft_attention_cuda(folded, caches, lengths[0], k_new, v_new, context, lengths[1], self.scale,
+                                   **self.kernel_config)  # fmt: skip
+        return out.view(count, kv, groups, blocks, dim).permute(0, 3, 1, 2, 4).reshape(count * blocks, -1)
 
 
 class DraftLayer(nn.Module):
@@ -222,7 +236,7 @@ class DFlashDrafter(nn.Module):
         blocks = x.shape[0]
         rows_rope = self.rotary(torch.cat((context_positions, block_positions)), x.dtype)  # context, then block rows
         block_rope = tuple(table[-blocks:] for table in rows_rope)
-        if torch.is_tensor(draft_cache):
+        if draft_cache.dim() == 5:
             lengths = (draft_cache_length.reshape(1), context_length.reshape(1))
             key_bias = self.key_bias(draft_cache.shape[2], ctx.shape[0], blocks, *lengths, x.dtype)
             caches = lambda i: draft_cache[i]  # noqa: E731
@@ -231,13 +245,13 @@ class DFlashDrafter(nn.Module):
             lengths = (draft_cache_length.reshape(count), context_length.reshape(count))
             key_bias = [self.key_bias(c.shape[2], ctx.shape[0] // count, blocks // count, lengths[0][r : r + 1],
                                       lengths[1][r : r + 1], x.dtype) for r, c in enumerate(draft_cache)]  # fmt: skip
-            caches = lambda i: tuple(c[i] for c in draft_cache)  # noqa: E731
+            caches = lambda i: draft_cache[:, i]  # noqa: E731
         new_kv = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(x, ctx, block_rope, rows_rope, caches(i), key_bias, lengths)
             new_kv.append(kv)
         x = self.norm(x)
-        if torch.is_tensor(draft_cache):
+        if draft_cache.dim() == 5:
             return self.lm_head(x[1:]), torch.stack(new_kv)
         count = len(draft_cache)  # each request's block rows but its first
         return self.lm_head(x.view(count, blocks // count, -1)[:, 1:].reshape(-1, x.shape[-1])), torch.stack(new_kv)

@@ -45,11 +45,13 @@ def _draft_attention_split(
     rows_total,
     qk_scale,
     cache_stride,
+    cache_batch_stride,
     new_k_stride,
     new_v_stride,
     num_splits,
     context_rows,
     new_rows,
+    KV,
     ROWS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -58,12 +60,19 @@ def _draft_attention_split(
     MIN_BLOCKS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # program (row tile, split, KV head): splits 0 .. num_splits - 1 take slices of the cached rows, split num_splits
-    # the new_rows new rows (context_rows context rows, of which the first `count` are valid, then the block); the
-    # row counts are run-time values, so a prompt of a new length does not compile another kernel
-    tile, split, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
-    count = tl.sum(tl.load(count_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
+    # program (row tile, split, request x KV head): splits 0 .. num_splits - 1 take slices of the cached rows, split
+    # num_splits the new_rows new rows (context_rows context rows, of which the first `count` are valid, then the
+    # block); the row counts are run-time values, so a prompt of a new length does not compile another kernel.
+    # Request r (several requests' blocks in one launch) has its own cache and lengths, its context rows the r-th
+    # share of the new rows' context part and its block the r-th share of their block part.
+    tile, split, program = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r, head = program // KV, program % KV
+    requests = tl.num_programs(2) // KV
+    q_ptr += r * (KV * ROWS * D)
+    k_cache += r.to(tl.int64) * cache_batch_stride
+    v_cache += r.to(tl.int64) * cache_batch_stride
+    length = tl.sum(tl.load(length_ptr + r + tl.arange(0, 1)), axis=0).to(tl.int32)
+    count = tl.sum(tl.load(count_ptr + r + tl.arange(0, 1)), axis=0).to(tl.int32)
     chunk = _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS)
     is_new = split == num_splits
     start = split * chunk
@@ -109,6 +118,9 @@ def _draft_attention_split(
         for block in range(0, new_rows, BLOCK_N):
             keys = block + offs_n
             key_ok = (keys < new_rows) & ((keys >= context_rows) | (keys < count))
+            # the request's own rows: its context share, then its block share (after every request's context)
+            own = tl.where(keys < context_rows, r * context_rows + keys,
+                           requests * context_rows + r * (new_rows - context_rows) + keys - context_rows)  # fmt: skip
             acc, m_i, l_i = _attend_block(
                 acc,
                 m_i,
@@ -117,7 +129,7 @@ def _draft_attention_split(
                 q,
                 k_new + head * D,
                 new_k_stride,
-                keys,
+                own,
                 key_ok,
                 row_ok[:, None] & key_ok[None, :],
                 offs_d,
@@ -130,7 +142,7 @@ def _draft_attention_split(
                 new_v_stride,
                 True,
             )
-    base = split * rows_total + head * ROWS + rows
+    base = split * rows_total + program * ROWS + rows
     written = row_ok & active
     tl.store(part_m + base, m_i, mask=written)
     tl.store(part_l + base, l_i, mask=written)
@@ -143,10 +155,18 @@ def draft_attention_cuda(q, cache, cache_length, k_new, v_new, context_rows: int
     [2, S, KV, D] (rows < cache_length [1] valid; the length on the device), k_new / v_new [C + B, KV, D] (the
     `context_rows` C context rows, the first context_length [1] of them valid, then the block; rows may be strided)
     -> [KV, G * B, D] in q's dtype: softmax(q k^T * scale) v over the valid cached rows, the valid context rows and
-    the block. `config`: block_m, block_n, min_blocks, num_warps, num_stages (tests)."""
-    kv, rows, dim = q.shape
-    capacity, new = cache.shape[1], k_new.shape[0]
-    if cache.shape[2:] != (kv, dim) or k_new.shape[1:] != (kv, dim) or v_new.shape != k_new.shape:
+    the block. `config`: block_m, block_n, min_blocks, num_warps, num_stages (tests).
+
+    Several requests in one launch (batched steps): q [R, KV, G * B, D] (each request folded), cache [R, 2, S, KV, D]
+    (any stride between requests), cache_length and context_length [R], k_new / v_new [R * C + R * B, KV, D] (every
+    request's C context rows, then every request's B block rows) -> [R, KV, G * B, D]. Each request is cut into the
+    splits a launch of its own would use."""
+    batched = q.dim() == 4
+    requests = q.shape[0] if batched else 1
+    kv, rows, dim = q.shape[-3:]
+    capacity, new = cache.shape[-3], k_new.shape[0] // requests
+    context_rows //= requests
+    if cache.shape[-2:] != (kv, dim) or k_new.shape[1:] != (kv, dim) or v_new.shape != k_new.shape:
         shapes = f"q {tuple(q.shape)}, cache {tuple(cache.shape)}, k_new {tuple(k_new.shape)}, v {tuple(v_new.shape)}"
         raise ValueError(f"draft attention: {shapes} disagree on KV heads / head dim")
     if not 0 <= context_rows <= new:
@@ -161,12 +181,13 @@ def draft_attention_cuda(q, cache, cache_length, k_new, v_new, context_rows: int
     tiles = triton.cdiv(rows, block_m)
     splits = num_splits_for(rows * kv, capacity, block_m, block_n, _sm_count(q.device), min_blocks)
     total = kv * rows
-    part_out, part_m, part_l = parts = split_partials(splits, total, dim, q.device)
-    out = torch.empty((kv, rows, dim), dtype=q.dtype, device=q.device)
-    _draft_attention_split[(tiles, splits + 1, kv)](
+    part_out, part_m, part_l = parts = split_partials(splits, requests * total, dim, q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    keys, values = (cache[:, 0], cache[:, 1]) if batched else (cache[0], cache[1])
+    _draft_attention_split[(tiles, splits + 1, requests * kv)](
         q.contiguous(),
-        cache[0],
-        cache[1],
+        keys,
+        values,
         cache_length,
         k_new,
         v_new,
@@ -174,14 +195,16 @@ def draft_attention_cuda(q, cache, cache_length, k_new, v_new, context_rows: int
         part_out,
         part_m,
         part_l,
-        total,
+        requests * total,
         scale * LOG2E,
-        cache.stride(1),
+        cache.stride(-3),
+        cache.stride(0) if batched else 0,
         k_new.stride(0),
         v_new.stride(0),
         splits,
         context_rows,
         new,
+        kv,
         ROWS=rows,
         D=dim,
         BLOCK_D=block_d,
@@ -192,5 +215,6 @@ def draft_attention_cuda(q, cache, cache_length, k_new, v_new, context_rows: int
         num_warps=config.get("num_warps", 4),
         num_stages=config.get("num_stages", 2),
     )
-    combine_splits(parts, cache_length, out, total, splits, dim, block_d, block_n, min_blocks)
+    combine_splits(parts, cache_length, out, requests * total, splits, dim, block_d, block_n, min_blocks,
+                   rows_per_request=total)  # fmt: skip
     return out

@@ -6,10 +6,10 @@
          new_latent_kv [L, T, D] (the input tokens' latent rows: an output, never written into the cache),
          taps [T, len(tap_layers) * hidden] (outputs of the drafter's target layers, in tap order)
 
-One sequence, or several requests' trees in one forward (batched steps): `latent_cache` a tuple of each request's
-[L, S, D] cache, cache_length [B], tree_mask [B, T, T], request b's rows at [b * T, (b + 1) * T) (`models/mla.py`,
-`per_request`); the engines' profiles are one sequence. Every operator form (attention, MoE, norms, collectives) is
-fixed at construction by `ops` (`models/ops.py`), chosen by the rank factory.
+One sequence, or several requests' trees in one forward (batched steps): `latent_cache` each request's [L, S, D]
+cache stacked [B, L, S, D] (the batch's slots), cache_length [B], tree_mask [B, T, T], request b's rows at
+[b * T, (b + 1) * T) (`models/mla.py`, `per_request`); the engines' profiles are one sequence. Every operator form
+(attention, MoE, norms, collectives) is fixed at construction by `ops` (`models/ops.py`), chosen by the rank factory.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class KimiTarget(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         outputs, new_kv = [], []  # each layer's output, made by the next norm's residual add
         for i, layer in enumerate(self.model.layers):
-            cache = latent_cache[i] if torch.is_tensor(latent_cache) else tuple(c[i] for c in latent_cache)
+            cache = latent_cache[i] if latent_cache.dim() == 3 else latent_cache[:, i]  # [B, layers, S, D]: batched
             previous, x, pending, kv = layer.deferred(x, pending, cos, sin, tree_mask, cache, cache_length)
             if i:
                 outputs.append(previous)

@@ -24,14 +24,17 @@ from models.rope import deinterleave_permutation
 
 def per_request(attention):
     """The tree attention of several requests' trees in one forward (batched steps: `runner/device/batch.py`):
-    `cache` a tuple of each request's [S, D] layer cache, cache_length [B], tree_mask [B, T, T], request b's rows at
-    [b * T, (b + 1) * T); the op runs once per request, everything else in the layer once for all rows. One request
-    (a tensor cache, as every engine profile has it): the op itself."""
+    `cache` each request's [S, D] layer cache, stacked [B, S, D] (one slot's caches a row of the batch's: any stride
+    between requests), cache_length [B], tree_mask [B, T, T], request b's rows at [b * T, (b + 1) * T). An op that
+    takes a batch (`batched`: the GPU kernel, one launch for every request) gets it whole; otherwise it runs once
+    per request; everything else in the layer runs once for all rows. One request ([S, D], as every engine profile
+    has it): the op itself."""
+    whole = getattr(attention, "batched", False)
 
     def attend(query, cache, cache_length, new_kv, tree_mask, scale, latent_dim):
-        if torch.is_tensor(cache):
+        if cache.dim() == 2 or whole:
             return attention(query, cache, cache_length, new_kv, tree_mask, scale, latent_dim)
-        rows = query.shape[0] // len(cache)
+        rows = query.shape[0] // cache.shape[0]
         return torch.cat([attention(query[b * rows : (b + 1) * rows], layer, cache_length[b : b + 1],
                                     new_kv[b * rows : (b + 1) * rows], tree_mask[b], scale, latent_dim)
                           for b, layer in enumerate(cache)])  # fmt: skip

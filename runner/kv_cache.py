@@ -24,6 +24,14 @@ class SequenceCache:
         self.capacity = latent_shape[1]
         self.reset()
 
+    @classmethod
+    def over(cls, latent: torch.Tensor, draft: torch.Tensor) -> SequenceCache:
+        """A cache over existing tensors (a batch slot's: a row of the batch's caches, `runner/device/batch.py`)."""
+        cache = cls.__new__(cls)
+        cache.latent, cache.draft, cache.capacity = latent, draft, latent.shape[1]
+        cache.reset()
+        return cache
+
     def reset(self) -> None:
         self.num_cached = 0  # committed target rows
         self.num_drafted = 0  # committed draft-cache rows

@@ -27,15 +27,12 @@ def run_interpreted(script: str, timeout: float = 300) -> subprocess.CompletedPr
 
 
 def use_small_draft_kernel() -> None:
-    """In an interpreted script: the drafter's attention through the Triton kernel, called as the GPU form calls it
-    (heads folded, kernel, unfolded) but with small tiles, which the interpreter runs quickly."""
-    from models.dflash import DraftAttention
-    from models.draft_attention_kernel import draft_attention_cuda
+    """In an interpreted script: the drafter's attention through the Triton kernel, as the GPU form calls it (one
+    request: heads folded, kernel, unfolded; several: the kernel's batched form) but with small tiles, which the
+    interpreter runs quickly."""
+    from models.dflash import DraftAttention, KernelDraftAttention
 
-    def kernel_form(self, q, cache, k_new, v_new, key_bias, lengths):
-        context = k_new.shape[0] - q.shape[0]
-        out = draft_attention_cuda(self.fold_heads(q), cache, lengths[0], k_new, v_new, context, lengths[1], self.scale,
-                                   block_m=16, block_n=16, num_warps=1, num_stages=1)  # fmt: skip
-        return self.unfold_heads(out, q.shape[0])
-
-    DraftAttention.attend_rows = kernel_form
+    DraftAttention.kernel_config = {"block_m": 16, "block_n": 16, "num_warps": 1, "num_stages": 1}
+    KernelDraftAttention.kernel_config = DraftAttention.kernel_config
+    DraftAttention.attend_rows = KernelDraftAttention.attend_rows
+    DraftAttention.attend_requests = KernelDraftAttention.attend_requests

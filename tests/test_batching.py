@@ -44,7 +44,7 @@ def test_one_forward_over_several_requests_equals_a_forward_each(demo_ckpt, tp_s
             return ranks._pool.map(fn, workers) if ranks._pool else [fn(workers[0])]
 
     def batched(worker):
-        return worker.session.modules["target"](tokens, positions, masks, tuple(caches), torch.tensor(lengths),
+        return worker.session.modules["target"](tokens, positions, masks, torch.stack(caches), torch.tensor(lengths),
                                                 torch.arange(len(tokens)))  # fmt: skip
 
     def single(worker):
@@ -82,7 +82,7 @@ def test_one_drafter_forward_over_several_requests_equals_a_forward_each(demo_ck
 
     def batched(worker):
         return worker.session.modules["draft"](context, context_positions, torch.tensor(counts), ids, positions,
-                                               tuple(caches), torch.tensor(lengths))  # fmt: skip
+                                               torch.stack(caches), torch.tensor(lengths))  # fmt: skip
 
     def single(worker):
         draft = worker.session.modules["draft"]
@@ -546,7 +546,7 @@ def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
         masks[1, -1, 1:-1] = False
         worst = 0.0
         with torch.no_grad():
-            got, got_kv = mla(x, cos, sin, masks, tuple(caches), torch.tensor(lengths))
+            got, got_kv = mla(x, cos, sin, masks, torch.stack(caches), torch.tensor(lengths))
             for b in range(2):
                 s = slice(b * rows, (b + 1) * rows)
                 want, want_kv = mla(x[s], cos[s], sin[s], masks[b], caches[b], torch.tensor([lengths[b]]))
@@ -560,7 +560,7 @@ def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
         positions = torch.cat([torch.arange(30, 38), torch.arange(10, 18)])
         block_positions = torch.cat([torch.arange(33, 41), torch.arange(12, 20)])
         with torch.no_grad():
-            logits, kv = drafter(context, positions, torch.tensor([3, 2]), block, block_positions, tuple(cache),
+            logits, kv = drafter(context, positions, torch.tensor([3, 2]), block, block_positions, torch.stack(cache),
                                  torch.tensor([30, 10]))
             for b, (count, length) in enumerate(((3, 30), (2, 10))):
                 s = slice(8 * b, 8 * (b + 1))

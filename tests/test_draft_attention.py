@@ -102,3 +102,40 @@ def test_drafter_with_the_kernel_equals_the_torch_form_under_the_interpreter(dem
     assert done.returncode == 0, done.stderr[-3000:]
     logits_diff, kv_diff = (float(v) for v in done.stdout.split()[-2:])
     assert logits_diff < 1e-5 and kv_diff == 0.0
+
+
+def test_draft_attention_kernel_batches_requests_each_as_its_own_launch():
+    """Several requests' blocks in one launch (batched steps): each request's cache a row of the slots' caches (NaN
+    past its length), its own lengths, its context rows a share of the context part and its block a share of the
+    block part; each request's output equals a launch of its own bit for bit, and the reference's."""
+    script = """
+        import torch
+        from models import draft_attention_kernel as dk
+        from tests.test_draft_attention import random_case, reference
+        dk._sm_count = lambda device: 8
+        kv, groups, blocks, ctx, capacity, dim = 2, 4, 8, 8, 96, 16
+        lengths, counts = [0, 40, 96], [0, 3, 8]
+        cases = [random_case(kv, groups, blocks, ctx, capacity, dim, seed=i) for i in range(3)]
+        slots = torch.full((3, 3, 2, capacity, kv, dim), float("nan"))
+        for r, (_, cache, _, _) in enumerate(cases):
+            slots[r, 1, :, : lengths[r]] = cache[:, : lengths[r]]
+        k_new = torch.cat([c[2][:ctx] for c in cases] + [c[2][ctx:] for c in cases])
+        v_new = torch.cat([c[3][:ctx] for c in cases] + [c[3][ctx:] for c in cases])
+        q = torch.stack([c[0] for c in cases])
+        config = dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
+        out = dk.draft_attention_cuda(q, slots[:, 1], torch.tensor(lengths), k_new, v_new, 3 * ctx,
+                                      torch.tensor(counts), 0.3, **config)
+        assert out.shape == q.shape and not out.isnan().any()
+        worst, same = 0.0, True
+        for r, (qr, cache, kr, vr) in enumerate(cases):
+            alone = dk.draft_attention_cuda(qr, slots[r, 1], torch.tensor([lengths[r]]), kr, vr, ctx,
+                                            torch.tensor([counts[r]]), 0.3, **config)
+            same &= torch.equal(out[r], alone)
+            expected = reference(qr, cache, lengths[r], kr, vr, ctx, counts[r], 0.3)
+            worst = max(worst, float((out[r].double() - expected).norm() / expected.norm()))
+        print("same", same, "worst", worst)
+    """
+    done = run_interpreted(script, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same True" in done.stdout, done.stdout
+    assert float(done.stdout.split()[-1]) < 1e-5

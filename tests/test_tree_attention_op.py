@@ -134,3 +134,41 @@ def test_triton_kernel_reads_no_cache_row_past_the_device_length():
     done = run_interpreted(script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
+
+
+def test_triton_kernel_batches_requests_each_as_its_own_launch():
+    """Several requests in one launch (batched steps): each request's cache is a layer of its own slot's caches
+    (a strided view of [slots, layers, S, D], NaN past its length), with its own length, tree mask and rows; each
+    request's rows equal a launch of its own bit for bit (the same splits), and the reference's."""
+    script = """
+        import torch
+        from plugins.tree_attention.kernel import tree_attention_cuda
+        from plugins.tree_attention.reference import tree_attention
+        from tests.test_tree_attention_op import random_case, rel
+        from plugins.tree_attention import kernel
+        kernel._sm_count = lambda device: 8
+        tokens, heads, capacity, width, latent = 9, 2, 80, 40, 32
+        lengths = [0, 37, 80, 5]
+        cases = [random_case(tokens, heads, capacity, n, latent, width - latent, seed=i) for i, n in enumerate(lengths)]
+        slots = torch.full((len(lengths), 3, capacity, width), float("nan"))
+        for b, (_, cache, _, _, _) in enumerate(cases):
+            slots[b, 1, : lengths[b]] = cache[: lengths[b]]
+        q = torch.cat([c[0] for c in cases])
+        new_kv = torch.cat([c[3] for c in cases])
+        masks = torch.stack([c[4] for c in cases])
+        length = torch.tensor(lengths)
+        config = dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
+        out = tree_attention_cuda(q, slots[:, 1], length, new_kv, masks, 0.3, latent, **config)
+        assert not out.isnan().any()
+        worst, same = 0.0, True
+        for b, (qb, cache, cached, kv, mask) in enumerate(cases):
+            alone = tree_attention_cuda(qb, slots[b, 1], cached, kv, mask, 0.3, latent, **config)
+            same &= torch.equal(out[b * tokens : (b + 1) * tokens], alone)
+            expected = tree_attention(qb.double(), cache.double(), cached, kv.double(), mask, 0.3, latent)
+            worst = max(worst, rel(out[b * tokens : (b + 1) * tokens], expected))
+        print("same", same, "worst", worst)
+    """
+    done = run_interpreted(script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same True" in done.stdout, done.stdout
+    assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]

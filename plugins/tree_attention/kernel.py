@@ -97,6 +97,7 @@ def _tree_attention_split(
     H,
     qk_scale,
     cache_stride,
+    cache_batch_stride,
     new_stride,
     num_splits,
     D_LAT: tl.constexpr,
@@ -108,10 +109,16 @@ def _tree_attention_split(
     MIN_BLOCKS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # program (tile, split): splits 0 .. num_splits - 1 take slices of the committed cache, split num_splits the
-    # tree's own T rows under the tree mask, so no program does both and the tree never waits behind a cache slice
-    tile, split = tl.program_id(0), tl.program_id(1)
-    length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)  # a 0-d scalar
+    # program (tile, split, request): splits 0 .. num_splits - 1 take slices of the committed cache, split
+    # num_splits the tree's own T rows under the tree mask, so no program does both and the tree never waits behind
+    # a cache slice. Request b (several requests' trees in one launch) has its own cache, length, rows and mask.
+    tile, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    requests = tl.num_programs(2)
+    q_ptr += b * (T * H * (D_LAT + D_ROPE))
+    cache_ptr += b.to(tl.int64) * cache_batch_stride
+    new_ptr += b * T * new_stride
+    mask_ptr += b * T * T
+    length = tl.sum(tl.load(length_ptr + b + tl.arange(0, 1)), axis=0).to(tl.int32)  # a 0-d scalar
     chunk = _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS)
     is_tree = split == num_splits
     start = split * chunk
@@ -187,7 +194,7 @@ def _tree_attention_split(
                 new_stride,
                 False,
             )
-    base = split * T * H + rows
+    base = (split * requests + b) * T * H + rows
     written = row_ok & active
     tl.store(part_m + base, m_i, mask=written)
     tl.store(part_l + base, l_i, mask=written)
@@ -204,6 +211,7 @@ def _combine_splits(
     length_ptr,
     out_ptr,
     rows_total,
+    rows_per_request,
     num_splits,
     D_LAT: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -213,9 +221,9 @@ def _combine_splits(
     SPLIT_GROUP: tl.constexpr,
 ):
     # program (row, column block): merges the splits the device length used (the same cut as the split kernel) and
-    # the tree split
+    # the tree split; rows_total rows of every request, rows_per_request each, request by request
     row, col = tl.program_id(0), tl.program_id(1)
-    length = tl.sum(tl.load(length_ptr + tl.arange(0, 1)), axis=0).to(tl.int32)
+    length = tl.sum(tl.load(length_ptr + row // rows_per_request + tl.arange(0, 1)), axis=0).to(tl.int32)
     used = tl.cdiv(length, _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS))
     splits = tl.arange(0, BLOCK_S)
     ok = (splits < used) | (splits == num_splits)
@@ -311,25 +319,35 @@ def tree_attention_cuda(
     q, cache, cache_length, new_kv, tree_mask, scale: float, latent_dim: int, out=None, stream=None, **config
 ):
     """q [T, H, D], cache [S, D], cache_length [1] (int, on the device), new_kv [T, D], tree_mask [T, T] bool
-    -> [T, H, latent_dim], with D = latent_dim + rope dim; same contract as `reference.tree_attention`."""
+    -> [T, H, latent_dim], with D = latent_dim + rope dim; same contract as `reference.tree_attention`.
+
+    Several requests in one launch (batched steps): cache [B, S, D] (each request's own rows; any stride between
+    requests, rows contiguous), cache_length [B], tree_mask [B, T, T], and q [B * T, H, D], new_kv [B * T, D] with
+    request b's rows at [b * T, (b + 1) * T). Each request is cut into the splits a launch of its own would use, so
+    its result does not depend on the others in the batch."""
+    batched = cache.dim() == 3
+    requests = cache.shape[0] if batched else 1
     tokens, heads, width = q.shape
+    tokens //= requests
     rope = width - latent_dim
     device = q.device
     rows = tokens * heads
+    capacity = cache.shape[-2]
     padded = max(16, triton.next_power_of_2(latent_dim)) + max(16, triton.next_power_of_2(rope))
-    config = {**default_config(rows, padded, q.element_size(), cache.shape[0]), **config}
+    config = {**default_config(rows, padded, q.element_size(), capacity), **config}
     block_m, block_n = config["block_m"], config["block_n"]
-    min_blocks = config.get("min_blocks", default_min_blocks(rows, cache.shape[0]))
-    splits = num_splits_for(rows, cache.shape[0], block_m, block_n, _sm_count(device), min_blocks)
-    if cache.shape[0] == 0:  # nothing cached: any valid pointer will do, no cache row is read
-        cache = new_kv
+    min_blocks = config.get("min_blocks", default_min_blocks(rows, capacity))
+    splits = num_splits_for(rows, capacity, block_m, block_n, _sm_count(device), min_blocks)
+    if capacity == 0:  # nothing cached: any valid pointer will do, no cache row is read
+        cache = new_kv.view(requests, tokens, width) if batched else new_kv
+    batch_stride = cache.stride(0) if batched else 0
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         if out is None:
-            out = torch.empty((tokens, heads, latent_dim), dtype=q.dtype, device=device)
-        part_out, part_m, part_l = parts = split_partials(splits, rows, latent_dim, device)
+            out = torch.empty((tokens * requests, heads, latent_dim), dtype=q.dtype, device=device)
+        part_out, part_m, part_l = parts = split_partials(splits, rows * requests, latent_dim, device)
         mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
         block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
-        _tree_attention_split[(triton.cdiv(rows, block_m), splits + 1)](
+        _tree_attention_split[(triton.cdiv(rows, block_m), splits + 1, requests)](
             q.contiguous(),
             cache,
             cache_length,
@@ -341,7 +359,8 @@ def tree_attention_cuda(
             tokens,
             heads,
             scale * LOG2E,
-            cache.stride(0),
+            cache.stride(-2),
+            batch_stride,
             new_kv.stride(0),
             splits,
             D_LAT=latent_dim,
@@ -356,8 +375,12 @@ def tree_attention_cuda(
             num_stages=config["num_stages"],
         )
         block_d = block_dl if rows >= COMBINE_SPLIT_ROWS else min(block_dl, COMBINE_COLUMNS)
-        combine_splits(parts, cache_length, out, rows, splits, latent_dim, block_d, block_n, min_blocks)
+        combine_splits(parts, cache_length, out, rows * requests, splits, latent_dim, block_d, block_n, min_blocks,
+                       rows_per_request=rows)  # fmt: skip
     return out
+
+
+tree_attention_cuda.batched = True  # takes several requests in one launch (`models/mla.py`, `per_request`)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -376,14 +399,17 @@ def split_partials(splits: int, rows: int, width: int, device) -> tuple[torch.Te
 
 
 def combine_splits(parts, cache_length, out, rows: int, splits: int, width: int, block_d: int, block_n: int,
-                   min_blocks: int) -> None:  # fmt: skip
+                   min_blocks: int, rows_per_request: int | None = None) -> None:  # fmt: skip
     """Merges `split_partials` into out [rows, width] (contiguous rows): the splits the device length used (cut as
-    the split kernel cut them: block_n, min_blocks) and the new rows' split; a program per row and block_d columns."""
+    the split kernel cut them: block_n, min_blocks) and the new rows' split; a program per row and block_d columns.
+    rows_per_request: several requests' rows, request by request, each with its own cache_length entry (None: one
+    request)."""
     _combine_splits[(rows, triton.cdiv(width, block_d))](
         *parts,
         cache_length,
         out,
         rows,
+        rows_per_request or rows,
         splits,
         D_LAT=width,
         BLOCK_D=block_d,

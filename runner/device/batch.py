@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from models.moe import active_rows
-from runner.device.budget import DECODE
+from runner.device.budget import DECODE, accepted_at
 from runner.device.loop import DeviceLoop, first_token
+from runner.device.tree import accept_greedy_batched
 from runner.kv_cache import SequenceCache
 from runner.probes import Probes
 from runner.sessions.cuda_graphs import capture_graph, warm_up
@@ -41,25 +42,40 @@ class _Slot:
 
 
 class BatchLoop:
-    """One rank's slots and its batched step (the worker's `batch_*` calls)."""
+    """One rank's slots and its batched step (the worker's `batch_*` calls).
+
+    The slots' caches are rows of two batch tensors (latent [slots, layers, S, D], draft [slots, layers, 2, S, ...])
+    and each slot's step state (cached rows, draft rows, context, bonus, emitted tokens) a row of the batch's state
+    tensors, each `DeviceLoop` holding views of its row: one kernel commits, walks or chooses for every slot, and
+    the attention kernels take the batch's caches whole (`models/mla.py`, `per_request`)."""
 
     def __init__(self, worker, spec, slots: int, use_graph: bool, autoregressive: bool = False):
         main = worker.cache
+        device = self.device = main.latent.device
         # benchmarks' oracle (`runner/probes.py`), as the rank's own loop has it: every slot follows the continuation
         self.oracle = worker.loop.oracle if worker.loop is not None else None
         probes = Probes(oracle=self.oracle)
-        self.loops = []
-        for _ in range(slots):
-            cache = SequenceCache(main.latent.shape, main.draft.shape, main.latent.dtype, main.latent.device)
-            self.loops.append(DeviceLoop(_Slot(worker, cache), spec, use_graph, autoregressive, probes))
+        self.latent = torch.zeros((slots, *main.latent.shape), dtype=main.latent.dtype, device=device)
+        self.draft = torch.zeros((slots, *main.draft.shape), dtype=main.draft.dtype, device=device)
+        self.loops = [DeviceLoop(_Slot(worker, SequenceCache.over(self.latent[s], self.draft[s])), spec, use_graph,
+                                 autoregressive, probes) for s in range(slots)]  # fmt: skip
         lead = self.loops[0]
+        long = {"dtype": torch.long, "device": device}
+        self.num_cached, self.num_drafted = torch.zeros(slots, **long), torch.zeros(slots, **long)
+        self.context_count, self.bonus = torch.zeros(slots, **long), torch.zeros(slots, **long)
+        self.context = torch.zeros((slots, *lead.context.shape), dtype=lead.context.dtype, device=device)
+        self.emitted = torch.zeros((slots, *lead.emitted.shape), **long)
+        for s, loop in enumerate(self.loops):  # each loop's state: views of its slot's row
+            loop.num_cached, loop.num_drafted = self.num_cached[s : s + 1], self.num_drafted[s : s + 1]
+            loop.context_count, loop.bonus = self.context_count[s : s + 1], self.bonus[s : s + 1]
+            loop.context, loop.emitted = self.context[s], self.emitted[s]
+        self.slot_index = torch.arange(slots, device=device)
         self.target, self.drafter, self.autoregressive, self.rows = lead.target, lead.drafter, autoregressive, lead.rows
         self.block = spec.block_size
         self.routers = lead.routers if lead.auto else []
-        self.logit_rows = torch.arange(slots * self.rows, device=main.latent.device)
+        self.logit_rows = torch.arange(slots * self.rows, device=device)
         self.use_graph, self.graphs = use_graph, {}
         self.captured = False  # whether the last step captured its graph
-        self.device = main.latent.device
 
     def release(self, slot: int) -> None:
         """A free slot below a busy one is stepped too: its state goes back to an empty sequence before each step,
@@ -88,7 +104,7 @@ class BatchLoop:
             if self.captured:
                 self.graphs[key] = self._capture(count, budget)
             self.graphs[key].replay()
-        emitted = torch.stack([loop.emitted for loop in loops]).tolist()  # the one device -> host copy of a step
+        emitted = self.emitted[:count].tolist()  # the one device -> host copy of a step
         for loop in loops if loops[0].auto else ():
             # the statistics of a step on the largest tree (or on each slot's own budget); none of a narrower
             # batch-wide one (decided from `budget`: a replayed graph does not set the Python attributes)
@@ -103,63 +119,108 @@ class BatchLoop:
         if budget == DECODE:
             return self._decode(loops, speculative=True)
         self._draft(loops)
-        for loop in loops:
-            if self.oracle is not None:
+        if self.oracle is not None:  # benchmarks' oracle: each slot's draft logits replaced
+            for loop in loops:
                 loop._oracle_draft()
-            loop._tree(budget)
+                loop._tree(budget)
+        else:  # every slot's top candidates in one launch, then each slot's tree
+            lead = loops[0]
+            values, indices = lead.top_logprobs(self.draft_logits, lead.tree_width(budget))
+            depth = self.block - 1
+            for b, loop in enumerate(loops):
+                loop._tree(budget, (values[b * depth : (b + 1) * depth], indices[b * depth : (b + 1) * depth]))
         self._verify(loops, per_slot=budget is None)
         for loop in loops if self.oracle is not None else ():
             loop._oracle_choices()
-        for loop in loops:
-            loop._accept()
+        self._accept(loops)
 
     def _draft(self, loops) -> None:
         """Every slot's block in one drafter forward, each over its own draft cache (`DeviceLoop._draft`, batched)."""
-        lead, block = loops[0], self.block
-        ids = torch.cat([torch.cat((loop.bonus, loop.masks)) for loop in loops])
-        positions = torch.cat([loop.num_cached + lead.arange_block for loop in loops])
-        context, context_positions = self._context(loops)
-        counts = torch.cat([loop.context_count for loop in loops])
-        caches = tuple(loop.cache.draft for loop in loops)
-        drafted = torch.cat([loop.num_drafted for loop in loops])
-        logits, new_context_kv = self.drafter(context, context_positions, counts, ids, positions, caches, drafted)
-        self._commit_context(loops, new_context_kv)
+        count, lead, block = len(loops), loops[0], self.block
+        ids = torch.cat((self.bonus[:count, None], lead.masks.expand(count, block - 1)), dim=1).reshape(-1)
+        positions = (self.num_cached[:count, None] + lead.arange_block).reshape(-1)
+        context, context_positions = self._context(count)
+        logits, new_context_kv = self.drafter(context, context_positions, self.context_count[:count], ids, positions,
+                                              self.draft[:count], self.num_drafted[:count])  # fmt: skip
+        self._commit_context(count, new_context_kv)
+        self.draft_logits = logits
         for b, loop in enumerate(loops):
             loop.draft_logits = logits[b * (block - 1) : (b + 1) * (block - 1)]
 
-    def _context(self, loops) -> tuple[torch.Tensor, torch.Tensor]:
+    def _context(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every slot's pending context rows (a block each, `context_count` of them valid) and their positions."""
-        arange = loops[0].arange_block
-        context = torch.cat([loop.context for loop in loops])
-        return context, torch.cat([loop.num_cached - loop.context_count + arange for loop in loops])
+        arange = self.loops[0].arange_block
+        context = self.context[:count].reshape(count * self.block, -1)
+        start = self.num_cached[:count] - self.context_count[:count]
+        return context, (start[:, None] + arange).reshape(-1)
 
-    def _commit_context(self, loops, new_context_kv) -> None:
-        """Each slot's context K/V rows into its draft cache (a block written, its `context_count` rows kept)."""
-        arange, block = loops[0].arange_block, self.block
-        for b, loop in enumerate(loops):
-            loop.cache.draft.index_copy_(
-                2, loop.num_drafted + arange, new_context_kv[:, :, b * block : (b + 1) * block]
-            )
-            loop.num_drafted += loop.context_count
+    def _commit_context(self, count: int, new_context_kv) -> None:
+        """Each slot's context K/V rows into its draft cache (a block written, its `context_count` rows kept): one
+        write for every slot."""
+        block = self.block
+        rows = self.num_drafted[:count, None] + self.loops[0].arange_block  # [count, block]
+        by_row = self.draft[:count].transpose(1, 3).transpose(2, 3)  # [count, S, layers, 2, ...], a view
+        values = new_context_kv.unflatten(2, (count, block)).permute(2, 3, 0, 1, *range(4, new_context_kv.dim() + 1))
+        by_row.index_put_((self.slot_index[:count, None], rows), values)
+        self.num_drafted[:count] += self.context_count[:count]
 
     def _verify(self, loops, per_slot: bool = True) -> None:
         """Every slot's tree in one target forward, each over its own cache; each slot's choices from its rows.
         per_slot: each slot's own budget (the nodes outside it add no expert); else one budget for all, every row
         verified."""
-        rows = loops[0].tree[0].shape[0]
-        trees = [loop.tree for loop in loops]
-        tokens = torch.cat([tree[0] for tree in trees])
-        positions = torch.cat([loop.num_cached + tree[2] for loop, tree in zip(loops, trees)])
-        masks = torch.stack([tree[3] for tree in trees])
-        lengths = torch.cat([loop.num_cached for loop in loops])
-        caches = tuple(loop.cache.latent for loop in loops)
+        count, rows = len(loops), loops[0].tree[0].shape[0]
+        self.trees = [torch.stack(parts) for parts in zip(*(loop.tree[:4] for loop in loops))]
+        tokens, _, depths, masks = self.trees
+        positions = (self.num_cached[:count, None] + depths).reshape(-1)
         routers = self.routers if per_slot else []  # each slot's nodes outside its step's budget add no expert
         with active_rows(routers, torch.cat([loop.active for loop in loops]) if routers else None):
-            logits, new_kv, taps = self.target(tokens, positions, masks, caches, lengths,
-                                               self.logit_rows[: len(loops) * rows])  # fmt: skip
+            caches, lengths = self.latent[:count], self.num_cached[:count]
+            logits, self.new_kv, self.taps = self.target(tokens.reshape(-1), positions, masks, caches, lengths,
+                                                         self.logit_rows[: count * rows])  # fmt: skip
+        self.choices = self._choose(loops, logits, rows)
         for b, loop in enumerate(loops):
-            loop.new_kv, loop.taps = new_kv[:, b * rows : (b + 1) * rows], taps[b * rows : (b + 1) * rows]
-            loop.choices = loop._choose(logits[b * rows : (b + 1) * rows])
+            loop.choices = self.choices[b * rows : (b + 1) * rows]
+
+    def _choose(self, loops, logits, rows: int) -> torch.Tensor:
+        """The target's token at every slot's rows [count * rows]: one argmax for the greedy slots, each sampled
+        slot's own draws (`DeviceLoop._choose`) over its rows."""
+        sampled = [b for b, loop in enumerate(loops) if loop.sampled]
+        if not sampled:
+            return logits.argmax(dim=-1)
+        every = len(sampled) == len(loops)
+        choices = logits.new_empty(logits.shape[0], dtype=torch.long) if every else logits.argmax(dim=-1)
+        for b in sampled:
+            choices[b * rows : (b + 1) * rows] = loops[b]._choose(logits[b * rows : (b + 1) * rows])
+        return choices
+
+    def _accept(self, loops) -> None:
+        """Every slot's walk and commit at once (`DeviceLoop._accept`, batched): the longest path of the target's
+        choices, its rows into the slot's cache, its taps the next context, its end's choice the next bonus."""
+        count, lead = len(loops), loops[0]
+        tokens, parents, depths, masks = self.trees
+        rows, steps = tokens.shape[1], lead.spec.draft_depth + 1
+        choices = self.choices.view(count, rows) if self.oracle is None else torch.stack([x.choices for x in loops])
+        path, length, next_bonus = accept_greedy_batched(tokens, parents, depths, masks, choices, steps - 1)
+        flat = (self.slot_index[:count, None] * rows + path).reshape(-1)  # the path's rows in the forward's rows
+        values = self.new_kv.index_select(1, flat).unflatten(1, (count, steps)).permute(1, 2, 0, 3)
+        self._commit_latent(count, self.num_cached[:count, None] + lead.arange_path, values)
+        self.context[:count].copy_(self.taps.index_select(0, flat).view(count, steps, -1))
+        self.context_count[:count].copy_(length)
+        self.num_cached[:count] += length
+        emitted = torch.roll(tokens.gather(1, path), -1, dims=1).scatter_(1, (length - 1)[:, None], next_bonus[:, None])
+        self.emitted[:count, :steps].copy_(emitted)
+        self.emitted[:count, steps:].copy_(length[:, None])
+        self.bonus[:count].copy_(next_bonus)
+        for b, loop in enumerate(loops):
+            if loop.auto and not loop.narrow:
+                loop.stats[1 + len(loop.budgets) :].copy_(
+                    accepted_at(loop.rank, path[b], length[b : b + 1], loop.budget_values)
+                )
+
+    def _commit_latent(self, count: int, positions, values) -> None:
+        """values [count, n, layers, D] into slot b's latent cache at positions [count, n]: one write for every slot."""
+        by_row = self.latent[:count].transpose(1, 2)  # [count, S, layers, D], a view
+        by_row.index_put_((self.slot_index[:count, None], positions), values)
 
     def _decode(self, loops, speculative: bool = False) -> None:
         """Every slot's bonus token in one target forward, each over its own cache; its KV committed, the next token
@@ -170,29 +231,27 @@ class BatchLoop:
         step may draft or decode again."""
         count = len(loops)
         if speculative:
-            self._commit_context(loops, self.drafter.context_kv(*self._context(loops)))
-        tokens = torch.cat([loop.bonus for loop in loops])
-        lengths = torch.cat([loop.num_cached for loop in loops])
+            self._commit_context(count, self.drafter.context_kv(*self._context(count)))
+        lengths = self.num_cached[:count]
         masks = loops[0].decode_mask.expand(count, 1, 1)
-        caches = tuple(loop.cache.latent for loop in loops)
-        logits, new_kv, taps = self.target(tokens, lengths, masks, caches, lengths, self.logit_rows[:count])
-        for b, loop in enumerate(loops):
-            if speculative and self.oracle is not None:  # benchmarks' oracle: the continuation's next token
-                token = loop._oracle_tokens(loop.arange_block[:1] + 1)
-            else:
-                token = loop._choose(logits[b : b + 1])
-            loop.cache.latent.index_copy_(1, loop.num_cached, new_kv[:, b : b + 1])
-            if speculative:
-                loop.context[:1].copy_(taps[b : b + 1])
-                loop.context_count.fill_(1)
-            loop.num_cached += 1
-            loop.emitted[:1].copy_(token)
-            loop.emitted[-1:].fill_(1)
-            loop.bonus.copy_(token)
+        logits, new_kv, taps = self.target(self.bonus[:count], lengths, masks, self.latent[:count], lengths,
+                                           self.logit_rows[:count])  # fmt: skip
+        if speculative and self.oracle is not None:  # benchmarks' oracle: the continuation's next token
+            token = torch.cat([loop._oracle_tokens(loop.arange_block[:1] + 1) for loop in loops])
+        else:
+            token = self._choose(loops, logits, 1)
+        self._commit_latent(count, lengths[:, None], new_kv.transpose(0, 1)[:, None])
+        if speculative:
+            self.context[:count, :1].copy_(taps[:, None])
+            self.context_count[:count].fill_(1)
+        self.num_cached[:count] += 1
+        self.emitted[:count, :1].copy_(token[:, None])
+        self.emitted[:count, -1:].fill_(1)
+        self.bonus[:count].copy_(token)
 
     def _capture(self, count: int, budget: int | None = None):
-        state = [t for loop in self.loops[:count] for t in (loop.num_cached, loop.num_drafted, loop.context_count,
-                                                            loop.bonus, loop.context, loop.draws)]  # fmt: skip
+        state = [self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context,
+                 *(loop.draws for loop in self.loops[:count])]  # fmt: skip
         saved = [t.clone() for t in state]
         warm_up(lambda: self._run(count, budget), self.device)
         for tensor, before in zip(state, saved):

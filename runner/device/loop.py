@@ -186,22 +186,28 @@ class DeviceLoop:
         self.num_drafted += self.context_count
         self.draft_logits = draft_logits
 
-    def _tree(self, budget: int | None = None) -> None:
+    def _tree(self, budget: int | None = None, top=None) -> None:
         """Tree: best-first under the budget (several budgets: the largest one's tree, then the step's budget).
         budget: the step's budget (a batched step's for every request, `runner/device/batch.py`; None: a lone
         request's `step_budget`, set by `launch`): this tree is built at it, on its own rows; at the largest budget
-        every node is verified and the statistics tell each smaller one."""
+        every node is verified and the statistics tell each smaller one. top: the draft's top candidates at
+        `tree_width(budget)` (a batched step takes every slot's in one launch), else taken here."""
         budget = self.step_budget if budget is None else budget
         self.narrow = budget is not None and budget != self.tree_spec.budget
+        values, indices = top if top is not None else self.top_logprobs(self.draft_logits, self.tree_width(budget))
         if self.narrow:
             step = self.spec.with_budget(budget)
-            values, indices = self.top_logprobs(self.draft_logits, step.tree_width(self.target.config.vocab_size))
             self.tree = self.build_tree(values, indices, budget, self.bonus, step.verify_tokens)
             return
-        values, indices = self.top_logprobs(self.draft_logits, self.width)
         self.tree = self.build_tree(values, indices, self.tree_spec.budget, self.bonus, self.rows)
         if self.auto:
             self._choose_budget(values, indices)
+
+    def tree_width(self, budget: int | None = None) -> int:
+        """The draft candidates a depth the tree of `budget` needs (None: the largest budget's)."""
+        if budget is None or budget == self.tree_spec.budget:
+            return self.width
+        return self.spec.with_budget(budget).tree_width(self.target.config.vocab_size)
 
     def _choose_budget(self, values, indices) -> None:
         """The step's budget b (`runner/device/budget.py`); the nodes outside the b best become padding."""

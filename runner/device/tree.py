@@ -100,11 +100,19 @@ def accept_greedy_device(tokens, parents, depths, mask, choices: torch.Tensor, d
     parent). Siblings carry distinct tokens, so the accepted nodes form one chain from the root.
     choices: [rows] the target's token at every row; mask: the tree's ancestor-or-self mask. Returns (path
     [depth_limit + 1] node indices, root first, entries past the length are 0; length [1]; next bonus token [1])."""
-    rows = tokens.shape[0]
+    path, length, bonus = accept_greedy_batched(tokens[None], parents[None], depths[None], mask[None], choices[None],
+                                                depth_limit)  # fmt: skip
+    return path[0], length, bonus
+
+
+def accept_greedy_batched(tokens, parents, depths, mask, choices: torch.Tensor, depth_limit: int):
+    """`accept_greedy_device` for B trees at once (a batched step's, `runner/device/batch.py`): tokens, parents,
+    depths, choices [B, rows], mask [B, rows, rows] -> path [B, depth_limit + 1], length [B], next bonus [B]."""
+    rows = tokens.shape[1]
     is_root = torch.arange(rows, device=tokens.device) == 0
-    good = is_root | ((parents >= 0) & (tokens == choices.index_select(0, parents.clamp_min(0))))
-    accepted = mask.diagonal() & ~(mask & ~good[None, :]).any(dim=1)
+    good = is_root | ((parents >= 0) & (tokens == choices.gather(1, parents.clamp_min(0))))
+    accepted = mask.diagonal(dim1=1, dim2=2) & ~(mask & ~good[:, None, :]).any(dim=2)
     levels = torch.arange(depth_limit + 1, device=tokens.device)[:, None]
-    path = (accepted[None, :] & (depths[None, :] == levels)).to(torch.int32).argmax(dim=1)
-    length = accepted.sum().reshape(1)
-    return path, length, choices.index_select(0, path.index_select(0, length - 1))
+    path = (accepted[:, None, :] & (depths[:, None, :] == levels)).to(torch.int32).argmax(dim=2)
+    length = accepted.sum(dim=1)
+    return path, length, choices.gather(1, path.gather(1, (length - 1)[:, None])).reshape(-1)
