@@ -9,7 +9,9 @@ into a TP-1 engine directory (torch backend) and run by what users launch:
    (`--max_batch_size 1`) and in-flight batched (`--max_batch_size N`), DDTree 32, DDTree 8, DDTree auto (budgets
    8, 16 and 32; batched: one budget a step for the batch, `StepBudgetPolicy`) and autoregressive; the rate is every
    request's tokens over the job's generation time; the batched tokens must equal the one-at-a-time ones, and the
-   budgets the steps took are recorded.
+   budgets the steps took are recorded. `--rounds K`: N x K prompts through N slots (each joins when one leaves:
+   steady in-flight batching, as a server under N concurrent clients sees it; with K = 1 the batch drains to its
+   slowest request at the end).
 2. Triton: one tritonserver with four models of the same engine (DDTree and autoregressive, each one at a time and
    batched up to the largest level); N clients, each sending two requests in turn (`max_tokens` tokens, no end
    token); aggregate tokens/s over the wall time, and per-request latency (median and worst).
@@ -224,8 +226,8 @@ def phase_times(engine: Path, batches: tuple[int, ...] = (1, 8), steps: int = 10
 
 def _phases(step, loops) -> dict:
     """A batched step's phases (`runner/device/batch.py`), each callable alone."""
-    return {"draft": lambda: step._draft(loops), "tree": lambda: [x._tree() for x in loops],
-            "verify": lambda: step._verify(loops), "accept": lambda: [x._accept() for x in loops]}  # fmt: skip
+    return {"draft": lambda: step._draft(loops), "tree": lambda: step._trees(loops),
+            "verify": lambda: step._verify(loops), "accept": lambda: step._accept(loops)}  # fmt: skip
 
 
 def free_port() -> int:
@@ -241,6 +243,9 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--levels", default=None, help="concurrent requests (default 1,2,4,8,16; smoke 1,2)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens a request (default 64; smoke 8)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="requests a slot serves: level N sends N x ROUNDS requests through N slots, each joining "
+                             "as one leaves (steady in-flight batching; default 1: N requests at once)")  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-triton", action="store_true", help="the CLI rows only")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -254,7 +259,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "levels": levels,
-            "dtype": dtype, "tokens": tokens, "cli": [], "triton": []}  # fmt: skip
+            "dtype": dtype, "tokens": tokens, "rounds": args.rounds, "cli": [], "triton": []}  # fmt: skip
     if args.device == "cuda" and not args.smoke:
         info.update(environment(False))
 
@@ -267,7 +272,8 @@ def main(argv=None) -> int:
         save()
     if args.phases_only:
         return 0
-    texts = prompts(max(levels), args.smoke)
+    rounds = args.rounds
+    texts = prompts(max(levels) * rounds, args.smoke)
     for mode in CLI_MODES if args.device == "cuda" else ():  # a discarded job first: kernels compiled for new
         cli_row(engine, out, texts[:2], 8, 2, mode, args.device)  # shapes land in Triton's disk cache, as on a server
     for mode in CLI_MODES:
@@ -275,11 +281,12 @@ def main(argv=None) -> int:
         # depend on the others), so the rate of the first n requests is the one-at-a-time row at level n
         single = cli_row(engine, out, texts, tokens, 1, mode, args.device)
         for n in levels:
-            alone = one_at_a_time(single, n)
-            together = cli_row(engine, out, texts[:n], tokens, n, mode, args.device) if n > 1 else alone
+            alone = one_at_a_time(single, n * rounds)
+            batched = n > 1 or rounds > 1
+            together = cli_row(engine, out, texts[: n * rounds], tokens, n, mode, args.device) if batched else alone
             together["equal_to_one_at_a_time"] = together["outputs"] == alone["outputs"]
-            for row in (alone, together) if n > 1 else (alone,):
-                info["cli"].append({k: v for k, v in row.items() if k not in ("outputs", "budgets")})
+            for row in (alone, together) if batched else (alone,):
+                info["cli"].append({**{k: v for k, v in row.items() if k not in ("outputs", "budgets")}, "level": n})
                 print(f"cli {mode:14s} {n:3d} requests, max_batch_size "
                       f"{row['max_batch_size']:2d}: {row['tokens_per_s']:8.1f} tokens/s", flush=True)  # fmt: skip
             save()
@@ -290,9 +297,9 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for n in levels:
         for mode in CLI_MODES:
-            mine = [r for r in info["cli"] if r["requests"] == n and r["cli_mode"] == mode]
+            mine = [r for r in info["cli"] if r["level"] == n and r["cli_mode"] == mode]
             alone = next(r for r in mine if r["max_batch_size"] == 1)
-            together = next((r for r in mine if r["max_batch_size"] == n), alone)
+            together = next((r for r in mine if r["max_batch_size"] == n and r is not alone), alone)
             print(
                 f"| {n} | {mode} | {alone['tokens_per_s']:.1f} | "
                 f"{together['tokens_per_s']:.1f} | {together['tokens_per_s'] / alone['tokens_per_s']:.2f} |"

@@ -183,6 +183,11 @@ class RankWorker:
     def batch_load(self, slot: int, bonus: int, prompt_length: int, params=None, budget=None) -> None:
         self.batch.loops[slot].load(bonus, prompt_length, params, budget)
 
+    def batch_move(self, source: int, target: int, emitted: int) -> None:
+        """Slot `source`'s request into free slot `target` (`BatchLoop.move`); emitted: its tokens so far, so its
+        committed rows are at most its prefill's rows plus that many."""
+        self.batch.move(source, target, self.batch.loops[source].cache.num_cached + emitted)
+
     def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None, budget=None):
         """One step of slots [0, count) (`idle` ones reset first); choices: the budget policy's inputs of the slots
         whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`). Returns (each

@@ -106,7 +106,8 @@ PROMPTS = [[5, 77, 300, 12, 480, 33, 250], [200, 201, 9, 88, 17, 400, 402, 300, 
 
 def run_batch(ranks, requests, slots):
     """Requests (prompt, max tokens, params, budget) through a `Batcher`: each joins when a slot is free, at the
-    next step; returns each request's result, in request order, and the steps' batch sizes."""
+    next step; returns each request's result, in request order, the steps' batch sizes and the requests moved into
+    a lower slot."""
     from runner.device.batch import Batcher
 
     batcher, waiting, results = Batcher(ranks, slots), list(enumerate(requests)), {}
@@ -118,14 +119,14 @@ def run_batch(ranks, requests, slots):
                 results[index] = member.result
         for member in batcher.step():
             results[member.tag] = member.result
-    return [results[i] for i in range(len(requests))], batcher.batch_sizes
+    return [results[i] for i in range(len(requests))], batcher.batch_sizes, batcher.moves
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_requests_joining_and_leaving_a_batch_decode_as_alone(demo_ckpt, tp_size):
     """Five requests through three slots (prompts of different lengths, different token counts; the fourth and fifth
-    join as others leave): greedy ones equal autoregressive decoding; a sampled one draws what it draws alone (the
-    same seed: counter-based draws per request)."""
+    join as others leave, and requests move down into freed slots): greedy ones equal autoregressive decoding; a
+    sampled one draws what it draws alone (the same seed: counter-based draws per request)."""
     from runner.device.loop import generate_on_device
     from runner.sampling import Sampler, SamplingParams
     from runner.speculate import generate_autoregressive
@@ -135,7 +136,7 @@ def test_requests_joining_and_leaving_a_batch_decode_as_alone(demo_ckpt, tp_size
     sampled = SamplingParams(1.0, top_k=20, seed=11)
     requests = [(PROMPTS[0], 40, None, None), (PROMPTS[1], 12, None, None), (PROMPTS[2], 30, sampled, None),
                 (PROMPTS[3], 25, None, None), (PROMPTS[1], 1, None, None)]  # fmt: skip
-    results, sizes = run_batch(ranks, requests, 3)
+    results, sizes, moves = run_batch(ranks, requests, 3)
     greedy = Sampler(SamplingParams())
     for (prompt, tokens, params, _), result in zip(requests, results):
         if params is None:
@@ -145,6 +146,7 @@ def test_requests_joining_and_leaving_a_batch_decode_as_alone(demo_ckpt, tp_size
         assert len(result.tokens) == tokens and all(1 <= a <= 8 for a in result.accept_lengths)
     assert max(len(r.accept_lengths) for r in results) < 40  # speculation: fewer steps than tokens
     assert max(sizes) == 3 and min(sizes) < 3  # full steps, and steps after some had left
+    assert moves > 0  # the sampled request (slot 2) moves into slot 1 when the 12-token request leaves
     ranks.close()
 
 
@@ -156,11 +158,11 @@ def test_an_autoregressive_batch_decodes_as_alone(demo_ckpt):
     ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, autoregressive=True,
                       max_batch_size=2)  # fmt: skip
     requests = [(PROMPTS[0], 20, None, None), (PROMPTS[2], 9, None, None), (PROMPTS[3], 14, None, None)]
-    results, sizes = run_batch(ranks, requests, 2)
+    results, sizes, moves = run_batch(ranks, requests, 2)
     for (prompt, tokens, _, _), result in zip(requests, results):
         assert result.tokens == generate_autoregressive(ranks, prompt, tokens, Sampler(SamplingParams())).tokens
         assert result.accept_lengths == [1] * (tokens - 1)
-    assert max(sizes) == 2
+    assert max(sizes) == 2 and moves > 0
     ranks.close()
 
 

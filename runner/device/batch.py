@@ -9,8 +9,9 @@ every slot's tree, after them every slot's walk and commit. On GPUs the step is 
 per slot modes (greedy or sampled, filter kind).
 
 A request joins at the next step after its own prefill (which runs on the host loop's prefill profile into its
-slot's caches) and leaves when it is done; slots past the last busy one are not stepped; a free slot below it is
-stepped on reset state (its rows are discarded) and is the next request's. `Batcher` (rank 0) schedules: it admits,
+slot's caches) and leaves when it is done; slots past the last busy one are not stepped, and after each step the
+requests of the highest slots move down into free slots below them (`BatchLoop.move`: their committed rows and
+state copied), so a step covers as many slots as there are requests. `Batcher` (rank 0) schedules: it admits,
 steps, emits tokens to each request's callback and reports finished requests.
 """
 
@@ -85,6 +86,26 @@ class BatchLoop:
             state.fill_(0)
         loop.cache.reset()
 
+    def move(self, source: int, target: int, rows: int) -> None:
+        """The request in slot `source` goes on in the free slot `target` (below it: the batch's steps then cover
+        fewer slots): its first `rows` cache rows (at least the rows it has committed, from the host's count), its
+        step state and its settings are copied; `source` is released."""
+        src, dst = self.loops[source], self.loops[target]
+        rows = min(rows, src.cache.capacity)
+        self.latent[target, :, :rows].copy_(self.latent[source, :, :rows])
+        self.draft[target, :, :, :rows].copy_(self.draft[source, :, :, :rows])
+        for state in (self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context, self.emitted):
+            state[target].copy_(state[source])
+        for name in ("prompt_length", "draws", *(("choice_inputs",) if src.auto else ())):
+            getattr(dst, name).copy_(getattr(src, name))
+        for name, value in src.sampling.items():
+            dst.sampling[name].copy_(value)
+        dst.sampled, dst.filter = src.sampled, src.filter
+        dst.cache.num_cached, dst.cache.num_drafted = src.cache.num_cached, src.cache.num_drafted  # its prefill's
+        if src.auto:
+            dst.request_index, dst.request_budget = src.request_index, src.request_budget
+        self.release(source)
+
     def step(self, count: int, idle: tuple[int, ...] = (), budget: int | None = None) -> list[list[int]]:
         """One step of slots [0, count); returns each slot's emitted tokens (an idle slot's are to be dropped).
         budget: one tree budget for every slot this step (`StepBudgetPolicy`: the verify then has that budget's
@@ -119,20 +140,23 @@ class BatchLoop:
         if budget == DECODE:
             return self._decode(loops, speculative=True)
         self._draft(loops)
-        if self.oracle is not None:  # benchmarks' oracle: each slot's draft logits replaced
-            for loop in loops:
-                loop._oracle_draft()
-                loop._tree(budget)
-        else:  # every slot's top candidates in one launch, then each slot's tree
-            lead = loops[0]
-            values, indices = lead.top_logprobs(self.draft_logits, lead.tree_width(budget))
-            depth = self.block - 1
-            for b, loop in enumerate(loops):
-                loop._tree(budget, (values[b * depth : (b + 1) * depth], indices[b * depth : (b + 1) * depth]))
+        self._trees(loops, budget)
         self._verify(loops, per_slot=budget is None)
         for loop in loops if self.oracle is not None else ():
             loop._oracle_choices()
         self._accept(loops)
+
+    def _trees(self, loops, budget: int | None = None) -> None:
+        """Every slot's top candidates in one launch, then each slot's tree (`DeviceLoop._tree`)."""
+        if self.oracle is not None:  # benchmarks' oracle: each slot's draft logits replaced
+            for loop in loops:
+                loop._oracle_draft()
+                loop._tree(budget)
+            return
+        lead, depth = loops[0], self.block - 1
+        values, indices = lead.top_logprobs(self.draft_logits, lead.tree_width(budget))
+        for b, loop in enumerate(loops):
+            loop._tree(budget, (values[b * depth : (b + 1) * depth], indices[b * depth : (b + 1) * depth]))
 
     def _draft(self, loops) -> None:
         """Every slot's block in one drafter forward, each over its own draft cache (`DeviceLoop._draft`, batched)."""
@@ -293,6 +317,7 @@ class Batcher:
         self.batch_policy = batch_policy  # `StepBudgetPolicy`: one budget a step while every request is `auto`
         self.members: dict[int, Member] = {}
         self.batch_sizes: Counter = Counter()  # requests a step served -> steps
+        self.moves = 0  # requests moved into a lower free slot (`_compact`)
 
     @property
     def free(self) -> int:
@@ -358,7 +383,23 @@ class Batcher:
             _, finished = self._emit(member, tokens)
             if finished:
                 done.append(self._finish(self.members.pop(slot)))
+        self._compact()
         return done
+
+    def _compact(self) -> None:
+        """Requests in the highest slots move down into free slots below them, so a step covers only as many slots
+        as there are requests (a freed slot below a busy one would be stepped on reset state, and a batch's step
+        costs its slot count: 16 requests leaving one by one kept 16-slot steps to the end)."""
+        while self.members:
+            high = max(self.members)
+            free = [s for s in range(high) if s not in self.members]
+            if not free:
+                return
+            member = self.members.pop(high)
+            self.ranks.call("batch_move", high, free[0], len(member.result.tokens))
+            member.slot = free[0]
+            self.members[free[0]] = member
+            self.moves += 1
 
     def remove(self, member: Member) -> None:
         """Drops a request from the batch (cancelled): its slot is free from the next step."""
