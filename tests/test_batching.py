@@ -303,7 +303,8 @@ def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, d
 
 def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
     """`StepBudgetPolicy` (a batch's, or a lone request's with one slot): the largest budget until its steps
-    informed every budget's acceptance, each (slots, budget) twice to time it (one time can be an outlier),
+    informed every budget's acceptance, each budget twice to time it (one time can be an outlier; at the first slot
+    count it runs at),
     then the most tokens a second; the largest again when the exploration credit (a share of the chosen steps' time:
     2 % while the largest budget could still win, 0.2 % once even its optimistic rate loses) covers what it costs
     over the chosen budget, never twice within 8 steps; as a batch's wide steps get dearer the choice moves to a
@@ -346,7 +347,7 @@ def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
 
 def test_a_batch_policy_takes_autoregressive_steps_when_no_tree_pays():
     """With `decode`, an autoregressive step (`DECODE`: one token a request) is a choice like a budget: timed twice
-    at each batch size, then taken when its tokens a second win (one H200, the trained pair, 16 requests: budget
+    where first taken, estimated at other batch sizes until taken there, and taken when its tokens a second win (one H200, the trained pair, 16 requests: budget
     8's steps cost about 4.5 times an autoregressive one's for about 3 tokens a request); trees still win while the
     batch is small; the largest budget is still explored now and then (its steps inform every budget)."""
     from runner.device.budget import DECODE, StepBudgetPolicy
@@ -367,6 +368,31 @@ def test_a_batch_policy_takes_autoregressive_steps_when_no_tree_pays():
     # sixteen: 16 / 1.3 s beats 16 x 4 / 9 and 16 x 3 / 6; budget 32 explored (every credit) at most a few times
     late = chosen[16][-60:]
     assert late.count(DECODE) >= 55 and set(late) <= {DECODE, 32} and 8 not in late
+
+
+def test_a_new_batch_size_takes_its_costs_from_the_sizes_timed_and_spends_no_step_timing():
+    """A slot count not timed yet at a budget takes the line between the nearest counts timed at that budget (one
+    side: its nearest) until its own steps time it, so the batch's steps at each new size (requests leaving one by
+    one) go to the best estimated choice, not to timing every choice twice (one H200, 16 requests leaving: a third
+    of `auto`'s steps were such timing steps)."""
+    from runner.device.budget import DECODE, StepBudgetPolicy
+
+    costs = {1: {DECODE: 0.6, 8: 0.9, 32: 1.2}, 16: {DECODE: 1.0, 8: 1.7, 32: 4.0}}
+    policy = StepBudgetPolicy((8, 32), {b: s for b, s in costs[1].items() if b != DECODE}, decode=True)
+    stats = {"accepted": {8: 2, 32: 3}, "drafted": {8: 2.5, 32: 3.5}}
+    for _ in range(40):  # sixteen slots: the informing steps, every choice timed, then the best
+        budget = policy.choose(16, 16)
+        policy.record(16, budget, costs[16][budget], [stats] * 16 if budget == 32 else [])
+    assert policy.timed(8, 16) and policy.timed(DECODE, 16) and not policy.timed(8, 4)
+    assert policy.cost(8, 4) == 0.9 + (1.7 - 0.9) * 3 / 15  # the line between 1 and 16 slots
+    assert policy.cost(DECODE, 4) == 1.0  # timed at 16 only
+    steps = policy.steps
+    # four slots: budget 8 (3 tokens / 1.06 s a request) beats 32 (4 / 1.76) and an autoregressive step (1 / 1.0)
+    assert [policy.choose(4, 4) for _ in range(5)] == [8] * 5
+    assert policy.chosen[(4, DECODE)] == 0 and policy.steps == steps + 5
+    policy.record(4, 8, 1.3, [])
+    policy.record(4, 8, 1.3, [])
+    assert policy.cost(8, 4) == 1.3  # its own times, once it has two
 
 
 def test_exploring_costs_a_small_share_of_the_time_whatever_the_budgets_cost():
