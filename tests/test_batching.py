@@ -347,9 +347,10 @@ def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
 
 def test_a_batch_policy_takes_autoregressive_steps_when_no_tree_pays():
     """With `decode`, an autoregressive step (`DECODE`: one token a request) is a choice like a budget: timed twice
-    where first taken, estimated at other batch sizes until taken there, and taken when its tokens a second win (one H200, the trained pair, 16 requests: budget
-    8's steps cost about 4.5 times an autoregressive one's for about 3 tokens a request); trees still win while the
-    batch is small; the largest budget is still explored now and then (its steps inform every budget)."""
+    where first taken, estimated at other batch sizes until taken there, and taken when its tokens a second win (one
+    H200, the trained pair, 16 requests: budget 8's steps cost about 4.5 times an autoregressive one's for about 3
+    tokens a request); trees still win while the batch is small; the largest budget is still explored now and then
+    (its steps inform every budget)."""
     from runner.device.budget import DECODE, StepBudgetPolicy
 
     policy = StepBudgetPolicy((8, 32), decode=True)
