@@ -114,7 +114,8 @@ class ModeRun:
             if steps is not None:  # the device loop's `StepBudgetPolicy`: the steps at the largest budget inform
                 row["policy"] = "StepBudgetPolicy (device loop: a graph a budget, chosen before each launch)"
                 row["step_ms_at_end"] = {b: round(steps.cost(b) * 1e3, 3) for b in steps.budgets}
-                informed, largest = max(1, steps.informed), steps.budgets[-1]
+                largest = steps.budgets[-1]
+                informed = max(1, steps.informed[largest])
                 row["drafted_accepted_predicted_per_step"] = round(steps.predicted[largest] / informed, 3)
                 row["drafted_accepted_observed_per_step"] = round(steps.accepted[largest] / informed, 3)
             else:

@@ -183,7 +183,8 @@ class Generator:
             raise ValueError("batched steps need ranks built with max_batch_size > 1 (--max_batch_size)")
         several = len(self.device_budgets) > 1  # `auto` requests share one budget a step, chosen for the batch
         if several and self.batch_policy is None:
-            self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=not self.autoregressive)
+            self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=not self.autoregressive,
+                                                 narrow_informs=True)  # fmt: skip
         return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy,
                        self.batch_policy if several else None)  # fmt: skip
 

@@ -317,7 +317,7 @@ def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
     stats = [{"accepted": {8: 2, 16: 3, 32: 3}, "drafted": {8: 2.5, 16: 3.5, 32: 4.0}}] * 2
     assert policy.choose(2, 2) == 32
     policy.record(2, 32, 1.0, stats)
-    assert policy.informed == 2 and policy.expected(8) == 3.0 and policy.expected(32) == 4.0
+    assert policy.informed == {8: 2, 16: 2, 32: 2} and policy.expected(8) == 3.0 and policy.expected(32) == 4.0
     assert policy.predicted == {8: 5.0, 16: 7.0, 32: 8.0}
     assert policy.choose(2, 2) == 32  # still fewer than 4 slot-steps informed
     policy.record(2, 32, 1.0, stats)
@@ -339,7 +339,7 @@ def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
     assert [policy.choose(2, 2) for _ in range(8)] == [16] * 7 + [32]  # every 8th while it could win
     # settled: 64 slot-steps with the same means and no spread; the largest's optimistic rate 2 x 4.125 / 1.0 = 8.25
     # is below 8.4, its credit grows by 0.2 % of 0.95 s a step: 27 steps pay its 0.05 s extra
-    policy.informed, policy.accepted = 64, {8: 128.0, 16: 192.0, 32: 192.0}
+    policy.informed, policy.accepted = dict.fromkeys((8, 16, 32), 64), {8: 128.0, 16: 192.0, 32: 192.0}
     policy.squares = {8: 256.0, 16: 576.0, 32: 576.0}
     later = [policy.choose(2, 2) for _ in range(112)]
     assert [i for i, b in enumerate(later) if b == 32] == [26, 53, 80, 107]
@@ -418,6 +418,76 @@ def test_exploring_costs_a_small_share_of_the_time_whatever_the_budgets_cost():
         assert min(b - a for a, b in zip(explored[MIN_INFORMED - 1 :], explored[MIN_INFORMED:])) >= 8
 
 
+def test_an_exploring_step_takes_the_most_hopeful_budget_above_the_choice():
+    """A batch whose autoregressive steps win on the estimates, where budget 8 could still win (few request-steps,
+    wide error bars) and 16 and 32 could not: the exploring step goes to budget 8 (its extra cost paid by 2 % of the
+    chosen steps' time), not to the largest (which the settled share would reach only after about 2500 steps here);
+    its statistics tell budget 8 alone, and budget 8 then wins."""
+    from runner.device.budget import DECODE, StepBudgetPolicy
+
+    policy = StepBudgetPolicy((8, 16, 32), decode=True, narrow_informs=True)
+    costs = {DECODE: 1.0, 8: 1.5, 16: 2.0, 32: 6.0}  # seconds a step of four slots
+    for budget, seconds in costs.items():
+        policy.record(4, budget, seconds, [])
+        policy.record(4, budget, seconds, [])
+    # four request-steps at 32: budget 8 accepted 1 drafted token in one of them, 32 one in each
+    policy.informed = dict.fromkeys((8, 16, 32), 4)
+    policy.accepted, policy.squares = {8: 1.0, 16: 1.0, 32: 4.0}, {8: 1.0, 16: 1.0, 32: 4.0}
+    chosen = [policy.choose(4, 4) for _ in range(40)]
+    first = chosen.index(8)
+    assert set(chosen[:first]) == {DECODE} and 20 <= first <= 30 and 16 not in chosen and 32 not in chosen
+    policy.chosen.clear()
+    policy.record(4, 8, 1.5, [{"accepted": {8: 3, 16: 3, 32: 3}, "drafted": {8: 2.0, 16: 2.5, 32: 3.0}}] * 4)
+    assert policy.informed == {8: 8, 16: 4, 32: 4} and policy.accepted[16] == 1.0
+    assert policy.choose(4, 4) == 8  # 4 x (1 + 13 / 8) / 1.5 = 7 tokens a second against 4
+    lone = StepBudgetPolicy((8, 16, 32), decode=True)  # a lone request's narrower steps tell nothing: the largest
+    for budget, seconds in costs.items():
+        lone.record(4, budget, seconds, [])
+        lone.record(4, budget, seconds, [])
+    lone.informed = dict.fromkeys((8, 16, 32), 4)
+    lone.accepted, lone.squares = {8: 1.0, 16: 1.0, 32: 4.0}, {8: 1.0, 16: 1.0, 32: 4.0}
+    assert {lone.choose(4, 4) for _ in range(40)} == {DECODE}
+
+
+def test_a_batch_wide_step_at_a_smaller_budget_reports_what_the_largest_tells_of_it(demo_ckpt):
+    """From the same batch state, a batch-wide step at budget 8 (or 4) reports, for every budget up to its own, the
+    drafter's expectation and the accepted tokens that a step at the largest budget reports (its tree is the largest
+    tree's best nodes): the statistics `StepBudgetPolicy` learns each budget from; an autoregressive step reports
+    none."""
+    from runner.device.budget import DECODE
+    from runner.generator import Generator
+
+    spec = SpecConfig(8, 32, extra_budgets=(4, 8))
+    ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
+    generator = Generator(ranks)
+    generator.policy = object()  # `auto`'s single-request costs are not needed: the batch chooses
+    batcher = generator.batcher()
+    for i in range(3):
+        generator.admit(batcher, PROMPTS[i], 40, budget="auto", tag=i)
+    for _ in range(3):
+        batcher.step()
+    batch = ranks.lead.batch
+    state = [batch.num_cached, batch.num_drafted, batch.context_count, batch.bonus, batch.context]
+    saved = [t.clone() for t in state]
+    told = {}
+    for budget in (32, 8, 4, DECODE):
+        for tensor, value in zip(state, saved):
+            tensor.copy_(value)
+        batch.step(3, (), budget)
+        told[budget] = [loop.last_stats for loop in batch.loops[:3]]
+    ranks.close()
+    assert told[DECODE] == [None] * 3
+    for slot in range(3):
+        full = told[32][slot]
+        assert full["budget"] == 32 and full["drafted"][4] < full["drafted"][8] < full["drafted"][32]
+        for budget in (8, 4):
+            stats = told[budget][slot]
+            assert stats["budget"] == budget
+            for b in (4, 8)[: 1 + (budget == 8)]:
+                assert stats["accepted"][b] == full["accepted"][b], (slot, budget, b)
+                assert stats["drafted"][b] == pytest.approx(full["drafted"][b], rel=1e-6), (slot, budget, b)
+
+
 def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
     """Every request `auto` on an engine with budgets 4, 8 and 32: each step has one budget for the batch (its tree
     on that budget's rows) or is an autoregressive step; with the oracle drafter a step at budget 4 accepts 4 drafted
@@ -448,7 +518,9 @@ def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
         assert set(result.budgets) == {0, 4, 8, 32}  # explored, timed (autoregressive steps too), then chosen
         for budget, accepted in zip(result.budgets[:-1], result.accept_lengths[:-1]):
             assert accepted == {0: 1, 4: 5}.get(budget, 8), (budget, accepted)
-    assert batcher.batch_policy.informed >= 6
+    # the steps at 32 told every budget, those at 4 and 8 told their own and the smaller ones
+    informed = batcher.batch_policy.informed
+    assert informed[32] >= 6 and informed[4] > informed[32]
 
 
 def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):

@@ -378,7 +378,9 @@ def test_auto_budget_on_the_device_loop_equals_autoregressive(demo_ckpt, tp_size
     assert result.tokens == expected and result.budgets[:4] == [32] * 4 and set(result.budgets) <= {4, 8, 16, 32}
     # every collected step recorded (the one launched past the end is not); the widest informed every budget
     assert sum(len(t) for t in flat.times.values()) == len(result.budgets)
-    assert flat.informed == result.budgets.count(32) and sum(flat.chosen.values()) >= len(result.budgets)
+    # a lone request's narrower steps report nothing: every budget's estimate is from the widest steps
+    assert flat.informed == dict.fromkeys((4, 8, 16, 32), result.budgets.count(32))
+    assert sum(flat.chosen.values()) >= len(result.budgets)
     assert flat.accepted[32] == sum(a - 1 for b, a in zip(result.budgets, result.accept_lengths) if b == 32)
     steep = steep_policy()
     result = generate_on_device(ranks, spec, prompt, 40, 512, budget="auto", policy=steep)
@@ -412,3 +414,52 @@ def test_a_narrow_step_verifies_only_its_own_nodes(demo_ckpt):
     assert result.tokens == expected and set(result.budgets) == {4, 32}
     for budget, accepted in list(zip(result.budgets, result.accept_lengths))[:-1]:
         assert accepted == min(budget, 7) + 1, (budget, accepted)
+
+
+def test_a_narrower_tree_tells_every_budget_up_to_its_own_what_the_largest_tells():
+    """Best-first, the tree of budget b is the b best nodes of the largest budget's, so a step at b tells every
+    budget up to b what a step at the largest would (the drafter's expected accepted tokens, and what the target's
+    choices accept among each budget's nodes): what a batch's narrower steps report (`BatchLoop._rank`). The
+    batched ranking and counts equal each tree's own."""
+    import torch
+
+    from runner.device.budget import (
+        accepted_at,
+        accepted_at_batched,
+        expected_drafted,
+        node_scores,
+        node_scores_batched,
+        rank_nodes,
+    )
+    from runner.device.tree import accept_greedy_batched, build_tree_device, top_logprobs
+
+    budgets, depth = torch.tensor((4, 8, 16, 32)), 7
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, depth, 300, generator=gen) * 4.0
+    # the target's continuation: drawn from the drafter's own distribution, so it often leaves its best token
+    truth = torch.distributions.Categorical(logits=logits).sample()  # [3, depth]
+
+    def step(budget):
+        """Each tree's (rank, ordered scores, path, length) per tree, and the stacked trees and top candidates."""
+        tops = [top_logprobs(logits[t], budget) for t in range(3)]
+        trees = [build_tree_device(v, i, budget, torch.tensor([1]), budget + 1) for v, i in tops]
+        tokens, parents, depths, masks = (torch.stack(parts) for parts in zip(*(tree[:4] for tree in trees)))
+        choices = torch.where(depths < depth, truth.gather(1, depths.clamp_max(depth - 1)), -1)
+        path, length, _ = accept_greedy_batched(tokens, parents, depths, masks, choices, depth)
+        own = [rank_nodes(node_scores(tree[0], tree[2], tree[3], *top)) for tree, top in zip(trees, tops)]
+        values, ids = (torch.stack(parts) for parts in zip(*tops))
+        rank, ordered = rank_nodes(node_scores_batched(tokens, depths, masks, values, ids))
+        for t, (r, o) in enumerate(own):  # the batched ranking is each tree's own (its sums may round apart)
+            assert torch.equal(rank[t], r)
+            torch.testing.assert_close(ordered[t], o, rtol=1e-6, atol=1e-6)
+            counts = accepted_at(r, path[t], length[t : t + 1], budgets)
+            assert torch.equal(accepted_at_batched(rank, path, length, budgets)[t], counts)
+        return expected_drafted(ordered, budgets), accepted_at_batched(rank, path, length, budgets)
+
+    full_drafted, full_accepted = step(32)
+    assert len(set(full_accepted.flatten().tolist())) > 2  # the paths reach nodes past budget 4's and 8's
+    for budget in (4, 8, 16):
+        drafted, accepted = step(budget)
+        told = budgets <= budget
+        assert torch.equal(accepted[:, told], full_accepted[:, told]), budget
+        torch.testing.assert_close(drafted[:, told], full_drafted[:, told], rtol=1e-6, atol=1e-9)

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 import torch
 
 from models.moe import active_rows
-from runner.device.budget import DECODE, accepted_at
+from runner.device.budget import (
+    DECODE,
+    accepted_at,
+    accepted_at_batched,
+    expected_drafted,
+    node_scores_batched,
+    rank_nodes,
+)
 from runner.device.loop import DeviceLoop, first_token
 from runner.device.tree import accept_greedy_batched
 from runner.kv_cache import SequenceCache
@@ -66,10 +73,14 @@ class BatchLoop:
         self.context_count, self.bonus = torch.zeros(slots, **long), torch.zeros(slots, **long)
         self.context = torch.zeros((slots, *lead.context.shape), dtype=lead.context.dtype, device=device)
         self.emitted = torch.zeros((slots, *lead.emitted.shape), **long)
+        # with several budgets, each slot's step statistics (`DeviceLoop.stats`): one row a slot, read in one copy
+        self.stats = torch.zeros((slots, *lead.stats.shape), dtype=torch.float64, device=device) if lead.auto else None
         for s, loop in enumerate(self.loops):  # each loop's state: views of its slot's row
             loop.num_cached, loop.num_drafted = self.num_cached[s : s + 1], self.num_drafted[s : s + 1]
             loop.context_count, loop.bonus = self.context_count[s : s + 1], self.bonus[s : s + 1]
             loop.context, loop.emitted = self.context[s], self.emitted[s]
+            if lead.auto:
+                loop.stats = self.stats[s]
         self.slot_index = torch.arange(slots, device=device)
         self.target, self.drafter, self.autoregressive, self.rows = lead.target, lead.drafter, autoregressive, lead.rows
         self.block = spec.block_size
@@ -125,12 +136,13 @@ class BatchLoop:
             if self.captured:
                 self.graphs[key] = self._capture(count, budget)
             self.graphs[key].replay()
-        emitted = self.emitted[:count].tolist()  # the one device -> host copy of a step
-        for loop in loops if loops[0].auto else ():
-            # the statistics of a step on the largest tree (or on each slot's own budget); none of a narrower
-            # batch-wide one (decided from `budget`: a replayed graph does not set the Python attributes)
-            informs = budget is None or budget == loop.tree_spec.budget
-            loop.last_stats = loop.read_stats(loop.stats.tolist()) if informs else None
+        emitted = self.emitted[:count].tolist()  # the device -> host copy of a step (and the statistics' below)
+        # every tree step's statistics, each slot's at its own budget or at the batch's; none of an autoregressive
+        # step (decided from `budget`: a replayed graph does not set the Python attributes)
+        informs = loops[0].auto and budget != DECODE
+        rows = self.stats[:count].tolist() if informs else [None] * count
+        for loop, values in zip(loops, rows):
+            loop.last_stats = None if values is None else loop.read_stats(values)
         return [values[: values[-1]] for values in emitted]
 
     def _run(self, count: int, budget: int | None = None) -> None:
@@ -144,19 +156,40 @@ class BatchLoop:
         self._verify(loops, per_slot=budget is None)
         for loop in loops if self.oracle is not None else ():
             loop._oracle_choices()
-        self._accept(loops)
+        self._accept(loops, budget)
 
     def _trees(self, loops, budget: int | None = None) -> None:
-        """Every slot's top candidates in one launch, then each slot's tree (`DeviceLoop._tree`)."""
+        """Every slot's top candidates in one launch, then each slot's tree (`DeviceLoop._tree`); a batch-wide
+        budget's step then ranks every slot's nodes at once (`_rank`)."""
+        lead, depth = loops[0], self.block - 1
+        width = lead.tree_width(budget)
         if self.oracle is not None:  # benchmarks' oracle: each slot's draft logits replaced
             for loop in loops:
                 loop._oracle_draft()
-                loop._tree(budget)
-            return
-        lead, depth = loops[0], self.block - 1
-        values, indices = lead.top_logprobs(self.draft_logits, lead.tree_width(budget))
+            tops = [lead.top_logprobs(loop.draft_logits, width) for loop in loops]
+            values, indices = torch.cat([v for v, _ in tops]), torch.cat([i for _, i in tops])
+        else:
+            values, indices = lead.top_logprobs(self.draft_logits, width)
+        ranked = lead.auto and budget is not None
         for b, loop in enumerate(loops):
-            loop._tree(budget, (values[b * depth : (b + 1) * depth], indices[b * depth : (b + 1) * depth]))
+            top = (values[b * depth : (b + 1) * depth], indices[b * depth : (b + 1) * depth])
+            loop._tree(budget, top, choose=not ranked)
+        self.trees = [torch.stack(parts) for parts in zip(*(loop.tree[:4] for loop in loops))]
+        if ranked:
+            self._rank(len(loops), values.unflatten(0, (len(loops), depth)), indices.unflatten(0, (len(loops), depth)),
+                       lead.budgets.index(budget))  # fmt: skip
+
+    def _rank(self, count: int, values, indices, index: int) -> None:
+        """A batch-wide step's statistics for every slot at once (one set of kernels, not one a slot): each tree's
+        nodes ranked best first by the drafter's path log-probability, the drafter's expected accepted tokens at
+        every budget, and the step's budget index; `_accept` adds what each budget would have accepted. A tree at
+        a smaller budget is that budget's best nodes, and its best b are any smaller b's, so it tells every budget
+        up to its own (`StepBudgetPolicy.record`)."""
+        tokens, _, depths, masks = self.trees
+        self.rank, ordered = rank_nodes(node_scores_batched(tokens, depths, masks, values, indices))
+        budgets = len(self.loops[0].budgets)
+        self.stats[:count, :1].fill_(index)
+        self.stats[:count, 1 : 1 + budgets].copy_(expected_drafted(ordered, self.loops[0].budget_values))
 
     def _draft(self, loops) -> None:
         """Every slot's block in one drafter forward, each over its own draft cache (`DeviceLoop._draft`, batched)."""
@@ -193,7 +226,6 @@ class BatchLoop:
         per_slot: each slot's own budget (the nodes outside it add no expert); else one budget for all, every row
         verified."""
         count, rows = len(loops), loops[0].tree[0].shape[0]
-        self.trees = [torch.stack(parts) for parts in zip(*(loop.tree[:4] for loop in loops))]
         tokens, _, depths, masks = self.trees
         positions = (self.num_cached[:count, None] + depths).reshape(-1)
         routers = self.routers if per_slot else []  # each slot's nodes outside its step's budget add no expert
@@ -217,7 +249,7 @@ class BatchLoop:
             choices[b * rows : (b + 1) * rows] = loops[b]._choose(logits[b * rows : (b + 1) * rows])
         return choices
 
-    def _accept(self, loops) -> None:
+    def _accept(self, loops, budget: int | None = None) -> None:
         """Every slot's walk and commit at once (`DeviceLoop._accept`, batched): the longest path of the target's
         choices, its rows into the slot's cache, its taps the next context, its end's choice the next bonus."""
         count, lead = len(loops), loops[0]
@@ -235,11 +267,12 @@ class BatchLoop:
         self.emitted[:count, :steps].copy_(emitted)
         self.emitted[:count, steps:].copy_(length[:, None])
         self.bonus[:count].copy_(next_bonus)
-        for b, loop in enumerate(loops):
-            if loop.auto and not loop.narrow:
-                loop.stats[1 + len(loop.budgets) :].copy_(
-                    accepted_at(loop.rank, path[b], length[b : b + 1], loop.budget_values)
-                )
+        if lead.auto and budget is not None:  # a batch-wide budget's step: every slot's at once (`_rank`)
+            self.stats[:count, 1 + len(lead.budgets) :].copy_(accepted_at_batched(self.rank, path, length,
+                                                                                  lead.budget_values))  # fmt: skip
+        for b, loop in enumerate(loops if lead.auto and budget is None else ()):  # each slot at its own budget
+            loop.stats[1 + len(loop.budgets) :].copy_(accepted_at(loop.rank, path[b], length[b : b + 1],
+                                                                  loop.budget_values))  # fmt: skip
 
     def _commit_latent(self, count: int, positions, values) -> None:
         """values [count, n, layers, D] into slot b's latent cache at positions [count, n]: one write for every slot."""

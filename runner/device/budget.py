@@ -40,27 +40,36 @@ def node_scores(tokens, depths, mask, top_values, top_ids) -> torch.Tensor:
 
     A depth-d node's token is one of the drafter's top candidates at depth d (the tree is built from them), so its
     own log-probability is looked up there; the path's is the sum over the node's ancestors-or-self (the mask)."""
-    real = mask.diagonal()
-    row = (depths - 1).clamp_min(0)
-    match = top_ids.index_select(0, row) == tokens[:, None]  # [rows, K]
-    own = torch.where(match, top_values.index_select(0, row), 0.0).sum(dim=1)
+    return node_scores_batched(tokens[None], depths[None], mask[None], top_values[None], top_ids[None])[0]
+
+
+def node_scores_batched(tokens, depths, masks, top_values, top_ids) -> torch.Tensor:
+    """`node_scores` of B trees at once (a batched step's, `runner/device/batch.py`): tokens, depths [B, rows],
+    masks [B, rows, rows], top_values, top_ids [B, depth, K] -> [B, rows]."""
+    real = masks.diagonal(dim1=1, dim2=2)
+    row = (depths - 1).clamp_min(0)[..., None].expand(-1, -1, top_ids.shape[-1])  # [B, rows, K]
+    match = top_ids.gather(1, row) == tokens[..., None]
+    own = torch.where(match, top_values.gather(1, row), 0.0).sum(dim=2)
     own = torch.where(real & (depths > 0), own, 0.0)
-    scores = mask.to(torch.float32) @ own
+    scores = torch.bmm(masks.to(torch.float32), own[..., None])[..., 0]
     return torch.where(real, scores, float("-inf"))
 
 
 def rank_nodes(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rank [rows]: each node's place in best-first order, the root 0; sorted scores [rows]). Ties keep the node
-    order, in which every parent precedes its children, so the b best always include each one's ancestors."""
-    ordered, order = scores.sort(descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    """(rank [..., rows]: each node's place in best-first order, the root 0; sorted scores [..., rows]), of one tree
+    or of each of B trees ([B, rows]). Ties keep the node order, in which every parent precedes its children, so the
+    b best always include each one's ancestors."""
+    ordered, order = scores.sort(dim=-1, descending=True, stable=True)
+    places = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, places)
     return rank, ordered
 
 
 def expected_drafted(ordered_scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
-    """E_b for each budget: the drafter's expected accepted drafted tokens of the b best nodes, [nb] float64."""
-    cumulative = ordered_scores[1:].to(torch.float64).exp().cumsum(0)
-    return cumulative.index_select(0, (budgets - 1).clamp_max(cumulative.numel() - 1))
+    """E_b for each budget: the drafter's expected accepted drafted tokens of the b best nodes, [..., nb] float64
+    (a tree smaller than b: all its nodes)."""
+    cumulative = ordered_scores[..., 1:].to(torch.float64).exp().cumsum(-1)
+    return cumulative.index_select(-1, (budgets - 1).clamp_max(cumulative.shape[-1] - 1))
 
 
 def choose_budget(drafted, calibration, costs, fixed) -> torch.Tensor:
@@ -74,10 +83,17 @@ def choose_budget(drafted, calibration, costs, fixed) -> torch.Tensor:
 
 def accepted_at(rank, path, length, budgets) -> torch.Tensor:
     """For each budget b, the accepted path's drafted nodes among the b best (what budget b would have accepted:
-    the target's choices at those nodes are the same), [nb] int64."""
-    steps = torch.arange(path.numel(), device=path.device)
-    drafted = (steps > 0) & (steps < length)
-    return ((rank.index_select(0, path)[None, :] <= budgets[:, None]) & drafted[None, :]).sum(dim=1)
+    the target's choices at those nodes are the same), [nb] int64. length: [1]."""
+    return accepted_at_batched(rank[None], path[None], length, budgets)[0]
+
+
+def accepted_at_batched(rank, path, length, budgets) -> torch.Tensor:
+    """`accepted_at` of B trees: rank [B, rows], path [B, steps], length [B] -> [B, nb]. A tree narrower than b
+    counts its own nodes (what a batch-wide step at a smaller budget tells of b is no more than its budget's)."""
+    steps = torch.arange(path.shape[1], device=path.device)
+    drafted = (steps[None, :] > 0) & (steps[None, :] < length[:, None])  # [B, steps]
+    within = rank.gather(1, path)[:, None, :] <= budgets[None, :, None]  # [B, nb, steps]
+    return (within & drafted[:, None, :]).sum(dim=2)
 
 
 MIN_INFORMED = 4  # request-steps at the largest budget before the acceptance estimates are used
@@ -88,11 +104,12 @@ COST_WINDOW = 32  # a (slots, budget) step's cost: the median of its last 32 tim
 # every choice: in a short run (16 requests of 128 tokens, leaving one by one) they are a large share of the steps.
 MIN_TIMED = 2
 DECODE = 0  # the choice of an autoregressive step (a batch's policy: `StepBudgetPolicy(decode=True)`)
-# Exploration (a step at the largest budget, which informs every smaller one) is paid for out of a share of the time
-# the chosen budget's steps take: EXPLORE_SHARE while the largest budget could still win (its optimistic rate, the
-# mean accepted plus two standard errors, at least the best's), EXPLORE_SHARE_SETTLED once even that loses, so a
-# drifting drafter is still noticed; never two within EXPLORE_GAP steps. On a Kimi K2 rank a budget-32 step costs 3x
-# a budget-8 step (BENCHMARKS.md, section 11): exploring every 8th step cost auto a fifth of its speed there.
+# Exploration (a step at a budget above the chosen one, which informs it and every smaller one) is paid for out of a
+# share of the time the chosen budget's steps take: EXPLORE_SHARE while a larger budget could still win (its
+# optimistic rate, the mean accepted plus two standard errors, at least the best's; the one with the best such rate is
+# explored), EXPLORE_SHARE_SETTLED once none could (then the largest, so a drifting drafter is still noticed); never
+# two within EXPLORE_GAP steps. On a Kimi K2 rank a budget-32 step costs 3x a budget-8 step (BENCHMARKS.md, section
+# 11): exploring every 8th step cost auto a fifth of its speed there.
 EXPLORE_SHARE, EXPLORE_SHARE_SETTLED, EXPLORE_GAP = 0.02, 0.002, 8
 
 
@@ -101,13 +118,15 @@ class StepBudgetPolicy:
     the step's launch: the budget with the most expected tokens a second, busy requests x (1 + drafted tokens a
     request accepts at that budget) over the measured time of a step of that many slots at that budget.
 
-    Acceptance: a step at the largest budget verifies every node, and each request's statistics say how many drafted
-    tokens each smaller budget would have accepted (its b best nodes: what that budget's tree is); the estimate at b
-    is their mean over those request-steps. Steps at a smaller budget inform nothing larger, so the largest budget is
-    taken until `MIN_INFORMED` request-steps informed the estimates, then again whenever the exploration credit
-    covers what such a step costs over the chosen one (the credit grows by a share of each chosen step's cost:
-    `EXPLORE_SHARE` while the largest budget's optimistic rate could beat the best, `EXPLORE_SHARE_SETTLED` once it
-    cannot), so exploring never costs more than that share of the time, whatever the budgets cost. Costs: `costs`
+    Acceptance: a step at budget B verifies its tree's B best nodes, and each request's statistics say how many
+    drafted tokens each budget b <= B would have accepted (its b best nodes: what that budget's tree is); the estimate
+    at b is their mean over the request-steps at b or above (`informed[b]`: a batch's steps at every budget report
+    them, a lone request's at the largest only). Steps inform nothing larger than their budget, so the largest budget
+    is taken until `MIN_INFORMED` request-steps informed the estimates, then a larger budget than the chosen one
+    whenever the exploration credit covers what its step costs over the chosen one (the credit grows by a share of
+    each chosen step's cost: `EXPLORE_SHARE` while a larger budget's optimistic rate could beat the best, the most
+    hopeful of them explored; `EXPLORE_SHARE_SETTLED`, at the largest, once none could), so exploring never costs
+    more than that share of the time, whatever the budgets cost. Costs: `costs`
     seeds a lone request's (seconds a step at each budget, as warm-up measured them: medians, trusted as they are); a
     budget no slot count has timed `MIN_TIMED` times is taken to time it; a (slots, budget) pair's cost is the median
     of its last `COST_WINDOW` step times, or until it is timed the line between the slot counts timed at that budget
@@ -117,14 +136,18 @@ class StepBudgetPolicy:
     The drafter's own expectation at each budget is summed next to what was accepted (`predicted`, `accepted`): how
     far its probabilities are from the target's agreement."""
 
-    def __init__(self, budgets: tuple[int, ...], costs: dict[int, float] | None = None, decode: bool = False):
+    def __init__(self, budgets: tuple[int, ...], costs: dict[int, float] | None = None, decode: bool = False,
+                 narrow_informs: bool = False):  # fmt: skip
         self.budgets = tuple(sorted(budgets))
+        # whether a step below the largest budget reports statistics (a batch's do, `BatchLoop._rank`; a lone
+        # request's do not): then a budget above the chosen one may be explored, else only the largest
+        self.narrow_informs = narrow_informs
         # what a step can take: the budgets, and with `decode` an autoregressive step (`DECODE`) as well
         self.options = ((DECODE,) if decode and DECODE not in self.budgets else ()) + self.budgets
         self.accepted = dict.fromkeys(self.budgets, 0.0)  # drafted tokens accepted at b, summed over request-steps
         self.squares = dict.fromkeys(self.budgets, 0.0)  # and their squares (the estimates' standard errors)
         self.predicted = dict.fromkeys(self.budgets, 0.0)  # the drafter's expectation of the same
-        self.informed = 0  # request-steps at the largest budget
+        self.informed = dict.fromkeys(self.budgets, 0)  # request-steps whose statistics told budget b
         self.times: dict[tuple[int, int], deque] = {}
         for budget, seconds in (costs or {}).items():
             self.times[(1, budget)] = deque([seconds], maxlen=COST_WINDOW)
@@ -139,7 +162,7 @@ class StepBudgetPolicy:
         step's one)."""
         if budget == DECODE:
             return 1.0
-        return 1.0 + self.accepted[budget] / max(self.informed, 1)
+        return 1.0 + self.accepted[budget] / max(self.informed[budget], 1)
 
     def timed(self, budget: int, count: int) -> bool:
         """Whether a step of `count` slots at `budget` has a cost of its own (timed `MIN_TIMED` times, or seeded)."""
@@ -166,7 +189,7 @@ class StepBudgetPolicy:
     def optimistic(self, budget: int) -> float:
         """Tokens a request emits a step at `budget`, two standard errors above the estimate (a variance floor of
         1/4 keeps a few identical steps from passing for certainty)."""
-        n = max(self.informed, 1)
+        n = max(self.informed[budget], 1)
         mean = self.accepted[budget] / n
         variance = max(self.squares[budget] / n - mean * mean, 0.0) + 0.25
         return 1.0 + mean + 2.0 * (variance / n) ** 0.5
@@ -177,39 +200,45 @@ class StepBudgetPolicy:
         # a budget is taken to time it only where no slot count has its cost yet (elsewhere `cost` estimates it
         # from the counts that have one, and the steps that take it time it): each new batch size costs no steps
         untimed = [b for b in self.options if not any(self.timed(b, c) for c, o in self.times if o == b)]
-        if self.informed < MIN_INFORMED:
+        if self.informed[largest] < MIN_INFORMED:
             best = largest
         elif untimed:
             best = untimed[0]
         else:
             rate = lambda b: busy * self.expected(b) / self.cost(b, count)  # noqa: E731
+            hope = lambda b: busy * self.optimistic(b) / self.cost(b, count)  # noqa: E731
             best = max(self.options, key=lambda b: (rate(b), -b))
             if best != largest:
-                extra = self.cost(largest, count) - self.cost(best, count)
-                could_win = busy * self.optimistic(largest) / self.cost(largest, count) >= rate(best)
-                share = EXPLORE_SHARE if could_win else EXPLORE_SHARE_SETTLED
+                # the budgets above the best that could still win, the most hopeful explored (each informs itself
+                # and the budgets below it); none: the largest, at the settled share
+                above = [b for b in self.budgets if b > best] if self.narrow_informs else [largest]
+                hopeful = [b for b in above if hope(b) >= rate(best)]
+                target = max(hopeful, key=lambda b: (hope(b), -b)) if hopeful else largest
+                extra = self.cost(target, count) - self.cost(best, count)
+                share = EXPLORE_SHARE if hopeful else EXPLORE_SHARE_SETTLED
                 self.credit = min(self.credit + share * self.cost(best, count), max(extra, 0.0))
                 if self.credit >= extra and self.steps - self.explored_at >= EXPLORE_GAP:
-                    best = largest
+                    best = target
+                    self.credit, self.explored_at = 0.0, self.steps
         if best == largest:
             self.credit, self.explored_at = 0.0, self.steps
         self.chosen[(count, best)] += 1
         return best
 
     def record(self, count: int, budget: int, seconds: float | None, stats: list[dict]) -> None:
-        """A step of `count` slots at `budget`: its time, and at the largest budget each busy request's statistics
-        (`DeviceLoop.read_stats`)."""
+        """A step of `count` slots at `budget`: its time, and each busy request's statistics (`DeviceLoop.read_stats`;
+        none: a step that reports none), which tell `budget` and every smaller budget."""
         if seconds is not None:  # None: a step whose time is no cost (it captured its graph)
             self.times.setdefault((count, budget), deque(maxlen=COST_WINDOW)).append(seconds)
         if budget == DECODE:
             return  # an autoregressive step informs no budget
-        if budget == self.budgets[-1]:
-            for request in stats:
-                self.informed += 1
-                for b in self.budgets:
-                    self.accepted[b] += request["accepted"][b]
-                    self.squares[b] += request["accepted"][b] ** 2
-                    self.predicted[b] += request["drafted"][b]
+        told = [b for b in self.budgets if b <= budget]
+        for request in stats:
+            for b in told:
+                self.informed[b] += 1
+                self.accepted[b] += request["accepted"][b]
+                self.squares[b] += request["accepted"][b] ** 2
+                self.predicted[b] += request["drafted"][b]
 
     def summary(self) -> dict:
         """What the policy chose and measured, by the slots a step ran: {slots: {"steps": {budget: steps},
