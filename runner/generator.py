@@ -134,9 +134,10 @@ class Generator:
     def _warm_batch(self, prompt: list[int], params: SamplingParams) -> None:
         """Every batched step's graph: at each slot count, one step of that many requests of two tokens (the first
         from the prefill, the second from the step) at two budgets alternating (each slot's own: a mixed batch's
-        form), then one with each budget for the whole batch (an all-`auto` batch's, or all at one fixed budget) and
-        one autoregressive step (`DECODE`); each under a policy of that one choice, so the batch policy learns nothing
-        from these steps (they include the captures). Requests of different lengths leaving one after another missed
+        form), then one with each budget for the whole batch as an all-`auto` batch steps it (statistics reported)
+        and as a batch all at that fixed budget steps it (none), and one autoregressive step (`DECODE`); the `auto`
+        ones each under a policy of that one choice, so the batch policy learns nothing from these steps (they
+        include the captures). Requests of different lengths leaving one after another missed
         slot counts whenever two left at the same step (one H200: the first step at such a count took 110-161 ms, and
         its time steered the policy)."""
         from runner.device.budget import DECODE, StepBudgetPolicy
@@ -149,8 +150,10 @@ class Generator:
                 continue
             if count > 1:  # requests of different budgets: each slot's own (the largest budget's rows)
                 self.generate_many(*batch, budget=[(budgets[0], budgets[-1])[i % 2] for i in range(count)])
-            for budget in (DECODE, *budgets):  # one budget for the batch (all `auto`, or all at one fixed budget)
+            for budget in (DECODE, *budgets):  # one budget for the whole batch: all `auto`, then all at that budget
                 self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
+                if budget != DECODE:
+                    self.generate_many(*batch, budget=budget)
 
     def _warm_prompt(self) -> list[int]:
         block = self.spec.block_size

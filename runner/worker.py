@@ -188,14 +188,16 @@ class RankWorker:
         committed rows are at most its prefill's rows plus that many."""
         self.batch.move(source, target, self.batch.loops[source].cache.num_cached + emitted)
 
-    def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None, budget=None):
+    def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None, budget=None,
+                   report: bool = True):  # fmt: skip
         """One step of slots [0, count) (`idle` ones reset first); choices: the budget policy's inputs of the slots
-        whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`). Returns (each
-        slot's tokens, each several-budget slot's statistics, whether the step captured its graph)."""
+        whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`); report: whether
+        a step at one budget reports statistics (`BatchLoop.step`). Returns (each slot's tokens, each several-budget
+        slot's statistics, whether the step captured its graph)."""
         loops = self.batch.loops
         for slot, choice in (choices or {}).items():
             loops[slot].set_choice(choice)
-        emitted = self.batch.step(count, idle, budget)
+        emitted = self.batch.step(count, idle, budget, report)
         return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}, self.batch.captured
 
     def device_prefill_context(self) -> None:

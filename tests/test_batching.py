@@ -595,21 +595,22 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     generator, batch = Generator(ranks), ranks.lead.batch
     taken, step = [], batch.step
 
-    def spy(count, idle=(), budget=None):
-        taken.append((count, budget))
-        return step(count, idle, budget)
+    def spy(count, idle=(), budget=None, report=True):
+        taken.append((count, budget, report or budget is None))
+        return step(count, idle, budget, report)
 
     batch.step = spy
     results = generator.generate_many(PROMPTS[:3], 20, [GREEDY] * 3, budget=8)
     for prompt, result in zip(PROMPTS, results):
         assert result.tokens == generate_autoregressive(ranks, prompt, 20, Sampler(SamplingParams())).tokens
-    assert {b for _, b in taken} == {8}
+    assert {b for _, b, _ in taken} == {8} and not any(r for *_, r in taken)  # no statistics: no policy learns
     taken.clear()
     generator.generate_many(PROMPTS[:2], 6, [GREEDY] * 2, budget=[4, 16])
-    assert {b for _, b in taken} == {None}
+    assert {b for _, b, _ in taken} == {None}
     taken.clear()
     generator._warm_batch(PROMPTS[0], GREEDY)
-    forms = {(c, b) for c in (1, 2, 3) for b in (DECODE, 4, 8, 16)} | {(2, None), (3, None)}
+    forms = {(c, b, True) for c in (1, 2, 3) for b in (DECODE, 4, 8, 16)} | {(2, None, True), (3, None, True)}
+    forms |= {(c, b, False) for c in (1, 2, 3) for b in (4, 8, 16)}  # a batch all at one fixed budget
     assert set(taken) == forms
     assert generator.batch_policy is not None and not generator.batch_policy.chosen
     ranks.close()

@@ -117,11 +117,15 @@ class BatchLoop:
             dst.request_index, dst.request_budget = src.request_index, src.request_budget
         self.release(source)
 
-    def step(self, count: int, idle: tuple[int, ...] = (), budget: int | None = None) -> list[list[int]]:
+    def step(self, count: int, idle: tuple[int, ...] = (), budget: int | None = None,
+             report: bool = True) -> list[list[int]]:  # fmt: skip
         """One step of slots [0, count); returns each slot's emitted tokens (an idle slot's are to be dropped).
         budget: one tree budget for every slot this step (`StepBudgetPolicy`: the verify then has that budget's
-        rows for each request; at the largest budget each slot's statistics tell every smaller budget); None: each
-        slot's own (its request's budget, or `auto` chosen in the slot from its tree)."""
+        rows for each request, and each slot's statistics tell that budget and every smaller one); None: each
+        slot's own (its request's budget, or `auto` chosen in the slot from its tree). report: whether a step at
+        one budget reports statistics (an all-`auto` batch's policy learns from them; a batch all at one fixed
+        budget needs none, and its graph leaves out the ranking)."""
+        report = report or budget is None
         for slot in idle:
             self.release(slot)
         loops = self.loops[:count]
@@ -129,38 +133,38 @@ class BatchLoop:
             largest = len(loop.budgets) - 1
             loop.choice_inputs[-1:].fill_(largest if budget is not None else loop.request_index)
         if not self.use_graph:
-            self._run(count, budget)
+            self._run(count, budget, report)
         else:
-            key = (count, tuple((loop.sampled, loop.filter) for loop in loops), budget)
+            key = (count, tuple((loop.sampled, loop.filter) for loop in loops), budget, report)
             self.captured = key not in self.graphs  # this step's time includes the capture: no cost of the step
             if self.captured:
-                self.graphs[key] = self._capture(count, budget)
+                self.graphs[key] = self._capture(count, budget, report)
             self.graphs[key].replay()
         emitted = self.emitted[:count].tolist()  # the device -> host copy of a step (and the statistics' below)
         # every tree step's statistics, each slot's at its own budget or at the batch's; none of an autoregressive
         # step (decided from `budget`: a replayed graph does not set the Python attributes)
-        informs = loops[0].auto and budget != DECODE
+        informs = loops[0].auto and budget != DECODE and report
         rows = self.stats[:count].tolist() if informs else [None] * count
         for loop, values in zip(loops, rows):
             loop.last_stats = None if values is None else loop.read_stats(values)
         return [values[: values[-1]] for values in emitted]
 
-    def _run(self, count: int, budget: int | None = None) -> None:
+    def _run(self, count: int, budget: int | None = None, report: bool = True) -> None:
         loops = self.loops[:count]
         if self.autoregressive:
             return self._decode(loops)
         if budget == DECODE:
             return self._decode(loops, speculative=True)
         self._draft(loops)
-        self._trees(loops, budget)
+        self._trees(loops, budget, report)
         self._verify(loops, per_slot=budget is None)
         for loop in loops if self.oracle is not None else ():
             loop._oracle_choices()
-        self._accept(loops, budget)
+        self._accept(loops, budget, report)
 
-    def _trees(self, loops, budget: int | None = None) -> None:
+    def _trees(self, loops, budget: int | None = None, report: bool = True) -> None:
         """Every slot's top candidates in one launch, then each slot's tree (`DeviceLoop._tree`); a batch-wide
-        budget's step then ranks every slot's nodes at once (`_rank`)."""
+        budget's step that reports then ranks every slot's nodes at once (`_rank`)."""
         lead, depth = loops[0], self.block - 1
         width = lead.tree_width(budget)
         if self.oracle is not None:  # benchmarks' oracle: each slot's draft logits replaced
@@ -170,7 +174,7 @@ class BatchLoop:
             values, indices = torch.cat([v for v, _ in tops]), torch.cat([i for _, i in tops])
         else:
             values, indices = lead.top_logprobs(self.draft_logits, width)
-        ranked = lead.auto and budget is not None
+        ranked = lead.auto and budget is not None and report
         for b, loop in enumerate(loops):
             top = (values[b * depth : (b + 1) * depth], indices[b * depth : (b + 1) * depth])
             loop._tree(budget, top, choose=not ranked)
@@ -249,7 +253,7 @@ class BatchLoop:
             choices[b * rows : (b + 1) * rows] = loops[b]._choose(logits[b * rows : (b + 1) * rows])
         return choices
 
-    def _accept(self, loops, budget: int | None = None) -> None:
+    def _accept(self, loops, budget: int | None = None, report: bool = True) -> None:
         """Every slot's walk and commit at once (`DeviceLoop._accept`, batched): the longest path of the target's
         choices, its rows into the slot's cache, its taps the next context, its end's choice the next bonus."""
         count, lead = len(loops), loops[0]
@@ -267,7 +271,7 @@ class BatchLoop:
         self.emitted[:count, :steps].copy_(emitted)
         self.emitted[:count, steps:].copy_(length[:, None])
         self.bonus[:count].copy_(next_bonus)
-        if lead.auto and budget is not None:  # a batch-wide budget's step: every slot's at once (`_rank`)
+        if lead.auto and budget is not None and report:  # a batch-wide budget's step: every slot's at once
             self.stats[:count, 1 + len(lead.budgets) :].copy_(accepted_at_batched(self.rank, path, length,
                                                                                   lead.budget_values))  # fmt: skip
         for b, loop in enumerate(loops if lead.auto and budget is None else ()):  # each slot at its own budget
@@ -306,15 +310,15 @@ class BatchLoop:
         self.emitted[:count, -1:].fill_(1)
         self.bonus[:count].copy_(token)
 
-    def _capture(self, count: int, budget: int | None = None):
+    def _capture(self, count: int, budget: int | None = None, report: bool = True):
         state = [self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context,
                  *(loop.draws for loop in self.loops[:count])]  # fmt: skip
         saved = [t.clone() for t in state]
-        warm_up(lambda: self._run(count, budget), self.device)
+        warm_up(lambda: self._run(count, budget, report), self.device)
         for tensor, before in zip(state, saved):
             tensor.copy_(before)  # the warm-up must not count as a step
         gc.collect()  # nothing holding CUDA resources may be freed while the stream captures
-        return capture_graph(lambda: self._run(count, budget), self.device, warmups=0)[0]
+        return capture_graph(lambda: self._run(count, budget, report), self.device, warmups=0)[0]
 
     def close(self) -> None:
         for loop in self.loops:
@@ -394,7 +398,9 @@ class Batcher:
         auto = [s for s, m in self.members.items() if m.budget == "auto" and self.policy is not None]
         choices = {} if batch_wide else {s: self.policy.device_inputs() for s in auto}
         started = time.perf_counter()
-        emitted, stats, captured = self.ranks.call("batch_step", count, idle, choices, budget)
+        # statistics only where a policy learns from them: an all-`auto` batch's, or each `auto` slot's own
+        report = batch_wide or budget is None
+        emitted, stats, captured = self.ranks.call("batch_step", count, idle, choices, budget, report)
         seconds = time.perf_counter() - started
         if batch_wide:  # a step that captured its graph tells nothing of its cost (its statistics still count)
             self.batch_policy.record(count, budget, None if captured else seconds,
