@@ -18,11 +18,13 @@ cost more while an autoregressive step's rows stay few: one H200, the trained pa
 flight took 7944 tokens/s at budget 8 where autoregressive steps took 12029 (BENCHMARKS.md 18), so the policy weighs
 an autoregressive step, one token a request, against the budgets like any other choice.
 
-The tensor functions below rank a tree's nodes by path log-probability: a step at the largest budget reports what
-every budget would have accepted (`accepted_at`) and what the drafter expected (`expected_drafted`: predicted against
-observed acceptance). A batch that mixes `auto` with fixed budgets (`runner/device/batch.py`, each slot's own budget
-in one verify of the largest budget's rows) still chooses each `auto` slot's budget inside the graph from its own
-tree (`choose_budget`) and makes the other nodes padding: the other slots' rows are verified at that width anyway.
+The tensor functions below rank a tree's nodes by path log-probability (one tree, or a batch's trees at once): a
+step at the largest budget reports what every budget would have accepted (`accepted_at`) and what the drafter
+expected (`expected_drafted`: predicted against observed acceptance); a batch's step at a smaller budget b reports
+the same for b and every budget below it (its tree is their best nodes; `BatchLoop._rank`). A batch that mixes
+`auto` with fixed budgets (`runner/device/batch.py`, each slot's own budget in one verify of the largest budget's
+rows) still chooses each `auto` slot's budget inside the graph from its own tree (`choose_budget`) and makes the
+other nodes padding: the other slots' rows are verified at that width anyway.
 The padding sees nothing, nothing sees it, the walk never accepts it, and the target's MoE routes it to the root's
 experts with zero weight (`models/moe.py`, `Router.row_active`).
 """
