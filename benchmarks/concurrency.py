@@ -1,6 +1,7 @@
 """Many requests at once: in-flight batching against one request at a time, through the CLI and a real tritonserver.
 
     PYTHONPATH=. python benchmarks/concurrency.py OUT_DIR [--levels 1,2,4,8,16] [--tokens 64] [--device cpu|cuda]
+        [--rounds K] [--repeats R]
     PYTHONPATH=. python benchmarks/concurrency.py OUT_DIR --smoke       (tiny: checks the script)
 
 The trained pair (`trained/`: a small Kimi K2.x-architecture target and its DFlash drafter, real acceptance) is built
@@ -11,7 +12,8 @@ into a TP-1 engine directory (torch backend) and run by what users launch:
    request's tokens over the job's generation time; the batched tokens must equal the one-at-a-time ones, and the
    budgets the steps took are recorded. `--rounds K`: N x K prompts through N slots (each joins when one leaves:
    steady in-flight batching, as a server under N concurrent clients sees it; with K = 1 the batch drains to its
-   slowest request at the end).
+   slowest request at the end). `--repeats R`: each batched job R times, the modes interleaved and each repeat
+   starting at another mode; a row is the median run, with every run's rate.
 2. Triton: one tritonserver with four models of the same engine (DDTree and autoregressive, each one at a time and
    batched up to the largest level); N clients, each sending two requests in turn (`max_tokens` tokens, no end
    token); aggregate tokens/s over the wall time, and per-request latency (median and worst).
@@ -96,9 +98,10 @@ def run_cli(engine: Path, path: Path, texts: list[str], tokens: int, mode: str, 
     return json.loads(path.read_text())
 
 
-def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, mode: str, device: str) -> dict:
+def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, mode: str, device: str,
+            repeat: int = 0) -> dict:  # fmt: skip
     slug = "".join(c for c in mode if c.isalnum())
-    path = out / f"cli-{slug}-{len(texts)}-{batch}.json"
+    path = out / f"cli-{slug}-{len(texts)}-{batch}{f'-r{repeat}' if repeat else ''}.json"
     result = run_cli(engine, path, texts, tokens, mode, device, ("--max_batch_size", str(batch)))
     rows = result["results"]
     total = sum(len(r["output_ids"]) for r in rows)
@@ -109,6 +112,15 @@ def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, 
             "budgets": [r["budgets"] for r in rows],
             "budgets_chosen": _histogram(b for r in rows for b in r["budgets"]),  # 0: autoregressive steps
             "policy": (result["batch"] or {}).get("policy")}  # fmt: skip
+
+
+def median_row(rows: list[dict]) -> dict:
+    """The repeats of one batched job: the median-rate repeat's row (the lower middle one of an even count), with
+    every repeat's rate; equal to one at a time only if every repeat was."""
+    ordered = sorted(rows, key=lambda r: r["tokens_per_s"])
+    middle = ordered[(len(ordered) - 1) // 2]
+    return {**middle, "repeats_tokens_per_s": [round(r["tokens_per_s"], 2) for r in rows],
+            "equal_to_one_at_a_time": all(r["equal_to_one_at_a_time"] for r in rows)}  # fmt: skip
 
 
 def one_at_a_time(row: dict, n: int) -> dict:
@@ -246,6 +258,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="requests a slot serves: level N sends N x ROUNDS requests through N slots, each joining "
                              "as one leaves (steady in-flight batching; default 1: N requests at once)")  # fmt: skip
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each batched job, the modes interleaved (each repeat in another order) so a "
+        "drifting machine touches every mode alike; a row is the median run (default 1)",
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-triton", action="store_true", help="the CLI rows only")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -259,7 +278,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "levels": levels,
-            "dtype": dtype, "tokens": tokens, "rounds": args.rounds, "cli": [], "triton": []}  # fmt: skip
+            "dtype": dtype, "tokens": tokens, "rounds": args.rounds, "repeats": args.repeats, "cli": [],
+            "triton": []}  # fmt: skip
     if args.device == "cuda" and not args.smoke:
         info.update(environment(False))
 
@@ -276,20 +296,28 @@ def main(argv=None) -> int:
     texts = prompts(max(levels) * rounds, args.smoke)
     for mode in CLI_MODES if args.device == "cuda" else ():  # a discarded job first: kernels compiled for new
         cli_row(engine, out, texts[:2], 8, 2, mode, args.device)  # shapes land in Triton's disk cache, as on a server
-    for mode in CLI_MODES:
-        # one at a time: the largest level's prompts in one job, each request alone (a request's rate does not
-        # depend on the others), so the rate of the first n requests is the one-at-a-time row at level n
-        single = cli_row(engine, out, texts, tokens, 1, mode, args.device)
-        for n in levels:
-            alone = one_at_a_time(single, n * rounds)
-            batched = n > 1 or rounds > 1
-            together = cli_row(engine, out, texts[: n * rounds], tokens, n, mode, args.device) if batched else alone
-            together["equal_to_one_at_a_time"] = together["outputs"] == alone["outputs"]
-            for row in (alone, together) if batched else (alone,):
+    # one at a time: the largest level's prompts in one job a mode, each request alone (a request's rate does not
+    # depend on the others), so the rate of the first n requests is the one-at-a-time row at level n
+    single = {mode: cli_row(engine, out, texts, tokens, 1, mode, args.device) for mode in CLI_MODES}
+    modes = list(CLI_MODES)
+    for n in levels:
+        batched = n > 1 or rounds > 1
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for repeat in range(args.repeats if batched else 1):
+            shift = repeat % len(modes)  # each repeat starts at another mode: no mode always runs first or last
+            for mode in modes[shift:] + modes[:shift]:
+                alone = one_at_a_time(single[mode], n * rounds)
+                together = (cli_row(engine, out, texts[: n * rounds], tokens, n, mode, args.device, repeat)
+                            if batched else alone)  # fmt: skip
+                runs[mode].append({**together, "equal_to_one_at_a_time": together["outputs"] == alone["outputs"]})
+                print(f"cli {mode:14s} {n:3d} requests, max_batch_size {together['max_batch_size']:2d}"
+                      f"{f', repeat {repeat + 1}' if args.repeats > 1 else ''}: "
+                      f"{together['tokens_per_s']:8.1f} tokens/s", flush=True)  # fmt: skip
+        for mode in modes:
+            alone = one_at_a_time(single[mode], n * rounds)
+            for row in (alone, median_row(runs[mode])) if batched else (alone,):
                 info["cli"].append({**{k: v for k, v in row.items() if k not in ("outputs", "budgets")}, "level": n})
-                print(f"cli {mode:14s} {n:3d} requests, max_batch_size "
-                      f"{row['max_batch_size']:2d}: {row['tokens_per_s']:8.1f} tokens/s", flush=True)  # fmt: skip
-            save()
+        save()
     if not args.no_triton:
         info["triton"] = triton_rows(engine, out, levels, tokens, args.smoke)
     save()
