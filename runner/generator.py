@@ -139,9 +139,10 @@ class Generator:
         ones each under a policy of that one choice, so the batch policy learns nothing from these steps (they
         include the captures). Requests of different lengths leaving one after another missed
         slot counts whenever two left at the same step (one H200: the first step at such a count took 110-161 ms, and
-        its time steered the policy)."""
+        its time steered the policy). First the admissions of several requests at once (`_warm_group_prefills`)."""
         from runner.device.budget import DECODE, StepBudgetPolicy
 
+        self._warm_group_prefills(params)
         several, budgets = len(self.device_budgets) > 1, self.device_budgets
         for count in range(self.batch_slots, 0, -1):
             batch = ([prompt] * count, 2, [params] * count)
@@ -154,6 +155,19 @@ class Generator:
                 self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
                 if budget != DECODE:
                     self.generate_many(*batch, budget=budget)
+
+    def _warm_group_prefills(self, params: SamplingParams) -> None:
+        """Several requests admitted at once prefill in one eager forward (`RankWorker.prefill_group`), whose GEMMs
+        have (requests x padded length) rows: one-token requests at every prefill length, 2, 4, 8 ... up to the slots
+        at a time (while a group fits a prefill chunk), load the kernels those row counts take before a request
+        needs them (as `_warm_prefill_lengths` does for one request)."""
+        lead = self.ranks.lead
+        limit = lead.prefill_chunk or lead.session.profile("prefill").dims["tokens"][2]
+        for length in length_buckets(min(lead.session.profile("prefill").dims["tokens"][2], self.capacity - 2)):
+            count = 2
+            while count <= self.batch_slots and count * lead._prefill_rows(length, 0) <= limit:
+                self.generate_many([[1 + i % 255 for i in range(length)]] * count, 1, [params] * count)
+                count = count * 2 if count * 2 <= self.batch_slots or count == self.batch_slots else self.batch_slots
 
     def _warm_prompt(self) -> list[int]:
         block = self.spec.block_size
@@ -195,10 +209,20 @@ class Generator:
               end_ids: set[int] = frozenset(), on_tokens=None, stop_sequences=(), budget=None, tag=None):  # fmt: skip
         """A request into the batch (one the device loop serves: `on_device`); `auto`'s costs are measured at the
         first request that asks, as for single requests."""
-        chosen = self.step_budget(budget)
-        if chosen == "auto":
+        from runner.device.batch import Admission
+
+        return self.admit_many(batcher, [Admission(prompt, max_new_tokens, params, end_ids, on_tokens, stop_sequences,
+                                                   budget, tag)])[0]  # fmt: skip
+
+    def admit_many(self, batcher, requests: list) -> list:
+        """Requests (`runner.device.batch.Admission`, at most `batcher.free`) into the batch at once: their
+        prefills share forwards (`Batcher.admit_many`); returns their members in order."""
+        from dataclasses import replace
+
+        requests = [replace(r, budget=self.step_budget(r.budget)) for r in requests]
+        if any(r.budget == "auto" for r in requests):
             batcher.policy = self.auto_policy()
-        return batcher.admit(prompt, max_new_tokens, params, end_ids, on_tokens, stop_sequences, chosen, tag)
+        return batcher.admit_many(requests)
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int], params: list[SamplingParams],
                       end_ids: set[int] = frozenset(), budget=None,
@@ -206,18 +230,22 @@ class Generator:
         """Several requests at once, in-flight batched: each joins when a slot is free and leaves when done; returns
         their results in order. max_new_tokens, budget: one for all, or each request's. batch_policy: chooses the
         budget of each step of an all-`auto` batch instead of the batcher's own `StepBudgetPolicy` (warm-up)."""
+        from runner.device.batch import Admission
+
         batcher, results = self.batcher(), {}
         if batch_policy is not None:
             batcher.batch_policy = batch_policy
         counts = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         budgets = budget if isinstance(budget, list) else [budget] * len(prompts)
-        waiting = list(enumerate(zip(prompts, params, counts, budgets)))
+        waiting = [Admission(prompt, tokens, request_params, end_ids, budget=request_budget, tag=index)
+                   for index, (prompt, request_params, tokens, request_budget)
+                   in enumerate(zip(prompts, params, counts, budgets))]  # fmt: skip
         while waiting or batcher.members:
-            while waiting and batcher.free:
-                index, (prompt, request_params, tokens, request_budget) = waiting.pop(0)
-                member = self.admit(batcher, prompt, tokens, request_params, end_ids, budget=request_budget, tag=index)
-                if member.result.elapsed:  # done at its first token
-                    results[index] = member.result
+            if waiting and batcher.free:  # every request a free slot takes, admitted together
+                admitted, waiting = waiting[: batcher.free], waiting[batcher.free :]
+                for member in self.admit_many(batcher, admitted):
+                    if member.result.elapsed:  # done at its first token
+                        results[member.tag] = member.result
             for member in batcher.step():
                 results[member.tag] = member.result
         return [results[i] for i in range(len(prompts))]

@@ -180,8 +180,76 @@ class RankWorker:
         finally:
             self.cache = main
 
+    def batch_prefill_many(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Several prompts into their slots' caches, in as few forwards as fit (`prefill_group`): a group's padded
+        rows stay within a prefill chunk (`prefill_chunk`, else the prefill profile's longest), a prompt longer than
+        that prefills alone in chunks (`batch_prefill`). Each prompt's last row's logits [len(prompts), V], in order.
+        Every rank groups alike (the same lengths, the same limit)."""
+        limit = self.prefill_chunk or self.session.profile("prefill").dims["tokens"][2]
+        padded = [self._prefill_rows(len(p), 0) for p in prompts]
+        logits, group = [None] * len(prompts), []
+
+        def flush():
+            if len(group) == 1:
+                logits[group[0]] = self.batch_prefill(slots[group[0]], prompts[group[0]])
+            elif group:
+                out = self.prefill_group([slots[i] for i in group], [prompts[i] for i in group])
+                for row, i in enumerate(group):
+                    logits[i] = out[row : row + 1]
+            group.clear()
+
+        for i, rows in enumerate(padded):
+            if group and (len(group) + 1) * max(rows, *(padded[j] for j in group)) > limit:
+                flush()
+            group.append(i)
+            if rows > limit:  # alone, in chunks
+                flush()
+        flush()
+        return torch.cat(logits)
+
+    def prefill_group(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Prompts into their (free) slots' caches in one target forward: each padded to the group's longest padded
+        length (`_prefill_rows`: the same kernels as a prefill of its own), its rows side by side, causal within its
+        own, over an empty cache (`models/mla.py`, `per_request`); every row's latent K/V and (speculative) the
+        drafter's context K/V of every row written into the slots' caches in one write each (rows past a prompt are
+        past its length: no step reads them before a commit overwrites them), as the device loop's
+        `prefill_context` leaves a prompt. Returns each prompt's last row's logits [len(prompts), V].
+
+        One request's prefill is a CUDA graph a length on GPUs; a group runs eagerly (the forms its lengths and
+        counts need are warmed up, `Generator._warm_batch`): 16 requests admitted at once then cost one forward
+        instead of 16 (each speculative request's prefill and drafter context about 2.4 ms on one H200)."""
+        batch, device, count = self.batch, self.device, len(prompts)
+        rows = max(self._prefill_rows(len(p), 0) for p in prompts)
+        ids = torch.tensor([p + [p[-1]] * (rows - len(p)) for p in prompts], device=device).reshape(-1)
+        arange = torch.arange(rows, device=device)
+        positions = arange.repeat(count)
+        causal = torch.ones((rows, rows), dtype=torch.bool, device=device).tril().expand(count, rows, rows)
+        last = torch.tensor([b * rows + len(p) - 1 for b, p in enumerate(prompts)], device=device)
+        index = torch.tensor(slots, device=device)[:, None]
+        with torch.no_grad():
+            # any `count` slots' caches serve: at length 0 no cache row is read
+            logits, new_kv, taps = batch.target(ids, positions, causal, batch.latent[:count],
+                                                torch.zeros(count, dtype=torch.long, device=device), last)  # fmt: skip
+            values = new_kv.unflatten(1, (count, rows)).permute(1, 2, 0, 3)  # [count, rows, layers, D]
+            batch.latent.transpose(1, 2).index_put_((index, arange[None]), values)
+            if not batch.autoregressive:
+                context = batch.drafter.context_kv(taps, positions)  # [layers, 2, count * rows, heads, dim]
+                values = context.unflatten(2, (count, rows)).permute(2, 3, 0, 1, *range(4, context.dim() + 1))
+                batch.draft.transpose(1, 3).transpose(2, 3).index_put_((index, arange[None]), values)
+        for slot, prompt in zip(slots, prompts):
+            cache = batch.loops[slot].cache
+            cache.reset()
+            cache.num_cached = len(prompt)
+            cache.num_drafted = 0 if batch.autoregressive else len(prompt)
+        return logits
+
     def batch_load(self, slot: int, bonus: int, prompt_length: int, params=None, budget=None) -> None:
         self.batch.loops[slot].load(bonus, prompt_length, params, budget)
+
+    def batch_load_many(self, loads: list[tuple]) -> None:
+        """`batch_load` of each (slot, bonus, prompt_length, params, budget): the requests of one admission."""
+        for load in loads:
+            self.batch_load(*load)
 
     def batch_move(self, source: int, target: int, emitted: int) -> None:
         """Slot `source`'s request into free slot `target` (`BatchLoop.move`); emitted: its tokens so far, so its

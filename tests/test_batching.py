@@ -106,20 +106,76 @@ PROMPTS = [[5, 77, 300, 12, 480, 33, 250], [200, 201, 9, 88, 17, 400, 402, 300, 
 
 def run_batch(ranks, requests, slots):
     """Requests (prompt, max tokens, params, budget) through a `Batcher`: each joins when a slot is free, at the
-    next step; returns each request's result, in request order, the steps' batch sizes and the requests moved into
-    a lower slot."""
-    from runner.device.batch import Batcher
+    next step, those that free slots take admitted together (their prefills in one forward); returns each request's
+    result, in request order, the steps' batch sizes and the requests moved into a lower slot."""
+    from runner.device.batch import Admission, Batcher
 
-    batcher, waiting, results = Batcher(ranks, slots), list(enumerate(requests)), {}
+    batcher, results = Batcher(ranks, slots), {}
+    waiting = [Admission(prompt, tokens, params, budget=budget, tag=index)
+               for index, (prompt, tokens, params, budget) in enumerate(requests)]  # fmt: skip
     while waiting or batcher.members:
-        while waiting and batcher.free:
-            index, (prompt, tokens, params, budget) = waiting.pop(0)
-            member = batcher.admit(prompt, tokens, params, budget=budget, tag=index)
+        admitted, waiting = waiting[: batcher.free], waiting[batcher.free :]
+        for member in batcher.admit_many(admitted):
             if member.result.elapsed:
-                results[index] = member.result
+                results[member.tag] = member.result
         for member in batcher.step():
             results[member.tag] = member.result
     return [results[i] for i in range(len(requests))], batcher.batch_sizes, batcher.moves
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_prompts_admitted_together_prefill_as_each_alone(demo_ckpt, tp_size):
+    """Four prompts of different lengths into four slots at once, in one forward (with a prefill chunk of 200 rows;
+    with 24, a group of two, a prompt of 37 tokens alone in chunks, one alone): every prompt's last-row logits, its
+    slot's latent rows and its drafter's context rows equal a prefill of its own, on every rank."""
+    spec = SpecConfig(8, 16)
+    ranks = cpu_ranks(demo_ckpt(tp_size), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=4)
+    slots = [2, 0, 3, 1]
+
+    def caches():
+        out = []
+        for worker in ranks.workers:
+            batch = worker.batch
+            out.append([(batch.latent[s, :, : len(p)].clone(), batch.draft[s, :, :, : len(p)].clone(),
+                         batch.loops[s].cache.num_cached, batch.loops[s].cache.num_drafted)
+                        for s, p in zip(slots, PROMPTS)])  # fmt: skip
+        return out
+
+    groups = []  # the groups rank 0 prefilled in one forward
+    lead_group = ranks.workers[0].prefill_group
+
+    def spy(group_slots, prompts):
+        groups.append(list(group_slots))
+        return lead_group(group_slots, prompts)
+
+    ranks.workers[0].prefill_group = spy
+
+    def prefilled(together: bool, chunk: int = 0):
+        groups.clear()
+        for worker in ranks.workers:
+            worker.prefill_chunk = chunk
+            worker.batch.latent.fill_(float("nan"))  # nothing of an earlier prefill may stand in for this one's
+            worker.batch.draft.fill_(float("nan"))
+        if together:
+            logits = ranks.call("batch_prefill_many", slots, PROMPTS)
+        else:
+            logits = torch.cat([ranks.call("batch_prefill", s, p) for s, p in zip(slots, PROMPTS)])
+        # the slots' loads (the drafter's context of a prompt prefilled alone goes into its draft cache here)
+        ranks.call("batch_load_many", [(s, 0, len(p), None, None) for s, p in zip(slots, PROMPTS)])
+        return logits, caches()
+
+    alone = prefilled(False)
+    assert groups == []
+    for chunk, expected in ((200, [slots]), (24, [slots[:2]])):
+        together = prefilled(True, chunk)
+        assert groups == expected
+        torch.testing.assert_close(together[0], alone[0], rtol=1e-5, atol=1e-5)
+        for rank_together, rank_alone in zip(together[1], alone[1]):
+            for (latent, draft, *counts), (latent1, draft1, *counts1) in zip(rank_together, rank_alone):
+                torch.testing.assert_close(latent, latent1, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(draft, draft1, rtol=1e-5, atol=1e-5)
+                assert counts == counts1
+    ranks.close()
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])

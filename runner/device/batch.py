@@ -327,6 +327,20 @@ class BatchLoop:
 
 
 @dataclass
+class Admission:
+    """A request to admit (`Batcher.admit_many`): what `Batcher.admit` takes."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    params: object = None  # SamplingParams; None: greedy
+    end_ids: frozenset = frozenset()
+    on_tokens: object = None
+    stop_sequences: tuple = ()
+    budget: int | str | None = None
+    tag: object = None
+
+
+@dataclass
 class Member:
     """A request in the batch (rank 0's record of it)."""
 
@@ -364,21 +378,48 @@ class Batcher:
               budget=None, tag=None) -> Member:  # fmt: skip
         """Prefills the request into the lowest free slot and emits its first token; a request that one token ends
         is returned done (`member.result.elapsed` set) and holds no slot."""
-        slot = min(set(range(self.slots)) - set(self.members))
-        member = Member(tag, slot, list(prompt), max_new_tokens, set(end_ids), tuple(stop_sequences), on_tokens, budget,
-                        GenerationResult(prompt=list(prompt), tokens=[]))  # fmt: skip
-        sampled = params is not None and not params.greedy
-        with member.timer("prefill"):
-            logits = self.ranks.call("batch_prefill", slot, list(prompt))
-            first = first_token(logits, params if sampled else None)
-        member.result.target_forwards = 1
-        _, finished = self._emit(member, first)
-        if finished:
-            return self._finish(member)
-        self.ranks.call("batch_load", slot, member.result.tokens[-1], len(prompt), params if sampled else None,
-                        budget)  # fmt: skip
-        self.members[slot] = member
-        return member
+        return self.admit_many([Admission(prompt, max_new_tokens, params, end_ids, on_tokens, stop_sequences, budget,
+                                          tag)])[0]  # fmt: skip
+
+    def admit_many(self, requests: list[Admission]) -> list[Member]:
+        """Requests (at most `free`) into the lowest free slots, as `admit` each: one request's prefill on its own
+        profile (a graph on GPUs), several in as few target forwards as fit (`RankWorker.batch_prefill_many`), every
+        first token in one copy (greedy ones: one argmax); each request's prefill time is the admission's. Returns
+        their members in order."""
+        if len(requests) > self.free:
+            raise ValueError(f"{len(requests)} requests to admit, but {self.free} of {self.slots} slots are free")
+        if not requests:
+            return []
+        slots = sorted(set(range(self.slots)) - set(self.members))[: len(requests)]
+        members = [Member(r.tag, slot, list(r.prompt), r.max_new_tokens, set(r.end_ids), tuple(r.stop_sequences),
+                          r.on_tokens, r.budget, GenerationResult(prompt=list(r.prompt), tokens=[]))
+                   for r, slot in zip(requests, slots)]  # fmt: skip
+        sampled = [r.params is not None and not r.params.greedy for r in requests]
+        started = time.perf_counter()
+        if len(requests) == 1:
+            logits = self.ranks.call("batch_prefill", slots[0], members[0].prompt)
+        else:
+            logits = self.ranks.call("batch_prefill_many", slots, [m.prompt for m in members])
+        firsts = logits.argmax(dim=-1).tolist() if not all(sampled) else [None] * len(requests)
+        for b, request in enumerate(requests):
+            if sampled[b]:
+                firsts[b] = first_token(logits[b : b + 1], request.params)[0]
+        seconds = time.perf_counter() - started
+        loads, admitted = [], []
+        for member, first, request, draws in zip(members, firsts, requests, sampled):
+            member.timer.seconds["prefill"] += seconds
+            member.result.target_forwards = 1
+            _, finished = self._emit(member, [first])
+            if finished:
+                admitted.append(self._finish(member))
+                continue
+            loads.append((member.slot, member.result.tokens[-1], len(member.prompt),
+                          request.params if draws else None, member.budget))  # fmt: skip
+            self.members[member.slot] = member
+            admitted.append(member)
+        if loads:
+            self.ranks.call("batch_load_many", loads)
+        return admitted
 
     def step(self) -> list[Member]:
         """One batched step of every admitted request; returns those it finished (their slots are free again)."""

@@ -291,6 +291,8 @@ def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send) -> None:
     the batch steps while any is in it, and a new request waits at most one step. A request the device loop does not
     serve (bad_words, a budget it lacks) runs alone on the host loop between two steps. A cancellation drops its
     request before the next step."""
+    from runner.device.batch import Admission
+
     batcher = generator.batcher()
     waiting: list = []  # parsed requests without a slot yet, in arrival order
     streams: dict = {}  # request id -> (request, detokenizer)
@@ -320,7 +322,8 @@ def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send) -> None:
                 batcher.remove(member)
                 request, detokenizer = streams.pop(member.tag)
                 send({"id": request.id, "event": "cancelled", "output_ids": detokenizer.tokens})
-        while waiting and batcher.free:
+        admissions = []  # the requests free slots take, admitted together (their prefills share forwards)
+        while waiting and batcher.free > len(admissions):
             request = waiting.pop(0)
             if request.id in inbox.cancelled:
                 send({"id": request.id, "event": "cancelled", "output_ids": []})
@@ -334,12 +337,13 @@ def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send) -> None:
                 )  # fmt: skip
                 _finish(send, generator, tokenizer, request, detokenizer, result)
                 continue
-            member = generator.admit(batcher, request.prompt, request.max_tokens, request.params, request.end_ids,
-                                     on_tokens, request.stop_sequences, request.budget, request.id)  # fmt: skip
+            streams[request.id] = (request, detokenizer)
+            admissions.append(Admission(request.prompt, request.max_tokens, request.params, request.end_ids,
+                                        on_tokens, request.stop_sequences, request.budget, request.id))  # fmt: skip
+        for member in generator.admit_many(batcher, admissions):
             if member.result.elapsed:  # done at its first token
+                request, detokenizer = streams.pop(member.tag)
                 _finish(send, generator, tokenizer, request, detokenizer, member.result)
-            else:
-                streams[request.id] = (request, detokenizer)
         for member in batcher.step():
             request, detokenizer = streams.pop(member.tag)
             _finish(send, generator, tokenizer, request, detokenizer, member.result)
