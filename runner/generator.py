@@ -157,17 +157,17 @@ class Generator:
                     self.generate_many(*batch, budget=budget)
 
     def _warm_group_prefills(self, params: SamplingParams) -> None:
-        """Several requests admitted at once prefill in one eager forward (`RankWorker.prefill_group`), whose GEMMs
-        have (requests x padded length) rows: one-token requests at every prefill length, 2, 4, 8 ... up to the slots
-        at a time (while a group fits a prefill chunk), load the kernels those row counts take before a request
-        needs them (as `_warm_prefill_lengths` does for one request)."""
+        """Several requests admitted at once prefill in one forward (`BatchLoop.prefill`; on GPUs a graph of their
+        count, a power of two, and padded length): one-token requests at every prefill length, 2, 4, 8 ... up to the
+        slots at a time (while a group fits a prefill chunk), capture those graphs (and load the kernels their row
+        counts take) before a request needs them, as `_warm_prefill_lengths` does for one request."""
         lead = self.ranks.lead
         limit = lead.prefill_chunk or lead.session.profile("prefill").dims["tokens"][2]
         for length in length_buckets(min(lead.session.profile("prefill").dims["tokens"][2], self.capacity - 2)):
             count = 2
             while count <= self.batch_slots and count * lead._prefill_rows(length, 0) <= limit:
                 self.generate_many([[1 + i % 255 for i in range(length)]] * count, 1, [params] * count)
-                count = count * 2 if count * 2 <= self.batch_slots or count == self.batch_slots else self.batch_slots
+                count *= 2
 
     def _warm_prompt(self) -> list[int]:
         block = self.spec.block_size

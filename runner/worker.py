@@ -184,17 +184,19 @@ class RankWorker:
         """Several prompts into their slots' caches, in as few forwards as fit (`prefill_group`): a group's padded
         rows stay within a prefill chunk (`prefill_chunk`, else the prefill profile's longest), a prompt longer than
         that prefills alone in chunks (`batch_prefill`). Each prompt's last row's logits [len(prompts), V], in order.
-        Every rank groups alike (the same lengths, the same limit)."""
+        With graphs (GPUs) a group is cut into counts of powers of two, largest first, each a captured form (13
+        requests: 8, 4 and 1). Every rank groups alike (the same lengths, the same limit)."""
         limit = self.prefill_chunk or self.session.profile("prefill").dims["tokens"][2]
         padded = [self._prefill_rows(len(p), 0) for p in prompts]
         logits, group = [None] * len(prompts), []
 
         def flush():
-            if len(group) == 1:
-                logits[group[0]] = self.batch_prefill(slots[group[0]], prompts[group[0]])
-            elif group:
-                out = self.prefill_group([slots[i] for i in group], [prompts[i] for i in group])
-                for row, i in enumerate(group):
+            for part in _group_parts(group, self.batch.use_graph):
+                if len(part) == 1:
+                    logits[part[0]] = self.batch_prefill(slots[part[0]], prompts[part[0]])
+                    continue
+                out = self.prefill_group([slots[i] for i in part], [prompts[i] for i in part])
+                for row, i in enumerate(part):
                     logits[i] = out[row : row + 1]
             group.clear()
 
@@ -208,34 +210,15 @@ class RankWorker:
         return torch.cat(logits)
 
     def prefill_group(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Prompts into their (free) slots' caches in one target forward: each padded to the group's longest padded
-        length (`_prefill_rows`: the same kernels as a prefill of its own), its rows side by side, causal within its
-        own, over an empty cache (`models/mla.py`, `per_request`); every row's latent K/V and (speculative) the
-        drafter's context K/V of every row written into the slots' caches in one write each (rows past a prompt are
-        past its length: no step reads them before a commit overwrites them), as the device loop's
-        `prefill_context` leaves a prompt. Returns each prompt's last row's logits [len(prompts), V].
-
-        One request's prefill is a CUDA graph a length on GPUs; a group runs eagerly (the forms its lengths and
-        counts need are warmed up, `Generator._warm_batch`): 16 requests admitted at once then cost one forward
-        instead of 16 (each speculative request's prefill and drafter context about 2.4 ms on one H200)."""
-        batch, device, count = self.batch, self.device, len(prompts)
+        """Prompts into their (free) slots' caches in one target forward (`BatchLoop.prefill`): each padded to the
+        group's longest padded length (`_prefill_rows`: the same kernels as a prefill of its own), its rows side by
+        side, causal within its own, over an empty cache; its latent K/V and (speculative) the drafter's context K/V
+        written into its slot, as the device loop's `prefill_context` leaves a prompt. Returns each prompt's last
+        row's logits [len(prompts), V]. On GPUs a group of a captured length replays a graph of its count and length
+        (`batch_prefill_many` cuts groups into counts of powers of two)."""
+        batch = self.batch
         rows = max(self._prefill_rows(len(p), 0) for p in prompts)
-        ids = torch.tensor([p + [p[-1]] * (rows - len(p)) for p in prompts], device=device).reshape(-1)
-        arange = torch.arange(rows, device=device)
-        positions = arange.repeat(count)
-        causal = torch.ones((rows, rows), dtype=torch.bool, device=device).tril().expand(count, rows, rows)
-        last = torch.tensor([b * rows + len(p) - 1 for b, p in enumerate(prompts)], device=device)
-        index = torch.tensor(slots, device=device)[:, None]
-        with torch.no_grad():
-            # any `count` slots' caches serve: at length 0 no cache row is read
-            logits, new_kv, taps = batch.target(ids, positions, causal, batch.latent[:count],
-                                                torch.zeros(count, dtype=torch.long, device=device), last)  # fmt: skip
-            values = new_kv.unflatten(1, (count, rows)).permute(1, 2, 0, 3)  # [count, rows, layers, D]
-            batch.latent.transpose(1, 2).index_put_((index, arange[None]), values)
-            if not batch.autoregressive:
-                context = batch.drafter.context_kv(taps, positions)  # [layers, 2, count * rows, heads, dim]
-                values = context.unflatten(2, (count, rows)).permute(2, 3, 0, 1, *range(4, context.dim() + 1))
-                batch.draft.transpose(1, 3).transpose(2, 3).index_put_((index, arange[None]), values)
+        logits = batch.prefill(slots, prompts, rows, graph=rows in self.session.prefill_buckets)
         for slot, prompt in zip(slots, prompts):
             cache = batch.loops[slot].cache
             cache.reset()
@@ -284,6 +267,18 @@ class RankWorker:
         """Commits the accepted tree rows (root first) of the last verify."""
         self.cache.commit_target(self._pending["new_latent_kv"], self._pending["taps"], rows)
         self._pending = {}
+
+
+def _group_parts(group: list[int], powers_of_two: bool) -> list[list[int]]:
+    """A prefill group as it runs: whole, or (powers_of_two) cut into counts of powers of two, largest first."""
+    if not powers_of_two:
+        return [list(group)] if group else []
+    parts, begin = [], 0
+    while begin < len(group):
+        size = 1 << ((len(group) - begin).bit_length() - 1)
+        parts.append(list(group[begin : begin + size]))
+        begin += size
+    return parts
 
 
 def check_slot_memory(slots: int, cache: SequenceCache, free_bytes: int, device) -> None:

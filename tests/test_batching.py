@@ -178,6 +178,17 @@ def test_prompts_admitted_together_prefill_as_each_alone(demo_ckpt, tp_size):
     ranks.close()
 
 
+def test_group_prefills_run_as_counts_of_powers_of_two_with_graphs():
+    """With graphs a prefill group runs as captured counts (powers of two, largest first, in order); eagerly whole."""
+    from runner.worker import _group_parts
+
+    assert _group_parts(list(range(13)), True) == [list(range(8)), list(range(8, 12)), [12]]
+    assert _group_parts([5, 3, 9, 1], True) == [[5, 3, 9, 1]]
+    assert _group_parts([4, 7, 2], True) == [[4, 7], [2]]
+    assert _group_parts([4, 7, 2], False) == [[4, 7, 2]]
+    assert _group_parts([], True) == [] == _group_parts([], False)
+
+
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_requests_joining_and_leaving_a_batch_decode_as_alone(demo_ckpt, tp_size):
     """Five requests through three slots (prompts of different lengths, different token counts; the fourth and fifth

@@ -8,8 +8,9 @@ forward for every slot's tree** (their rows side by side, each attending to its 
 every slot's tree, after them every slot's walk and commit. On GPUs the step is one CUDA graph per slot count and
 per slot modes (greedy or sampled, filter kind).
 
-A request joins at the next step after its own prefill (which runs on the host loop's prefill profile into its
-slot's caches) and leaves when it is done; slots past the last busy one are not stepped, and after each step the
+A request joins at the next step after its prefill (a lone one on the prefill profile into its slot's caches;
+requests admitted together in one forward, `BatchLoop.prefill`, a graph of their count and length on GPUs) and
+leaves when it is done; slots past the last busy one are not stepped, and after each step the
 requests of the highest slots move down into free slots below them (`BatchLoop.move`: their committed rows and
 state copied), so a step covers as many slots as there are requests. `Batcher` (rank 0) schedules: it admits,
 steps, emits tokens to each request's callback and reports finished requests.
@@ -18,6 +19,7 @@ steps, emits tokens to each request's callback and reports finished requests.
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -88,6 +90,10 @@ class BatchLoop:
         self.logit_rows = torch.arange(slots * self.rows, device=device)
         self.use_graph, self.graphs = use_graph, {}
         self.captured = False  # whether the last step captured its graph
+        # admissions' group prefills (`prefill`): a graph per (requests, padded length), in a pool of their own (each
+        # replay's logits are copied out before the next replay)
+        self.prefill_graphs: dict[tuple[int, int], tuple] = {}
+        self.prefill_pool = torch.cuda.graph_pool_handle() if use_graph else None
 
     def release(self, slot: int) -> None:
         """A free slot below a busy one is stepped too: its state goes back to an empty sequence before each step,
@@ -310,6 +316,59 @@ class BatchLoop:
         self.emitted[:count, -1:].fill_(1)
         self.bonus[:count].copy_(token)
 
+    def prefill(self, slots: list[int], prompts: list[list[int]], rows: int, graph: bool = True) -> torch.Tensor:
+        """Prompts into the free `slots`' caches in one target forward, each padded to `rows` (its last token
+        repeated: rows past a prompt see it, it never sees them), causal within its own rows, over an empty cache
+        (`models/mla.py`, `per_request`); every row's latent K/V and (speculative) the drafter's context K/V go into
+        the slots' caches in one write each (rows past a prompt are past its length: no step reads them before a
+        commit overwrites them). Returns each prompt's last row's logits [len(prompts), V]; the caller sets the
+        slots' counts. graph: on GPUs replay the graph of (len(prompts), rows), captured on first use (the
+        warm-up takes every form, `Generator._warm_group_prefills`); run eagerly, a forward of the trained pair is
+        about a thousand launches (one H200: an admission of 8 prompts in one eager forward took 22.6 ms, where a
+        lone prompt's prefill from its graph takes about 2.4 ms)."""
+        count, device = len(prompts), self.device
+        ids = torch.tensor([p + [p[-1]] * (rows - len(p)) for p in prompts], dtype=torch.long).reshape(-1)
+        last = torch.tensor([b * rows + len(p) - 1 for b, p in enumerate(prompts)], dtype=torch.long)
+        index = torch.tensor(slots, dtype=torch.long)[:, None]
+        if not (graph and self.use_graph and self.prefill_pool is not None):
+            return self._prefill_forward(ids.to(device), last.to(device), index.to(device), rows)
+        key = (count, rows)
+        entry = self.prefill_graphs.get(key)
+        if entry is None:
+            inputs = tuple(t.to(device) for t in (ids, last, index))
+            gc.collect()  # nothing holding CUDA resources may be freed while the stream captures
+            try:
+                cuda_graph, logits = capture_graph(lambda: self._prefill_forward(*inputs, rows), device, 1,
+                                                   self.prefill_pool)  # fmt: skip
+            except RuntimeError as err:  # a form that cannot be captured: group prefills run eagerly from now on
+                logging.getLogger(__name__).warning("group prefill graphs off, capturing %s: %s", key, err)
+                self.prefill_pool = None
+                return self._prefill_forward(*inputs, rows)
+            entry = self.prefill_graphs[key] = (cuda_graph, inputs, logits)
+            # the warm-up and the capture wrote this group's slots already; the replay below writes them again
+        cuda_graph, inputs, logits = entry
+        for buffer, value in zip(inputs, (ids, last, index)):
+            buffer.copy_(value, non_blocking=True)
+        cuda_graph.replay()
+        return logits.clone()
+
+    @torch.no_grad()
+    def _prefill_forward(self, ids, last, index, rows: int) -> torch.Tensor:
+        count, device = index.shape[0], self.device
+        arange = torch.arange(rows, device=device)
+        causal = torch.ones((rows, rows), dtype=torch.bool, device=device).tril().expand(count, rows, rows)
+        positions = arange.repeat(count)
+        # any `count` slots' caches serve: at length 0 no cache row is read
+        logits, new_kv, taps = self.target(ids, positions, causal, self.latent[:count],
+                                           torch.zeros(count, dtype=torch.long, device=device), last)  # fmt: skip
+        values = new_kv.unflatten(1, (count, rows)).permute(1, 2, 0, 3)  # [count, rows, layers, D]
+        self.latent.transpose(1, 2).index_put_((index, arange[None]), values)
+        if not self.autoregressive:
+            context = self.drafter.context_kv(taps, positions)  # [layers, 2, count * rows, heads, dim]
+            values = context.unflatten(2, (count, rows)).permute(2, 3, 0, 1, *range(4, context.dim() + 1))
+            self.draft.transpose(1, 3).transpose(2, 3).index_put_((index, arange[None]), values)
+        return logits
+
     def _capture(self, count: int, budget: int | None = None, report: bool = True):
         state = [self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context,
                  *(loop.draws for loop in self.loops[:count])]  # fmt: skip
@@ -323,7 +382,7 @@ class BatchLoop:
     def close(self) -> None:
         for loop in self.loops:
             loop.close()
-        self.graphs = {}
+        self.graphs, self.prefill_graphs = {}, {}
 
 
 @dataclass
