@@ -155,6 +155,36 @@ class Generator:
                 self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
                 if budget != DECODE:
                     self.generate_many(*batch, budget=budget)
+        if several and not self.autoregressive:
+            self.measure_batch_costs(prompt, params)
+
+    def measure_batch_costs(self, prompt: list[int], params: SamplingParams = GREEDY,
+                            rounds: int = 3) -> dict[tuple[int, int], float]:  # fmt: skip
+        """Times one batched step at each choice of an all-`auto` batch (`DECODE` and every budget) at 1, 2, 4 ...
+        slots and the most, as a settled step takes it (reporting no statistics), and seeds the batch policy with
+        them (`StepBudgetPolicy(step_costs=...)`; between the counts timed the policy draws a line), so the first
+        steps of a job serve its requests instead of timing the choices (one H200, the trained pair, 16 requests of
+        128 tokens: a 16-slot batch's first steps took 32, 0, 0, 8, 8, 16, 16 and 32, all but the first to time a
+        choice twice, where 8 was the best from the first). `rounds` rounds, the choices interleaved (each round
+        starts one further on); a pair's cost is its median. Returns {(slots, budget): seconds a step}."""
+        from runner.device.budget import DECODE, StepBudgetPolicy
+
+        options, timings = (DECODE, *self.device_budgets), {}
+        counts = sorted({*(2**i for i in range(self.batch_slots.bit_length())), self.batch_slots})
+        for r in range(max(1, rounds)):
+            for count in counts:
+                for i in range(len(options)):
+                    budget = options[(i + r) % len(options)]
+                    batch = ([prompt] * count, 2, [params] * count)
+                    if budget == DECODE:  # autoregressive steps of an all-`auto` batch (they report nothing)
+                        self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((DECODE,)),
+                                           timings=timings)  # fmt: skip
+                    else:  # a batch at one budget steps as a settled `auto` batch does: its graph, no statistics
+                        self.generate_many(*batch, budget=budget, timings=timings)
+        costs = {(count, budget): statistics.median(times) for (count, budget, report), times in timings.items()
+                 if budget is not None and not report}  # fmt: skip
+        self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=True, narrow_informs=True, step_costs=costs)
+        return costs
 
     def _warm_group_prefills(self, params: SamplingParams) -> None:
         """Several requests admitted at once prefill in one forward (`BatchLoop.prefill`; on GPUs a graph of their
@@ -226,15 +256,17 @@ class Generator:
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int], params: list[SamplingParams],
                       end_ids: set[int] = frozenset(), budget=None,
-                      batch_policy=None) -> list[GenerationResult]:  # fmt: skip
+                      batch_policy=None, timings=None) -> list[GenerationResult]:  # fmt: skip
         """Several requests at once, in-flight batched: each joins when a slot is free and leaves when done; returns
         their results in order. max_new_tokens, budget: one for all, or each request's. batch_policy: chooses the
-        budget of each step of an all-`auto` batch instead of the batcher's own `StepBudgetPolicy` (warm-up)."""
+        budget of each step of an all-`auto` batch instead of the batcher's own `StepBudgetPolicy` (warm-up).
+        timings: a dict the steps' seconds go into (`Batcher.timings`)."""
         from runner.device.batch import Admission
 
         batcher, results = self.batcher(), {}
         if batch_policy is not None:
             batcher.batch_policy = batch_policy
+        batcher.timings = timings
         counts = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
         budgets = budget if isinstance(budget, list) else [budget] * len(prompts)
         waiting = [Admission(prompt, tokens, request_params, end_ids, budget=request_budget, tag=index)

@@ -412,6 +412,68 @@ def test_the_step_budget_policy_explores_times_then_takes_the_best_rate():
     assert [i for i, b in enumerate(later) if b == 32] == [26, 53, 80, 107]
 
 
+def test_a_settled_batch_step_reports_statistics_only_where_they_tell_what_its_tokens_do_not():
+    """Statistics (every slot's nodes ranked, the drafter's expectation, what each budget would have accepted) cost
+    a batched step time, so a settled step asks for them only where its emitted tokens do not tell the same: never at
+    the smallest budget (its accepted length is its acceptance, `observe`), every `REPORT_GAP`-th step at a larger
+    budget (it tells the budgets below it); steps that learn, time or explore always report."""
+    from runner.device.budget import DECODE, MIN_INFORMED, REPORT_GAP, StepBudgetPolicy
+
+    costs = {DECODE: 0.5, 8: 1.0, 16: 1.1, 32: 1.6}
+    accepted = {8: 3, 16: 3, 32: 4}  # budget 8 wins: 4 tokens a ms against 4 / 1.1 and 5 / 1.6
+
+    def run(policy, steps):
+        taken = []
+        for _ in range(steps):
+            budget = policy.choose(2, 2)
+            report = policy.reports(budget)
+            taken.append((budget, report, policy.settled))
+            stats = [{"accepted": accepted, "drafted": dict.fromkeys(accepted, 3.5)}] * 2
+            policy.record(2, budget, costs[budget], stats if report else [])
+            if not report and budget != DECODE:
+                policy.observe(budget, [accepted[budget]] * 2)
+        return taken
+
+    policy = StepBudgetPolicy((8, 16, 32), decode=True, narrow_informs=True)
+    taken = run(policy, 300)
+    learning = [t for t in taken if not t[2]]
+    assert learning and all(report == (budget != DECODE) for budget, report, _ in learning)
+    assert taken[0] == (32, True, False) and MIN_INFORMED <= 4
+    settled = [(budget, report) for budget, report, s in taken if s]
+    assert {b for b, _ in settled} == {8} and not any(report for _, report in settled)
+    assert policy.observed[8] == 2 * len(settled) and policy.expected(8) == 4.0
+    assert policy.reported[32] == policy.informed[32]  # every step at 32 explored, and reported
+    # budget 16 the best (8 dearer now): a settled step at 16 reports every REPORT_GAP-th step
+    costs[8] = 1.5
+    policy.times.clear()
+    taken = run(policy, 200)[20:]
+    at16 = [report for budget, report, s in taken if s and budget == 16]
+    assert len(at16) > 100 and abs(sum(at16) - len(at16) / REPORT_GAP) <= 2
+
+
+def test_a_batch_policy_seeded_with_warm_up_costs_takes_no_step_to_time_a_choice():
+    """Costs timed at warm-up at some slot counts (`step_costs`): after the first step (the largest budget, which
+    informs every budget's acceptance) each step takes the best rate, at the counts timed and between them (the line
+    between the nearest), never a choice only to time it; the steps' own times join the warm-up's."""
+    from runner.device.budget import DECODE, StepBudgetPolicy
+
+    seeds = {1: {DECODE: 0.6, 8: 0.9, 16: 1.0, 32: 1.2}, 16: {DECODE: 1.0, 8: 1.7, 16: 2.1, 32: 2.4}}
+    step_costs = {(count, b): s for count, row in seeds.items() for b, s in row.items()}
+    policy = StepBudgetPolicy((8, 16, 32), decode=True, narrow_informs=True, step_costs=step_costs)
+    stats = [{"accepted": {8: 2, 16: 2, 32: 2}, "drafted": {8: 2.5, 16: 3.0, 32: 3.5}}] * 16
+    assert policy.choose(16, 16) == 32 and not policy.settled
+    policy.record(16, 32, 2.4, stats)
+    chosen = []
+    for count in (16, 12, 4):  # 3 tokens a request: budget 8 the best rate at each count
+        for _ in range(5):
+            budget = policy.choose(count, count)
+            chosen.append((budget, policy.settled))
+            policy.record(count, budget, {16: 1.7, 12: 1.5, 4: 1.1}[count], [])
+    assert chosen == [(8, True)] * 15
+    assert policy.cost(8, 16) == 1.7 and len(policy.times[(16, 8)]) == 6 and policy.cost(8, 4) == 1.1
+    assert policy.cost(DECODE, 12) == 0.6 + (1.0 - 0.6) * 11 / 15  # the line between the counts warm-up timed
+
+
 def test_a_batch_policy_takes_autoregressive_steps_when_no_tree_pays():
     """With `decode`, an autoregressive step (`DECODE`: one token a request) is a choice like a budget: timed twice
     where first taken, estimated at other batch sizes until taken there, and taken when its tokens a second win (one
@@ -650,7 +712,8 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     """An engine of budgets 4, 8 and 16: requests all at budget 8 step the batch-wide form of budget 8 (its rows
     only, not the largest budget's) and decode as autoregressive decoding does; a mixed batch steps each slot's own;
     the GPU warm-up of the batch (`Generator._warm_batch`, run here on the CPU) takes every form at every slot count
-    (mixed, each budget, autoregressive steps) and leaves the batch policy untaught."""
+    (mixed, each budget, autoregressive steps) and leaves the batch policy untaught but for the costs it timed
+    (`Generator.measure_batch_costs`)."""
     from runner.device.budget import DECODE
     from runner.generator import Generator
     from runner.sampling import Sampler, SamplingParams
@@ -663,7 +726,7 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     taken, step = [], batch.step
 
     def spy(count, idle=(), budget=None, report=True):
-        taken.append((count, budget, report or budget is None))
+        taken.append((count, budget, report or budget in (None, DECODE)))  # the graph's key (`BatchLoop.step`)
         return step(count, idle, budget, report)
 
     batch.step = spy
@@ -679,7 +742,11 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     forms = {(c, b, True) for c in (1, 2, 3) for b in (DECODE, 4, 8, 16)} | {(2, None, True), (3, None, True)}
     forms |= {(c, b, False) for c in (1, 2, 3) for b in (4, 8, 16)}  # a batch all at one fixed budget
     assert set(taken) == forms
-    assert generator.batch_policy is not None and not generator.batch_policy.chosen
+    # the batch policy, untaught, starts from a cost timed at each slot count of 1, 2 ... and the most, each choice
+    policy = generator.batch_policy
+    assert policy is not None and not policy.chosen and not any(policy.informed.values())
+    assert policy.seeded == {(c, b) for c in (1, 2, 3) for b in (DECODE, 4, 8, 16)}
+    assert all(len(policy.times[pair]) == 1 and policy.cost(pair[1], pair[0]) > 0 for pair in policy.seeded)
     ranks.close()
 
 

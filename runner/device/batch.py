@@ -131,7 +131,7 @@ class BatchLoop:
         slot's own (its request's budget, or `auto` chosen in the slot from its tree). report: whether a step at
         one budget reports statistics (an all-`auto` batch's policy learns from them; a batch all at one fixed
         budget needs none, and its graph leaves out the ranking)."""
-        report = report or budget is None
+        report = report or budget is None or budget == DECODE  # an autoregressive step reports nothing: one graph
         for slot in idle:
             self.release(slot)
         loops = self.loops[:count]
@@ -428,6 +428,9 @@ class Batcher:
         self.members: dict[int, Member] = {}
         self.batch_sizes: Counter = Counter()  # requests a step served -> steps
         self.moves = 0  # requests moved into a lower free slot (`_compact`)
+        # where given, the seconds of each step that captured no graph, by (slots stepped, budget, statistics
+        # reported), budget None where each slot ran its own (`Generator.measure_batch_costs` reads them)
+        self.timings: dict[tuple[int, int | None, bool], list[float]] | None = None
 
     @property
     def free(self) -> int:
@@ -498,13 +501,18 @@ class Batcher:
         auto = [s for s, m in self.members.items() if m.budget == "auto" and self.policy is not None]
         choices = {} if batch_wide else {s: self.policy.device_inputs() for s in auto}
         started = time.perf_counter()
-        # statistics only where a policy learns from them: an all-`auto` batch's, or each `auto` slot's own
-        report = batch_wide or budget is None
+        # statistics only where a policy learns from them: an all-`auto` batch's steps that its policy asks them of
+        # (`StepBudgetPolicy.reports`), or each `auto` slot's own
+        report = budget is None or (batch_wide and self.batch_policy.reports(budget))
         emitted, stats, captured = self.ranks.call("batch_step", count, idle, choices, budget, report)
         seconds = time.perf_counter() - started
+        if self.timings is not None and not captured:
+            self.timings.setdefault((count, budget, report), []).append(seconds)
         if batch_wide:  # a step that captured its graph tells nothing of its cost (its statistics still count)
             self.batch_policy.record(count, budget, None if captured else seconds,
                                      [stats[s] for s in self.members if stats.get(s)])  # fmt: skip
+            if not report and budget != DECODE:  # its own budget's acceptance: each request's tokens but the bonus
+                self.batch_policy.observe(budget, [len(emitted[s]) - 1 for s in self.members])
         done = []
         for slot, member in list(self.members.items()):
             tokens = emitted[slot]

@@ -113,6 +113,12 @@ DECODE = 0  # the choice of an autoregressive step (a batch's policy: `StepBudge
 # two within EXPLORE_GAP steps. On a Kimi K2 rank a budget-32 step costs 3x a budget-8 step (BENCHMARKS.md, section
 # 11): exploring every 8th step cost auto a fifth of its speed there.
 EXPLORE_SHARE, EXPLORE_SHARE_SETTLED, EXPLORE_GAP = 0.02, 0.002, 8
+# A settled step (the best rate's budget, no exploration) reports statistics only where they tell something its
+# emitted tokens do not: its own budget's acceptance is its accepted length (`observe`), so a step at the smallest
+# budget never reports, and a step at a larger one every REPORT_GAP-th step (it tells the budgets below it). One H200,
+# the trained pair, 16 requests: a budget-8 step that reported took 1.56 ms a step where a fixed budget 8's took 1.33
+# (ranking every slot's nodes, the statistics' copy and their reading on the host), and auto ran 0.85x budget 8.
+REPORT_GAP = 4
 
 
 class StepBudgetPolicy:
@@ -129,7 +135,8 @@ class StepBudgetPolicy:
     each chosen step's cost: `EXPLORE_SHARE` while a larger budget's optimistic rate could beat the best, the most
     hopeful of them explored; `EXPLORE_SHARE_SETTLED`, at the largest, once none could), so exploring never costs
     more than that share of the time, whatever the budgets cost. Costs: `costs`
-    seeds a lone request's (seconds a step at each budget, as warm-up measured them: medians, trusted as they are); a
+    seeds a lone request's (seconds a step at each budget, as warm-up measured them: medians, trusted as they are),
+    `step_costs` a batch's at the slot counts warm-up timed (`Generator.measure_batch_costs`); a
     budget no slot count has timed `MIN_TIMED` times is taken to time it; a (slots, budget) pair's cost is the median
     of its last `COST_WINDOW` step times, or until it is timed the line between the slot counts timed at that budget
     (`cost`). As the batch grows the wide verify's rows cost more and more, and the choice moves to
@@ -139,7 +146,7 @@ class StepBudgetPolicy:
     far its probabilities are from the target's agreement."""
 
     def __init__(self, budgets: tuple[int, ...], costs: dict[int, float] | None = None, decode: bool = False,
-                 narrow_informs: bool = False):  # fmt: skip
+                 narrow_informs: bool = False, step_costs: dict[tuple[int, int], float] | None = None):  # fmt: skip
         self.budgets = tuple(sorted(budgets))
         # whether a step below the largest budget reports statistics (a batch's do, `BatchLoop._rank`; a lone
         # request's do not): then a budget above the chosen one may be explored, else only the largest
@@ -151,12 +158,19 @@ class StepBudgetPolicy:
         self.predicted = dict.fromkeys(self.budgets, 0.0)  # the drafter's expectation of the same
         self.informed = dict.fromkeys(self.budgets, 0)  # request-steps whose statistics told budget b
         self.times: dict[tuple[int, int], deque] = {}
-        for budget, seconds in (costs or {}).items():
-            self.times[(1, budget)] = deque([seconds], maxlen=COST_WINDOW)
-        self.seeded = {(1, budget) for budget in costs or {}}  # timed already: a median of warm-up's steps each
+        # timed already: a median of warm-up's steps each (`costs`: a lone request's; `step_costs`: (slots, budget)
+        # pairs of a batch, `Generator.measure_batch_costs`), so no step is taken only to time it
+        seeds = {**{(1, b): s for b, s in (costs or {}).items()}, **(step_costs or {})}
+        for pair, seconds in seeds.items():
+            self.times[pair] = deque([seconds], maxlen=COST_WINDOW)
+        self.seeded = set(seeds)
         self.steps = 0
         self.credit = 0.0  # seconds of exploration earned and not spent yet
         self.explored_at = 0  # the step that last took the largest budget
+        self.settled = False  # whether the step chosen last is the best rate's budget (no exploring, no timing)
+        self.reported_at = 0  # the last settled step that reported statistics
+        self.reported = dict.fromkeys(self.budgets, 0)  # request-steps whose drafter expectation `predicted` sums
+        self.observed = dict.fromkeys(self.budgets, 0)  # request-steps told by their emitted tokens alone (`observe`)
         self.chosen: Counter = Counter()  # (slots stepped, budget) -> steps
 
     def expected(self, budget: int) -> float:
@@ -198,6 +212,7 @@ class StepBudgetPolicy:
 
     def choose(self, busy: int = 1, count: int = 1) -> int:
         self.steps += 1
+        self.settled = False
         largest = self.budgets[-1]
         # a budget is taken to time it only where no slot count has its cost yet (elsewhere `cost` estimates it
         # from the counts that have one, and the steps that take it time it): each new batch size costs no steps
@@ -210,6 +225,7 @@ class StepBudgetPolicy:
             rate = lambda b: busy * self.expected(b) / self.cost(b, count)  # noqa: E731
             hope = lambda b: busy * self.optimistic(b) / self.cost(b, count)  # noqa: E731
             best = max(self.options, key=lambda b: (rate(b), -b))
+            self.settled = True
             if best != largest:
                 # the budgets above the best that could still win, the most hopeful explored (each informs itself
                 # and the budgets below it); none: the largest, at the settled share
@@ -220,12 +236,33 @@ class StepBudgetPolicy:
                 share = EXPLORE_SHARE if hopeful else EXPLORE_SHARE_SETTLED
                 self.credit = min(self.credit + share * self.cost(best, count), max(extra, 0.0))
                 if self.credit >= extra and self.steps - self.explored_at >= EXPLORE_GAP:
-                    best = target
+                    best, self.settled = target, False
                     self.credit, self.explored_at = 0.0, self.steps
         if best == largest:
             self.credit, self.explored_at = 0.0, self.steps
         self.chosen[(count, best)] += 1
         return best
+
+    def reports(self, budget: int) -> bool:
+        """Whether the step just chosen (at `budget`) should report statistics (`BatchLoop.step(report=...)`): every
+        step while learning, exploring or timing; a settled one at the smallest budget never (`observe` learns its
+        acceptance from its emitted tokens), at a larger budget every `REPORT_GAP`-th step (it tells the budgets
+        below it)."""
+        if budget == DECODE or not self.settled:
+            return budget != DECODE
+        if budget == self.budgets[0] or self.steps - self.reported_at < REPORT_GAP:
+            return False
+        self.reported_at = self.steps
+        return True
+
+    def observe(self, budget: int, accepted: list[int]) -> None:
+        """A step at `budget` that reported nothing: each busy request's drafted tokens accepted (its emitted tokens
+        but the bonus), which tell `budget` alone (what the b best nodes of its tree accepted is what it accepted)."""
+        for tokens in accepted:
+            self.informed[budget] += 1
+            self.observed[budget] += 1
+            self.accepted[budget] += tokens
+            self.squares[budget] += tokens**2
 
     def record(self, count: int, budget: int, seconds: float | None, stats: list[dict]) -> None:
         """A step of `count` slots at `budget`: its time, and each busy request's statistics (`DeviceLoop.read_stats`;
@@ -241,6 +278,7 @@ class StepBudgetPolicy:
                 self.accepted[b] += request["accepted"][b]
                 self.squares[b] += request["accepted"][b] ** 2
                 self.predicted[b] += request["drafted"][b]
+                self.reported[b] += 1
 
     def summary(self) -> dict:
         """What the policy chose and measured, by the slots a step ran: {slots: {"steps": {budget: steps},
