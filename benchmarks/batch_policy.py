@@ -1,0 +1,67 @@
+"""The batch's budget policy next to fixed budgets: what `auto` chose, and what its steps cost, through the CLI.
+
+    PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--tokens 128] [--device cuda]
+        [--order auto,8,16,auto]
+
+The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
+(kernels compiled), then one CLI job a name in `--order` (`auto` or a fixed budget), each of N requests in-flight
+batched (`--max_batch_size N`). For each job: tokens/s, the budgets its steps took (for `auto` the batch policy's
+summary: steps and median ms a step by slots and budget), the first request's budgets step by step, and
+whether its tokens equal the first job's. Writes OUT_DIR/batch_policy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import concurrency  # noqa: E402
+from benchmarks.common import environment  # noqa: E402
+
+
+def mode_name(choice: str) -> str:
+    """A CLI mode of `concurrency.CLI_MODES` for `auto` or a budget (a budget it lacks is added)."""
+    if choice == "auto":
+        return "DDTree auto (8/16/32)"
+    name = f"DDTree {int(choice)}"
+    concurrency.CLI_MODES.setdefault(name, ["--ddtree_budget", str(int(choice))])
+    return name
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("--order", default="auto,8,16,auto", help="the jobs, in order: auto or a budget each")
+    args = parser.parse_args(argv)
+    out = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    engine = concurrency.build_engine(out, False, "bfloat16" if args.device == "cuda" else "float32")
+    texts = concurrency.prompts(args.requests, False)
+    order = [mode_name(choice) for choice in args.order.split(",")]
+    for mode in dict.fromkeys(order):  # kernels compiled for new shapes land in Triton's disk cache first
+        concurrency.cli_row(engine, out, texts[:2], 8, 2, mode, args.device)
+    info = {**environment(False), "command": " ".join(sys.argv), "requests": args.requests, "tokens": args.tokens,
+            "jobs": []}  # fmt: skip
+    outputs = None
+    for repeat, mode in enumerate(order):
+        row = concurrency.cli_row(engine, out, texts, args.tokens, args.requests, mode, args.device, repeat)
+        outputs = row["outputs"] if outputs is None else outputs
+        info["jobs"].append({"mode": mode, "tokens_per_s": row["tokens_per_s"], "seconds": row["seconds"],
+                             "budgets_chosen": row["budgets_chosen"], "policy": row["policy"],
+                             "first_request_budgets": row["budgets"][0],
+                             "tokens_equal_to_the_first_job": row["outputs"] == outputs})  # fmt: skip
+        print(f"{mode:22s} {row['tokens_per_s']:9.1f} tokens/s  budgets {row.get('budgets_chosen')}", flush=True)
+        (out / "batch_policy.json").write_text(json.dumps(info, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
