@@ -118,6 +118,8 @@ EXPLORE_SHARE, EXPLORE_SHARE_SETTLED, EXPLORE_GAP = 0.02, 0.002, 8
 # budget never reports, and a step at a larger one every REPORT_GAP-th step (it tells the budgets below it). One H200,
 # the trained pair, 16 requests: a budget-8 step that reported took 1.56 ms a step where a fixed budget 8's took 1.33
 # (ranking every slot's nodes, the statistics' copy and their reading on the host), and auto ran 0.85x budget 8.
+# A step taken to time its budget reports nothing either, so its time is a settled step's; a batch's reported steps
+# count no time where their (slots, budget) pair has one (`Batcher.step`).
 REPORT_GAP = 4
 
 
@@ -168,6 +170,7 @@ class StepBudgetPolicy:
         self.credit = 0.0  # seconds of exploration earned and not spent yet
         self.explored_at = 0  # the step that last took the largest budget
         self.settled = False  # whether the step chosen last is the best rate's budget (no exploring, no timing)
+        self.timing = False  # whether the step chosen last was taken to time its budget
         self.reported_at = 0  # the last settled step that reported statistics
         self.reported = dict.fromkeys(self.budgets, 0)  # request-steps whose drafter expectation `predicted` sums
         self.observed = dict.fromkeys(self.budgets, 0)  # request-steps told by their emitted tokens alone (`observe`)
@@ -212,7 +215,7 @@ class StepBudgetPolicy:
 
     def choose(self, busy: int = 1, count: int = 1) -> int:
         self.steps += 1
-        self.settled = False
+        self.settled = self.timing = False
         largest = self.budgets[-1]
         # a budget is taken to time it only where no slot count has its cost yet (elsewhere `cost` estimates it
         # from the counts that have one, and the steps that take it time it): each new batch size costs no steps
@@ -220,7 +223,7 @@ class StepBudgetPolicy:
         if self.informed[largest] < MIN_INFORMED:
             best = largest
         elif untimed:
-            best = untimed[0]
+            best, self.timing = untimed[0], True
         else:
             rate = lambda b: busy * self.expected(b) / self.cost(b, count)  # noqa: E731
             hope = lambda b: busy * self.optimistic(b) / self.cost(b, count)  # noqa: E731
@@ -245,11 +248,13 @@ class StepBudgetPolicy:
 
     def reports(self, budget: int) -> bool:
         """Whether the step just chosen (at `budget`) should report statistics (`BatchLoop.step(report=...)`): every
-        step while learning, exploring or timing; a settled one at the smallest budget never (`observe` learns its
-        acceptance from its emitted tokens), at a larger budget every `REPORT_GAP`-th step (it tells the budgets
-        below it)."""
-        if budget == DECODE or not self.settled:
-            return budget != DECODE
+        step while learning or exploring; a step taken to time its budget never (its time is then what a settled
+        step at that budget costs, and `observe` learns its acceptance from its emitted tokens); a settled one at the
+        smallest budget never, at a larger budget every `REPORT_GAP`-th step (it tells the budgets below it)."""
+        if budget == DECODE or self.timing:
+            return False
+        if not self.settled:
+            return True
         if budget == self.budgets[0] or self.steps - self.reported_at < REPORT_GAP:
             return False
         self.reported_at = self.steps
