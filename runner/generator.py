@@ -155,8 +155,6 @@ class Generator:
                 self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
                 if budget != DECODE:
                     self.generate_many(*batch, budget=budget)
-        if several and not self.autoregressive:
-            self.measure_batch_costs(prompt, params)
 
     def measure_batch_costs(self, prompt: list[int], params: SamplingParams = GREEDY,
                             rounds: int = 3) -> dict[tuple[int, int], float]:  # fmt: skip
@@ -322,6 +320,7 @@ class Generator:
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
         if self.on_gpu:
             self._warm_prefill_lengths(requests[0] if requests else GREEDY)
+        batched = []  # the forms whose batched steps were warmed
         for params in requests:
             self.generate(prompt, tokens, params)
             if self.on_gpu and self.on_device(params) and len(self.device_budgets) > 1:
@@ -329,4 +328,7 @@ class Generator:
                     self.generate(prompt, tokens, params, budget=budget)
             if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
                 self._warm_batch(prompt, params)
+                batched.append(params)
+        if batched and len(self.device_budgets) > 1 and not self.autoregressive:
+            self.measure_batch_costs(prompt, batched[0])  # once, at the first form's costs (a server's: greedy)
         return time.perf_counter() - start

@@ -512,7 +512,7 @@ class Batcher:
             # a step that captured its graph tells nothing of its cost (its statistics still count); one that reported
             # statistics costs more than a settled step at its budget, so its time counts only while the pair has no
             # other (one H200, 16 requests: budget 16's median at 16 slots, from such steps only, was 1.17x budget
-            # 8's, where a job all at budget 16 took 1.07x a job at 8's device time a step)
+            # 8's, where a job all at budget 16 took 1.07x a job at 8's time a step)
             no_cost = captured or (report and self.batch_policy.timed(budget, count))
             self.batch_policy.record(count, budget, None if no_cost else seconds,
                                      [stats[s] for s in self.members if stats.get(s)])  # fmt: skip

@@ -173,7 +173,6 @@ class StepBudgetPolicy:
         self.timing = False  # whether the step chosen last was taken to time its budget
         self.reported_at = 0  # the last settled step that reported statistics
         self.reported = dict.fromkeys(self.budgets, 0)  # request-steps whose drafter expectation `predicted` sums
-        self.observed = dict.fromkeys(self.budgets, 0)  # request-steps told by their emitted tokens alone (`observe`)
         self.chosen: Counter = Counter()  # (slots stepped, budget) -> steps
 
     def expected(self, budget: int) -> float:
@@ -264,8 +263,7 @@ class StepBudgetPolicy:
         """A step at `budget` that reported nothing: each busy request's drafted tokens accepted (its emitted tokens
         but the bonus), which tell `budget` alone (what the b best nodes of its tree accepted is what it accepted)."""
         for tokens in accepted:
-            self.informed[budget] += 1
-            self.observed[budget] += 1
+            self.informed[budget] += 1  # one of `informed - reported`: told by its emitted tokens alone
             self.accepted[budget] += tokens
             self.squares[budget] += tokens**2
 
