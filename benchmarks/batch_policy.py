@@ -1,10 +1,10 @@
 """The batch's budget policy next to fixed budgets: what `auto` chose, and what its steps cost, through the CLI.
 
     PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--tokens 128] [--device cuda]
-        [--order auto,8,16,auto]
+        [--order auto,8,16,auto] (ar: autoregressive)
 
 The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
-(kernels compiled), then one CLI job a name in `--order` (`auto` or a fixed budget), each of N requests in-flight
+(kernels compiled), then one CLI job a name in `--order` (`auto`, `ar` or a fixed budget), each of N requests in-flight
 batched (`--max_batch_size N`). For each job: tokens/s, the budgets its steps took (for `auto` the batch policy's
 summary: steps and median ms a step by slots and budget), the first request's budgets step by step, and
 whether its tokens equal the first job's. Writes OUT_DIR/batch_policy.json.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,9 +26,12 @@ from benchmarks.common import environment  # noqa: E402
 
 
 def mode_name(choice: str) -> str:
-    """A CLI mode of `concurrency.CLI_MODES` for `auto` or a budget (a budget it lacks is added)."""
+    """A CLI mode of `concurrency.CLI_MODES` for `auto`, `ar` (autoregressive) or a budget (a budget it lacks is
+    added)."""
     if choice == "auto":
         return "DDTree auto (8/16/32)"
+    if choice == "ar":
+        return "autoregressive"
     name = f"DDTree {int(choice)}"
     concurrency.CLI_MODES.setdefault(name, ["--ddtree_budget", str(int(choice))])
     return name
@@ -39,7 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    parser.add_argument("--order", default="auto,8,16,auto", help="the jobs, in order: auto or a budget each")
+    parser.add_argument("--order", default="auto,8,16,auto", help="the jobs, in order: auto, ar or a budget each")
     args = parser.parse_args(argv)
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -60,6 +64,12 @@ def main(argv=None) -> int:
                              "tokens_equal_to_the_first_job": row["outputs"] == outputs})  # fmt: skip
         print(f"{mode:22s} {row['tokens_per_s']:9.1f} tokens/s  budgets {row.get('budgets_chosen')}", flush=True)
         (out / "batch_policy.json").write_text(json.dumps(info, indent=1) + "\n")
+    rates = {m: [job["tokens_per_s"] for job in info["jobs"] if job["mode"] == m] for m in dict.fromkeys(order)}
+    base = statistics.median(rates["autoregressive"]) if "autoregressive" in rates else None
+    for mode, values in rates.items():
+        median = statistics.median(values)
+        versus = f"  ({median / base:.3f}x autoregressive)" if base else ""
+        print(f"median {mode:22s} {median:9.1f} tokens/s of {len(values)} jobs{versus}", flush=True)
     return 0
 
 

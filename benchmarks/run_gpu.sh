@@ -26,6 +26,8 @@
 #             1k context: the whole rank, random and oracle drafters)
 #   smoke     the tiny demo through the CLI on the GPU with several budgets (8/16/32): auto and budget 32, one request
 #             and four in-flight batched, each == the CPU's autoregressive tokens
+#   policy    benchmarks/batch_policy.py: CLI jobs of 16 requests in-flight batched, in the order $ORDER (default
+#             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved), each mode's median
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
 #             temperature 1.0, device loop; budget 16, the best there, twice: the run-to-run noise)
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
@@ -79,6 +81,12 @@ for name in ("s_auto_b4", "s_32_b4", "s_auto_b1"):
 PY
   } > "$OUT/smoke.log" 2>&1
   cat "$OUT/smoke.log"
+fi
+if has policy; then
+  mkdir -p "$OUT/policy"
+  limit python3 benchmarks/batch_policy.py "$OUT/policy" --order "${ORDER:-ar,auto,8,ar,auto,8,ar,auto,8}" \
+    > "$OUT/batch_policy.log" 2>&1
+  echo "policy rc=$?"; tail -30 "$OUT/batch_policy.log"
 fi
 if has autoacc; then
   mkdir -p "$OUT/autoacc"

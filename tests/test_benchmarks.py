@@ -203,16 +203,19 @@ def test_concurrency_benchmark_smoke(tmp_path):
 
 def test_batch_policy_benchmark_smoke(tmp_path):
     """The batch policy's benchmark on the CPU with the trained pair (float32): CLI jobs of three batched requests in
-    the order given, `auto`'s with the policy's summary and each request's budgets, every job's tokens the first's
-    (greedy speculative decoding is lossless whatever budget a step takes)."""
+    the order given (autoregressive last), `auto`'s with the policy's summary and each request's budgets, every job's
+    tokens the first's (greedy speculative decoding is lossless whatever budget a step takes), each mode's median
+    against autoregressive."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    args = ["--device", "cpu", "--requests", "3", "--tokens", "12", "--order", "auto,8,auto"]
+    args = ["--device", "cpu", "--requests", "3", "--tokens", "12", "--order", "auto,8,ar"]
     done = subprocess.run([sys.executable, "benchmarks/batch_policy.py", str(tmp_path), *args], capture_output=True,
                           text=True, env=env, cwd=ROOT, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     jobs = json.loads((tmp_path / "batch_policy.json").read_text())["jobs"]
-    assert [j["mode"] for j in jobs] == ["DDTree auto (8/16/32)", "DDTree 8", "DDTree auto (8/16/32)"]
+    assert [j["mode"] for j in jobs] == ["DDTree auto (8/16/32)", "DDTree 8", "autoregressive"]
     assert all(j["tokens_equal_to_the_first_job"] and j["tokens_per_s"] > 0 for j in jobs)
     auto = jobs[0]
     assert auto["policy"]["3"]["steps"] and set(auto["first_request_budgets"]) <= {0, 8, 16, 32}
     assert not jobs[1]["policy"] and not jobs[1]["first_request_budgets"]  # a fixed budget: no policy
+    medians = [line for line in done.stdout.splitlines() if line.startswith("median ")]
+    assert len(medians) == 3 and "x autoregressive" in medians[0], done.stdout[-2000:]
