@@ -1,6 +1,6 @@
 """TreeAttention on the GPU, in one run: ceilings, correctness, CUDA-graph safety, timings vs floor and vs SDPA.
 
-    PYTHONPATH=. python3 benchmarks/tree_attention_gpu.py OUT_DIR [--variants]
+    PYTHONPATH=. python3 benchmarks/tree_attention_gpu.py OUT_DIR [--variants | --variants-only]
 
 1. Ceilings measured in this run: device-to-device copy bandwidth (bytes read + written) and the bf16 matrix rate
    (8192^3 product on random data); medians of repeats.
@@ -163,21 +163,42 @@ def time_shape(tokens, heads, length, scale, ceil, config=None, with_sdpa=True) 
     return row
 
 
-VARIANTS = {  # shape -> tile configurations tried on it
-    (33, 8, 32768): [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, min_blocks=mb) for mb in (1, 4, 16)]
-    + [dict(block_m=64, block_n=32, num_warps=8, num_stages=3)],
-    (33, 8, 131072): [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, min_blocks=mb) for mb in (1, 4, 16)],
-    (1, 8, 131072): [
-        dict(block_m=16, block_n=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)
-    ]
-    + [dict(block_m=64, block_n=64, num_warps=8, num_stages=2)],
+WHOLE = dict(whole_blocks=True)
+TMA = dict(whole_blocks=True, tma=True)
+VARIANTS = {  # shape -> tile configurations tried on it ({}: the defaults)
+    (33, 8, 32768): [{}, WHOLE, TMA]
+    + [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, **extra) for extra in ({}, WHOLE, TMA)]
+    + [
+        dict(block_m=64, block_n=32, num_warps=8, num_stages=3, **TMA),
+        dict(block_m=32, block_n=32, num_warps=4, num_stages=3, **TMA),
+        dict(block_m=32, block_n=64, num_warps=8, num_stages=2, **TMA),
+    ],
+    (33, 8, 131072): [{}, WHOLE, TMA]
+    + [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, **extra) for extra in ({}, TMA)],
+    (33, 16, 32768): [{}, WHOLE, TMA],
+    (8, 8, 32768): [{}, WHOLE, TMA],
+    (1, 8, 32768): [{}, WHOLE, TMA],
+    (1, 8, 131072): [{}, WHOLE, TMA],
+    (1, 8, 4096): [{}, WHOLE, TMA],
 }
+
+
+def variant_error(tokens, heads, length, scale, config) -> float:
+    """The relative error of one tile configuration against the float64 reference (fresh inputs)."""
+    q, cache, length_t, new_kv, mask = inputs(tokens, heads, length, seed=11)
+    cache[length:] = float("nan")  # rows past the length are never read
+    out = torch.full((tokens, heads, LATENT), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out, **config)
+    torch.cuda.synchronize()
+    cache[length:] = 0.0
+    return relative_error(out, q, cache, length_t, new_kv, mask, scale)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--variants", action="store_true", help="also time other tile configurations")
+    parser.add_argument("--variants-only", action="store_true", help="only the tile configurations (no table)")
     args = parser.parse_args(argv)
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -186,16 +207,22 @@ def main(argv=None) -> int:
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     variants = []
-    if args.variants:
+    if args.variants or args.variants_only:
         for shape, configs in VARIANTS.items():
             for config in configs:
                 try:
+                    error = variant_error(*shape, scale, config)
                     row = time_shape(*shape, scale, ceil, config, with_sdpa=False)
-                    variants.append({"shape": shape, **config, "graph_us": row["graph_us"], "ratio": row["ratio"]})
-                    print(f"variant {shape} {config}: {row['graph_us']:.1f} us ({row['ratio']:.2f}x floor)", flush=True)
+                    variants.append({"shape": shape, **config, "graph_us": row["graph_us"], "ratio": row["ratio"],
+                                     "rel_error": error})  # fmt: skip
+                    print(f"variant {shape} {config}: {row['graph_us']:.1f} us ({row['ratio']:.2f}x floor), "
+                          f"error {error:.1e}", flush=True)  # fmt: skip
                 except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                     variants.append({"shape": shape, **config, "error": str(err)[:200]})
                     print(f"variant {shape} {config}: FAILED {str(err)[:120]}", flush=True)
+    if args.variants_only:
+        (out_dir / "tree_attention_variants.json").write_text(json.dumps({"ceilings": ceil, "variants": variants}))
+        return 0
     checks = {f"{t}x{h}x{s}": check(t, h, s, scale) for t, h, s in SHAPES + ODD}
     graph = graph_check(scale)
     timings = [time_shape(t, h, s, scale, ceil) for t, h, s in SHAPES + ODD if s > 0]

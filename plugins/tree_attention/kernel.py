@@ -77,6 +77,62 @@ def _attend_block(
 
 
 @triton.jit
+def _attend_whole_block(
+    acc,
+    m_i,
+    l_i,
+    q_lat,
+    q_rope,
+    k_ptr,
+    k_stride,
+    lat_desc,
+    rope_desc,
+    b,
+    block,
+    offs_n,
+    offs_dl,
+    offs_dr,
+    D_LAT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DL: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    qk_scale,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    """A key block whose BLOCK_N rows all lie below the split's end (every one visible to every query): no key mask,
+    no -inf handling (every score is finite). Its rows come by the tensor-memory accelerator (`lat_desc`, `rope_desc`:
+    [requests, rows, columns] descriptors of the cache's latent and rope columns) or by pointer loads."""
+    if USE_TMA:
+        k_lat = lat_desc.load([b, block, 0]).reshape(BLOCK_N, BLOCK_DL)
+    else:
+        rows_k = k_ptr + (block + offs_n)[:, None] * k_stride
+        if D_LAT == BLOCK_DL:
+            k_lat = tl.load(rows_k + offs_dl[None, :])
+        else:
+            k_lat = tl.load(rows_k + offs_dl[None, :], mask=offs_dl[None, :] < D_LAT, other=0.0)
+    scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if D_ROPE > 0:
+        if USE_TMA:
+            k_rope = rope_desc.load([b, block, 0]).reshape(BLOCK_N, BLOCK_DR)
+        else:
+            rows_k = k_ptr + (block + offs_n)[:, None] * k_stride + D_LAT
+            if D_ROPE == BLOCK_DR:
+                k_rope = tl.load(rows_k + offs_dr[None, :])
+            else:
+                k_rope = tl.load(rows_k + offs_dr[None, :], mask=offs_dr[None, :] < D_ROPE, other=0.0)
+        scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
+    scores = scores * qk_scale
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: alpha is 0 at the first block (m_i = -inf)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _split_chunk(length, num_splits, BLOCK_N: tl.constexpr, MIN_BLOCKS: tl.constexpr):
     """Cache rows per split: the device length cut into num_splits slices of whole key blocks, at least MIN_BLOCKS
     blocks each, so a short cache uses only its first few splits (the rest do nothing and are never read)."""
@@ -93,6 +149,8 @@ def _tree_attention_split(
     part_out,
     part_m,
     part_l,
+    lat_desc,
+    rope_desc,
     T,
     H,
     qk_scale,
@@ -108,6 +166,8 @@ def _tree_attention_split(
     BLOCK_N: tl.constexpr,
     MIN_BLOCKS: tl.constexpr,
     PRECISION: tl.constexpr,
+    WHOLE_BLOCKS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # program (tile, split, request): splits 0 .. num_splits - 1 take slices of the committed cache, split
     # num_splits the tree's own T rows under the tree mask, so no program does both and the tree never waits behind
@@ -138,7 +198,36 @@ def _tree_attention_split(
     offs_n = tl.arange(0, BLOCK_N)
     # committed cache rows [start, stop), visible to every query (the tree's split has none)
     stop = tl.where(is_tree, start, tl.minimum(start + chunk, length))
-    for block in range(start, stop, BLOCK_N):
+    if WHOLE_BLOCKS:  # the split's whole key blocks without masks, then its last, partial block (if any) below
+        whole = start + tl.maximum(stop - start, 0) // BLOCK_N * BLOCK_N
+        for block in range(start, whole, BLOCK_N):
+            acc, m_i, l_i = _attend_whole_block(
+                acc,
+                m_i,
+                l_i,
+                q_lat,
+                q_rope,
+                cache_ptr,
+                cache_stride,
+                lat_desc,
+                rope_desc,
+                b,
+                block,
+                offs_n,
+                offs_dl,
+                offs_dr,
+                D_LAT,
+                D_ROPE,
+                BLOCK_N,
+                BLOCK_DL,
+                BLOCK_DR,
+                qk_scale,
+                PRECISION,
+                USE_TMA,
+            )
+    else:
+        whole = start
+    for block in range(whole, stop, BLOCK_N):
         keys = block + offs_n
         key_ok = keys < stop
         acc, m_i, l_i = _attend_block(
@@ -347,6 +436,11 @@ def tree_attention_cuda(
         part_out, part_m, part_l = parts = split_partials(splits, rows * requests, latent_dim, device)
         mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
         block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
+        whole_blocks = config.get("whole_blocks", WHOLE_BLOCKS)
+        use_tma = whole_blocks and capacity > 0 and config.get("tma", USE_TMA) and tma_fits(cache, latent_dim, device)
+        lat_desc, rope_desc = (
+            cache_descriptors(cache, latent_dim, block_n, block_dl, block_dr) if use_tma else (None,) * 2
+        )
         _tree_attention_split[(triton.cdiv(rows, block_m), splits + 1, requests)](
             q.contiguous(),
             cache,
@@ -356,6 +450,8 @@ def tree_attention_cuda(
             part_out,
             part_m,
             part_l,
+            lat_desc,
+            rope_desc,
             tokens,
             heads,
             scale * LOG2E,
@@ -371,6 +467,8 @@ def tree_attention_cuda(
             BLOCK_N=block_n,
             MIN_BLOCKS=min_blocks,
             PRECISION=dot_precision(q.dtype),
+            WHOLE_BLOCKS=whole_blocks,
+            USE_TMA=bool(use_tma),
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
@@ -378,6 +476,39 @@ def tree_attention_cuda(
         combine_splits(parts, cache_length, out, rows * requests, splits, latent_dim, block_d, block_n, min_blocks,
                        rows_per_request=rows)  # fmt: skip
     return out
+
+
+WHOLE_BLOCKS = False  # a split's whole key blocks without masks (config "whole_blocks")
+USE_TMA = False  # ... and loaded by the tensor-memory accelerator (config "tma"; Hopper and later)
+
+
+def tma_fits(cache: torch.Tensor, latent_dim: int, device: torch.device) -> bool:
+    """Tensor descriptors need a Hopper GPU (or the interpreter), rows and requests 16-byte aligned, and the rope
+    columns starting on a 16-byte boundary."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    size = cache.element_size()
+    strides = [cache.stride(i) * size for i in range(cache.dim() - 1)]
+    return (
+        cache.stride(-1) == 1
+        and all(s % 16 == 0 for s in strides)
+        and (latent_dim * size) % 16 == 0
+        and (cache.data_ptr() % 16 == 0)
+    )
+
+
+def cache_descriptors(cache: torch.Tensor, latent_dim: int, block_n: int, block_dl: int, block_dr: int):
+    """[requests, rows, columns] tensor descriptors of the cache's latent and rope columns (one request: a batch of
+    one), blocks of [1, block_n, block_dl] and [1, block_n, block_dr]; rows past the capacity read as zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = cache if cache.dim() == 3 else cache.unsqueeze(0)
+    requests, capacity, width = rows.shape
+    strides = [rows.stride(0), rows.stride(1), 1]
+    lat = TensorDescriptor(rows, [requests, capacity, latent_dim], strides, [1, block_n, block_dl])
+    rope = TensorDescriptor(rows[..., latent_dim:], [requests, capacity, width - latent_dim], strides,
+                            [1, block_n, block_dr])  # fmt: skip
+    return lat, rope
 
 
 tree_attention_cuda.batched = True  # takes several requests in one launch (`models/mla.py`, `per_request`)
