@@ -84,6 +84,51 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
     assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
 
 
+def test_triton_kernel_whole_blocks_and_tensor_descriptors_match_the_reference():
+    """The forms that take a split's whole key blocks without masks, by pointer loads and by tensor descriptors: the
+    reference's result on every shape (rows past the device length NaN: never read), and several requests batched
+    over strided slot caches equal to a launch each."""
+    script = f"""
+        import torch
+        from plugins.tree_attention.kernel import tree_attention_cuda
+        from plugins.tree_attention.reference import tree_attention
+        from tests.test_tree_attention_op import random_case, rel
+        from plugins.tree_attention import kernel
+        kernel._sm_count = lambda device: 4
+        worst, same = 0.0, True
+        for tma in (False, True):
+            config = dict(block_m=16, block_n=16, num_warps=1, num_stages=1, min_blocks=3, whole_blocks=True, tma=tma)
+            for i, shape in enumerate({SHAPES!r}):
+                q, cache, length, new_kv, mask = random_case(*shape, seed=i)
+                expected = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, 0.3, shape[4])
+                cache[int(length):] = float("nan")
+                out = torch.full((shape[0], shape[1], shape[4]), float("nan"))
+                tree_attention_cuda(q, cache, length, new_kv, mask, 0.3, shape[4], out=out, **config)
+                assert not out.isnan().any(), (shape, tma)
+                worst = max(worst, rel(out, expected))
+            tokens, heads, capacity, width, latent = 9, 2, 80, 40, 32
+            lengths = [0, 37, 80, 5]
+            cases = [random_case(tokens, heads, capacity, n, latent, width - latent, seed=i)
+                     for i, n in enumerate(lengths)]
+            slots = torch.full((len(lengths), 3, capacity, width), float("nan"))
+            for b, (_, cache, _, _, _) in enumerate(cases):
+                slots[b, 1, : lengths[b]] = cache[: lengths[b]]
+            q, new_kv = torch.cat([c[0] for c in cases]), torch.cat([c[3] for c in cases])
+            masks = torch.stack([c[4] for c in cases])
+            out = tree_attention_cuda(q, slots[:, 1], torch.tensor(lengths), new_kv, masks, 0.3, latent, **config)
+            for b, (qb, cache, cached, kv, mask) in enumerate(cases):
+                alone = tree_attention_cuda(qb, slots[b, 1], cached, kv, mask, 0.3, latent, **config)
+                same &= torch.equal(out[b * tokens : (b + 1) * tokens], alone)
+                expected = tree_attention(qb.double(), cache.double(), cached, kv.double(), mask, 0.3, latent)
+                worst = max(worst, rel(out[b * tokens : (b + 1) * tokens], expected))
+        print("same", same, "worst", worst)
+    """
+    done = run_interpreted(script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same True" in done.stdout, done.stdout
+    assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
+
+
 def test_triton_kernel_causal_prefill_skips_hidden_blocks_exactly():
     """A causal prefill (after a cached prefix, and with none): the kernel stops at the key block of a row tile's
     last token (parents first: no row sees a later one); the result is still the reference's."""
