@@ -436,8 +436,9 @@ def tree_attention_cuda(
         part_out, part_m, part_l = parts = split_partials(splits, rows * requests, latent_dim, device)
         mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
         block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
-        whole_blocks = config.get("whole_blocks", WHOLE_BLOCKS)
-        use_tma = whole_blocks and capacity > 0 and config.get("tma", USE_TMA) and tma_fits(cache, latent_dim, device)
+        whole_blocks = config.get("whole_blocks", rows >= WHOLE_BLOCK_ROWS)
+        use_tma = config.get("tma", rows >= TMA_ROWS) and whole_blocks and capacity > 0
+        use_tma = use_tma and tma_fits(cache, latent_dim, device)
         lat_desc, rope_desc = (
             cache_descriptors(cache, latent_dim, block_n, block_dl, block_dr) if use_tma else (None,) * 2
         )
@@ -478,8 +479,11 @@ def tree_attention_cuda(
     return out
 
 
-WHOLE_BLOCKS = False  # a split's whole key blocks without masks (config "whole_blocks")
-USE_TMA = False  # ... and loaded by the tensor-memory accelerator (config "tma"; Hopper and later)
+# query rows (T x H) from which a split's whole key blocks run without masks (config "whole_blocks"), and from which
+# they load by the tensor-memory accelerator (config "tma"; Hopper and later): `benchmarks/tree_attention_gpu.py
+# --variants-only` times both against the masked form
+WHOLE_BLOCK_ROWS = 1 << 30
+TMA_ROWS = 1 << 30
 
 
 def tma_fits(cache: torch.Tensor, latent_dim: int, device: torch.device) -> bool:
