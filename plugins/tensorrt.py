@@ -33,6 +33,9 @@ def ensure_rtx_parser_link() -> Path:
         try:
             link.symlink_to("libtensorrt_rtx.so.1")
             log.info("added %s -> libtensorrt_rtx.so.1 (TensorRT-RTX ONNX parser needs it for plugins)", link)
+        except FileExistsError:  # another process (a parallel build or test worker) made it first
+            if not link.exists():
+                raise RuntimeError(f"{link} exists but does not lead to libtensorrt_rtx.so.1: remove it") from None
         except OSError as err:
             raise RuntimeError(
                 f"TensorRT-RTX's ONNX parser needs {link} -> libtensorrt_rtx.so.1 and it could not be created "

@@ -47,3 +47,29 @@ def test_feeds_are_checked_against_the_named_profile(setup):
         session.run("verify_tree", feeds)
     with pytest.raises(ValueError, match=r"the engine has no profile 'verify'; it has \['decode', 'draft'"):
         session.run("verify", feeds)
+
+
+def test_the_parser_link_made_by_another_process_first_is_taken(tmp_path, monkeypatch):
+    """Two processes (parallel test workers, two builds) both see no libtensorrt_rtx.so and race to make it: the one
+    that loses finds it made and goes on; a link that leads nowhere is an error that names it."""
+    import sys
+    import types
+    from pathlib import Path
+
+    from plugins import tensorrt
+
+    (tmp_path / "libtensorrt_rtx.so.1").write_bytes(b"")
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx_libs", types.SimpleNamespace(__file__=str(tmp_path / "x.py")))
+    link = tmp_path / "libtensorrt_rtx.so"
+    real_symlink = Path.symlink_to
+
+    def racing(self, target):  # the other process makes the link just before this one does
+        real_symlink(self, target)
+        raise FileExistsError(17, "File exists")
+
+    monkeypatch.setattr(Path, "symlink_to", racing)
+    assert tensorrt.ensure_rtx_parser_link() == link and link.exists()
+    link.unlink()
+    monkeypatch.setattr(Path, "symlink_to", lambda self, target: (real_symlink(self, "missing"), racing(self, target)))
+    with pytest.raises(RuntimeError, match="does not lead to"):
+        tensorrt.ensure_rtx_parser_link()
