@@ -32,6 +32,32 @@ def rel(a, b):
     return float((torch.as_tensor(a).double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def batched_against_alone(config: dict) -> tuple[bool, float]:
+    """Several requests in one kernel launch (run under the interpreter): each request's cache a layer of its own
+    slot's caches (a strided view of [slots, layers, S, D], NaN past its length), with its own length, tree mask and
+    rows. Returns whether each request's rows equal a launch of its own bit for bit, and the worst relative error
+    against the reference."""
+    from plugins.tree_attention.kernel import tree_attention_cuda
+
+    tokens, heads, capacity, width, latent = 9, 2, 80, 40, 32
+    lengths = [0, 37, 80, 5]
+    cases = [random_case(tokens, heads, capacity, n, latent, width - latent, seed=i) for i, n in enumerate(lengths)]
+    slots = torch.full((len(lengths), 3, capacity, width), float("nan"))
+    for b, (_, cache, _, _, _) in enumerate(cases):
+        slots[b, 1, : lengths[b]] = cache[: lengths[b]]
+    q, new_kv = torch.cat([c[0] for c in cases]), torch.cat([c[3] for c in cases])
+    masks = torch.stack([c[4] for c in cases])
+    out = tree_attention_cuda(q, slots[:, 1], torch.tensor(lengths), new_kv, masks, 0.3, latent, **config)
+    assert not out.isnan().any()
+    worst, same = 0.0, True
+    for b, (qb, cache, cached, kv, mask) in enumerate(cases):
+        alone = tree_attention_cuda(qb, slots[b, 1], cached, kv, mask, 0.3, latent, **config)
+        same &= torch.equal(out[b * tokens : (b + 1) * tokens], alone)
+        expected = tree_attention(qb.double(), cache.double(), cached, kv.double(), mask, 0.3, latent)
+        worst = max(worst, rel(out[b * tokens : (b + 1) * tokens], expected))
+    return same, worst
+
+
 def test_reference_matches_dense_masked_softmax():
     q, cache, length, new_kv, mask = random_case(6, 3, 20, 13, 32, 8, seed=1)
     keys = torch.cat((cache[:13], new_kv)).double()
@@ -92,7 +118,7 @@ def test_triton_kernel_whole_blocks_and_tensor_descriptors_match_the_reference()
         import torch
         from plugins.tree_attention.kernel import tree_attention_cuda
         from plugins.tree_attention.reference import tree_attention
-        from tests.test_tree_attention_op import random_case, rel
+        from tests.test_tree_attention_op import batched_against_alone, random_case, rel
         from plugins.tree_attention import kernel
         kernel._sm_count = lambda device: 4
         worst, same = 0.0, True
@@ -106,21 +132,8 @@ def test_triton_kernel_whole_blocks_and_tensor_descriptors_match_the_reference()
                 tree_attention_cuda(q, cache, length, new_kv, mask, 0.3, shape[4], out=out, **config)
                 assert not out.isnan().any(), (shape, tma)
                 worst = max(worst, rel(out, expected))
-            tokens, heads, capacity, width, latent = 9, 2, 80, 40, 32
-            lengths = [0, 37, 80, 5]
-            cases = [random_case(tokens, heads, capacity, n, latent, width - latent, seed=i)
-                     for i, n in enumerate(lengths)]
-            slots = torch.full((len(lengths), 3, capacity, width), float("nan"))
-            for b, (_, cache, _, _, _) in enumerate(cases):
-                slots[b, 1, : lengths[b]] = cache[: lengths[b]]
-            q, new_kv = torch.cat([c[0] for c in cases]), torch.cat([c[3] for c in cases])
-            masks = torch.stack([c[4] for c in cases])
-            out = tree_attention_cuda(q, slots[:, 1], torch.tensor(lengths), new_kv, masks, 0.3, latent, **config)
-            for b, (qb, cache, cached, kv, mask) in enumerate(cases):
-                alone = tree_attention_cuda(qb, slots[b, 1], cached, kv, mask, 0.3, latent, **config)
-                same &= torch.equal(out[b * tokens : (b + 1) * tokens], alone)
-                expected = tree_attention(qb.double(), cache.double(), cached, kv.double(), mask, 0.3, latent)
-                worst = max(worst, rel(out[b * tokens : (b + 1) * tokens], expected))
+            batch_same, batch_worst = batched_against_alone(config)
+            same, worst = same and batch_same, max(worst, batch_worst)
         print("same", same, "worst", worst)
     """
     done = run_interpreted(script)
@@ -186,31 +199,10 @@ def test_triton_kernel_batches_requests_each_as_its_own_launch():
     (a strided view of [slots, layers, S, D], NaN past its length), with its own length, tree mask and rows; each
     request's rows equal a launch of its own bit for bit (the same splits), and the reference's."""
     script = """
-        import torch
-        from plugins.tree_attention.kernel import tree_attention_cuda
-        from plugins.tree_attention.reference import tree_attention
-        from tests.test_tree_attention_op import random_case, rel
         from plugins.tree_attention import kernel
+        from tests.test_tree_attention_op import batched_against_alone
         kernel._sm_count = lambda device: 8
-        tokens, heads, capacity, width, latent = 9, 2, 80, 40, 32
-        lengths = [0, 37, 80, 5]
-        cases = [random_case(tokens, heads, capacity, n, latent, width - latent, seed=i) for i, n in enumerate(lengths)]
-        slots = torch.full((len(lengths), 3, capacity, width), float("nan"))
-        for b, (_, cache, _, _, _) in enumerate(cases):
-            slots[b, 1, : lengths[b]] = cache[: lengths[b]]
-        q = torch.cat([c[0] for c in cases])
-        new_kv = torch.cat([c[3] for c in cases])
-        masks = torch.stack([c[4] for c in cases])
-        length = torch.tensor(lengths)
-        config = dict(block_m=16, block_n=16, num_warps=1, num_stages=1)
-        out = tree_attention_cuda(q, slots[:, 1], length, new_kv, masks, 0.3, latent, **config)
-        assert not out.isnan().any()
-        worst, same = 0.0, True
-        for b, (qb, cache, cached, kv, mask) in enumerate(cases):
-            alone = tree_attention_cuda(qb, slots[b, 1], cached, kv, mask, 0.3, latent, **config)
-            same &= torch.equal(out[b * tokens : (b + 1) * tokens], alone)
-            expected = tree_attention(qb.double(), cache.double(), cached, kv.double(), mask, 0.3, latent)
-            worst = max(worst, rel(out[b * tokens : (b + 1) * tokens], expected))
+        same, worst = batched_against_alone(dict(block_m=16, block_n=16, num_warps=1, num_stages=1))
         print("same", same, "worst", worst)
     """
     done = run_interpreted(script)
