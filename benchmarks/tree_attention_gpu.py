@@ -165,21 +165,23 @@ def time_shape(tokens, heads, length, scale, ceil, config=None, with_sdpa=True) 
 
 WHOLE = dict(whole_blocks=True)
 TMA = dict(whole_blocks=True, tma=True)
-VARIANTS = {  # shape -> tile configurations tried on it ({}: the defaults)
-    (33, 8, 32768): [{}, WHOLE, TMA]
-    + [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, **extra) for extra in ({}, WHOLE, TMA)]
+VARIANTS = {  # shape -> tile configurations tried on it ({}: the defaults); the verify shapes first
+    (33, 8, 32768): [{}, WHOLE, TMA],
+    (33, 8, 131072): [{}, WHOLE, TMA],
+    (1, 8, 32768): [{}, WHOLE, TMA],
+    (8, 8, 32768): [{}, WHOLE, TMA],
+    (1, 8, 131072): [{}, WHOLE, TMA],
+    (33, 16, 32768): [{}, WHOLE, TMA],
+    (1, 8, 4096): [{}, WHOLE, TMA],
+    (33, 8, 4096): [{}, WHOLE, TMA],
+}
+TILES = {  # other tiles at the verify shape, with and without tensor descriptors
+    (33, 8, 32768): [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, **extra) for extra in ({}, TMA)]
     + [
         dict(block_m=64, block_n=32, num_warps=8, num_stages=3, **TMA),
         dict(block_m=32, block_n=32, num_warps=4, num_stages=3, **TMA),
         dict(block_m=32, block_n=64, num_warps=8, num_stages=2, **TMA),
     ],
-    (33, 8, 131072): [{}, WHOLE, TMA]
-    + [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, **extra) for extra in ({}, TMA)],
-    (33, 16, 32768): [{}, WHOLE, TMA],
-    (8, 8, 32768): [{}, WHOLE, TMA],
-    (1, 8, 32768): [{}, WHOLE, TMA],
-    (1, 8, 131072): [{}, WHOLE, TMA],
-    (1, 8, 4096): [{}, WHOLE, TMA],
 }
 
 
@@ -208,7 +210,7 @@ def main(argv=None) -> int:
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     variants = []
     if args.variants or args.variants_only:
-        for shape, configs in VARIANTS.items():
+        for shape, configs in [*VARIANTS.items(), *TILES.items()]:
             for config in configs:
                 try:
                     error = variant_error(*shape, scale, config)
@@ -220,6 +222,10 @@ def main(argv=None) -> int:
                 except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                     variants.append({"shape": shape, **config, "error": str(err)[:200]})
                     print(f"variant {shape} {config}: FAILED {str(err)[:120]}", flush=True)
+                if args.variants_only:  # what is measured so far, should the run be cut short
+                    (out_dir / "tree_attention_variants.json").write_text(
+                        json.dumps({"ceilings": ceil, "variants": variants})
+                    )
     if args.variants_only:
         (out_dir / "tree_attention_variants.json").write_text(json.dumps({"ceilings": ceil, "variants": variants}))
         return 0
