@@ -479,11 +479,13 @@ def tree_attention_cuda(
     return out
 
 
-# query rows (T x H) from which a split's whole key blocks run without masks (config "whole_blocks"), and from which
-# they load by the tensor-memory accelerator (config "tma"; Hopper and later): `benchmarks/tree_attention_gpu.py
-# --variants-only` times both against the masked form
-WHOLE_BLOCK_ROWS = 1 << 30
-TMA_ROWS = 1 << 30
+# query rows (T x H) from which a split's whole key blocks run without masks (config "whole_blocks") and load by the
+# tensor-memory accelerator (config "tma"; Hopper and later). Measured (`benchmarks/tree_attention_gpu.py
+# --variants-only`, one H100, BENCHMARKS.md section 4): 7.6 % faster at T = 33, H = 16 (528 rows, 64-row tiles), 7 %
+# faster with 64-row tiles at 264 rows too, but 28 % slower with the 32-row tiles that 264 rows take (T = 33, H = 8)
+# and mixed at 8 and 64 rows; masks alone changed nothing (-3 % .. +7 %)
+WHOLE_BLOCK_ROWS = 528
+TMA_ROWS = 528
 
 
 def tma_fits(cache: torch.Tensor, latent_dim: int, device: torch.device) -> bool:
