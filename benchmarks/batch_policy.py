@@ -6,8 +6,10 @@
 The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
 (kernels compiled), then one CLI job a name in `--order` (`auto`, `ar` or a fixed budget), each of N requests in-flight
 batched (`--max_batch_size N`). For each job: tokens/s, the budgets its steps took (for `auto` the batch policy's
-summary: steps and median ms a step by slots and budget), the first request's budgets step by step, and
-whether its tokens equal the first job's. Writes OUT_DIR/batch_policy.json.
+summary: steps and median ms a step by slots and budget), the first request's budgets step by step, and whether
+its tokens equal the first job's and its mode's first job's (in bf16 a batched verify rounds differently from a
+batched decode, so a speculative job's tokens may leave an autoregressive one's; greedy float32 jobs agree). Writes
+OUT_DIR/batch_policy.json.
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ def main(argv=None) -> int:
         concurrency.cli_row(engine, out, texts[:2], 8, 2, mode, args.device)
     info = {**environment(False), "command": " ".join(sys.argv), "requests": args.requests, "tokens": args.tokens,
             "jobs": []}  # fmt: skip
-    outputs = None
+    outputs, firsts = None, {}  # the first job's tokens, and each mode's first job's
     for repeat, mode in enumerate(order):
         row = concurrency.cli_row(engine, out, texts, args.tokens, args.requests, mode, args.device, repeat)
         outputs = row["outputs"] if outputs is None else outputs
+        firsts.setdefault(mode, row["outputs"])
         info["jobs"].append({"mode": mode, "tokens_per_s": row["tokens_per_s"], "seconds": row["seconds"],
                              "budgets_chosen": row["budgets_chosen"], "policy": row["policy"],
                              "first_request_budgets": row["budgets"][0],
-                             "tokens_equal_to_the_first_job": row["outputs"] == outputs})  # fmt: skip
+                             "tokens_equal_to_the_first_job": row["outputs"] == outputs,
+                             "tokens_equal_to_the_mode_s_first_job": row["outputs"] == firsts[mode]})  # fmt: skip
         print(f"{mode:22s} {row['tokens_per_s']:9.1f} tokens/s  budgets {row.get('budgets_chosen')}", flush=True)
         (out / "batch_policy.json").write_text(json.dumps(info, indent=1) + "\n")
     rates = {m: [job["tokens_per_s"] for job in info["jobs"] if job["mode"] == m] for m in dict.fromkeys(order)}

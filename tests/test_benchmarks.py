@@ -213,7 +213,8 @@ def test_batch_policy_benchmark_smoke(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     jobs = json.loads((tmp_path / "batch_policy.json").read_text())["jobs"]
     assert [j["mode"] for j in jobs] == ["DDTree auto (8/16/32)", "DDTree 8", "autoregressive"]
-    assert all(j["tokens_equal_to_the_first_job"] and j["tokens_per_s"] > 0 for j in jobs)
+    assert all(j["tokens_equal_to_the_first_job"] and j["tokens_equal_to_the_mode_s_first_job"] for j in jobs)
+    assert all(j["tokens_per_s"] > 0 for j in jobs)
     auto = jobs[0]
     assert auto["policy"]["3"]["steps"] and set(auto["first_request_budgets"]) <= {0, 8, 16, 32}
     assert not jobs[1]["policy"] and not jobs[1]["first_request_budgets"]  # a fixed budget: no policy
