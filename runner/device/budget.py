@@ -186,15 +186,27 @@ class StepBudgetPolicy:
         """Whether a step of `count` slots at `budget` has a cost of its own (timed `MIN_TIMED` times, or seeded)."""
         return len(self.times.get((count, budget), ())) >= MIN_TIMED or (count, budget) in self.seeded
 
-    def cost(self, budget: int, count: int = 1) -> float | None:
+    def timed_counts(self) -> dict[int, list[int]]:
+        """{budget: the slot counts at which it has a cost of its own (`timed`), ascending}: one pass over the times."""
+        out: dict[int, list[int]] = {}
+        for (count, budget), times in self.times.items():
+            if len(times) >= MIN_TIMED or (count, budget) in self.seeded:
+                out.setdefault(budget, []).append(count)
+        for counts in out.values():
+            counts.sort()
+        return out
+
+    def cost(self, budget: int, count: int = 1, timed: dict[int, list[int]] | None = None) -> float | None:
         """Seconds a step of `count` slots at `budget` takes: the median of its recent times once timed; before, the
         line between the nearest slot counts below and above that are timed at that budget (one side: its nearest),
         as a step's cost grows smoothly with its slots (one H200, the trained pair, budget 8: 0.91 ms at 1 slot, 1.13
-        at 4, 1.40 at 8, 1.69 at 16); else its own times, if any; None: never timed."""
+        at 4, 1.40 at 8, 1.69 at 16); else its own times, if any; None: never timed. timed: `timed_counts()`, where
+        the caller has it (a step's choice asks every option's cost, and its host time is time the GPU waits)."""
+        counts = (self.timed_counts() if timed is None else timed).get(budget, [])
         times = self.times.get((count, budget))
-        if self.timed(budget, count):
+        if count in counts:
             return statistics.median(times)
-        counts = sorted(c for c, b in self.times if b == budget and c != count and self.timed(b, c))
+        counts = [c for c in counts if c != count]
         below, above = [c for c in counts if c < count][-1:], [c for c in counts if c > count][:1]
         at = lambda c: statistics.median(self.times[(c, budget)])  # noqa: E731
         if below and above:
@@ -218,14 +230,16 @@ class StepBudgetPolicy:
         largest = self.budgets[-1]
         # a budget is taken to time it only where no slot count has its cost yet (elsewhere `cost` estimates it
         # from the counts that have one, and the steps that take it time it): each new batch size costs no steps
-        untimed = [b for b in self.options if not any(self.timed(b, c) for c, o in self.times if o == b)]
+        timed = self.timed_counts()
+        untimed = [b for b in self.options if not timed.get(b)]
         if self.informed[largest] < MIN_INFORMED:
             best = largest
         elif untimed:
             best, self.timing = untimed[0], True
         else:
-            rate = lambda b: busy * self.expected(b) / self.cost(b, count)  # noqa: E731
-            hope = lambda b: busy * self.optimistic(b) / self.cost(b, count)  # noqa: E731
+            costs = {b: self.cost(b, count, timed) for b in self.options}
+            rate = lambda b: busy * self.expected(b) / costs[b]  # noqa: E731
+            hope = lambda b: busy * self.optimistic(b) / costs[b]  # noqa: E731
             best = max(self.options, key=lambda b: (rate(b), -b))
             self.settled = True
             if best != largest:
@@ -234,9 +248,9 @@ class StepBudgetPolicy:
                 above = [b for b in self.budgets if b > best] if self.narrow_informs else [largest]
                 hopeful = [b for b in above if hope(b) >= rate(best)]
                 target = max(hopeful, key=lambda b: (hope(b), -b)) if hopeful else largest
-                extra = self.cost(target, count) - self.cost(best, count)
+                extra = costs[target] - costs[best]
                 share = EXPLORE_SHARE if hopeful else EXPLORE_SHARE_SETTLED
-                self.credit = min(self.credit + share * self.cost(best, count), max(extra, 0.0))
+                self.credit = min(self.credit + share * costs[best], max(extra, 0.0))
                 if self.credit >= extra and self.steps - self.explored_at >= EXPLORE_GAP:
                     best, self.settled = target, False
                     self.credit, self.explored_at = 0.0, self.steps
