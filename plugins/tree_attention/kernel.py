@@ -436,8 +436,9 @@ def tree_attention_cuda(
         part_out, part_m, part_l = parts = split_partials(splits, rows * requests, latent_dim, device)
         mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
         block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
-        whole_blocks = config.get("whole_blocks", rows >= WHOLE_BLOCK_ROWS)
-        use_tma = config.get("tma", rows >= TMA_ROWS) and whole_blocks and capacity > 0
+        verify_sized = tokens <= TMA_MAX_TOKENS
+        whole_blocks = config.get("whole_blocks", rows >= WHOLE_BLOCK_ROWS and verify_sized)
+        use_tma = config.get("tma", rows >= TMA_ROWS and verify_sized) and whole_blocks and capacity > 0
         use_tma = use_tma and tma_fits(cache, latent_dim, device)
         lat_desc, rope_desc = (
             cache_descriptors(cache, latent_dim, block_n, block_dl, block_dr) if use_tma else (None,) * 2
@@ -483,9 +484,11 @@ def tree_attention_cuda(
 # tensor-memory accelerator (config "tma"; Hopper and later). Measured (`benchmarks/tree_attention_gpu.py
 # --variants-only`, one H100, BENCHMARKS.md section 4): 7.6 % faster at T = 33, H = 16 (528 rows, 64-row tiles), 7 %
 # faster with 64-row tiles at 264 rows too, but 28 % slower with the 32-row tiles that 264 rows take (T = 33, H = 8)
-# and mixed at 8 and 64 rows; masks alone changed nothing (-3 % .. +7 %)
+# and mixed at 8 and 64 rows; masks alone changed nothing (-3 % .. +7 %). Only for verify-sized launches (at most
+# TMA_MAX_TOKENS tokens a request): prefill chunks keep the masked loads, not timed with descriptors
 WHOLE_BLOCK_ROWS = 528
 TMA_ROWS = 528
+TMA_MAX_TOKENS = 64
 
 
 def tma_fits(cache: torch.Tensor, latent_dim: int, device: torch.device) -> bool:
