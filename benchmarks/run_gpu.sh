@@ -11,6 +11,7 @@
 #   int4      benchmarks/int4_moe_gpu.py: the W4A16 MoE kernel at Kimi TP-8 rank dimensions against its byte floor,
 #             torch._grouped_mm in bf16 and dequantize-then-grouped-GEMM; and the packed tiny model through the CLI
 #             on the GPU == the same on the CPU
+#   int4load  benchmarks/int4_load_probe.py: which load shape reads one token's 8 experts' INT4 words at the copy rate
 #   acceptance benchmarks/acceptance.py: the trained pair, every mode, greedy and temperature 1.0, device loop
 #   rank      benchmarks/kimi_rank_int4.py: a whole Kimi K2.x TP-8 rank with INT4 experts (memory, 1k and 32k context)
 #   sampling  benchmarks/sampling_lossless_gpu.py: chi-square tests of sampled DDTree on the device loop (16 processes)
@@ -119,6 +120,10 @@ if pathlib.Path("/tmp/tiny_gpu_tp2.json").exists():
 PY
   } > "$OUT/tiny.log" 2>&1
   cat "$OUT/tiny.log"
+fi
+if has int4load; then
+  limit python3 benchmarks/int4_load_probe.py "$OUT" > "$OUT/int4_load_probe.log" 2>&1; echo "int4load rc=$?"
+  grep "^best\|shapes, correct" "$OUT/int4_load_probe.log"
 fi
 if has acceptance; then
   python3 benchmarks/acceptance.py "$OUT" --device cuda > "$OUT/acceptance.log" 2>&1; echo "acceptance rc=$?"

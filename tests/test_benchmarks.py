@@ -67,6 +67,20 @@ def test_int4_moe_gpu_smoke(tmp_path):
         assert 0 < r["distinct_experts"] <= 4 * r["tokens"] and r["floor_us"] > 0 and r["layer_us"] > 0
 
 
+def test_int4_load_probe_smoke(tmp_path):
+    """The load-shape probe at tiny dimensions under the Triton interpreter: every shape's fold of its expert words
+    (uneven K splits included) equals numpy's."""
+    from tests.interpreter import run_interpreted
+
+    done = run_interpreted(f"""
+        from benchmarks.int4_load_probe import main
+        assert main([{str(tmp_path)!r}, "--smoke"]) == 0
+    """)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "int4_load_probe.json").read_text())["rows"]
+    assert len(rows) == 8 and all(r["correct"] for r in rows) and {r["splits"] for r in rows} == {1, 3}
+
+
 @pytest.mark.parametrize("synthetic", [False, True])
 def test_kimi_rank_int4_smoke(tmp_path, synthetic):
     """The whole-rank INT4 benchmark at tiny shapes: packed experts through the factory, every mode at one context,
