@@ -174,6 +174,7 @@ VARIANTS = {  # shape -> tile configurations tried on it ({}: the defaults); the
     (33, 16, 32768): [{}, WHOLE, TMA],
     (1, 8, 4096): [{}, WHOLE, TMA],
     (33, 8, 4096): [{}, WHOLE, TMA],
+    (512, 8, 8192): [{}, WHOLE, TMA],  # a prefill chunk over a cached prefix (the descriptors not taken by default)
 }
 TILES = {  # other tiles at the verify shape, with and without tensor descriptors
     (33, 8, 32768): [dict(block_m=64, block_n=64, num_warps=8, num_stages=2, **extra) for extra in ({}, TMA)]
