@@ -4,8 +4,8 @@
 
 1. Ceilings measured in this run: device-to-device copy bandwidth (bytes read + written) and the bf16 matrix rate
    (8192^3 product on random data); medians of repeats.
-2. Every shape T x H x S (plus odd sizes): fresh random bf16 inputs, the output poisoned with NaN before the run,
-   relative error against the torch reference in float64; the cache has spare capacity past its length.
+2. Every shape T x H x S (plus odd sizes): fresh random bf16 inputs, the output and the cache's spare rows past its
+   length (never read) poisoned with NaN before the run, relative error against the torch reference in float64.
 3. The kernel captured in a CUDA graph, then replayed after the cache length and the inputs change in place.
 4. Median time of the kernel (split + combine), the floor max(bytes / copy rate, flops / matmul rate), the ratio,
    and the same for torch's scaled_dot_product_attention with an explicit boolean mask (keys pre-concatenated).
@@ -65,10 +65,13 @@ def relative_error(out, q, cache, length, new_kv, mask, scale):
     return float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def check(tokens, heads, length, scale) -> dict:
+def check(tokens, heads, length, scale, config=None) -> dict:
+    """One shape (and tile configuration, None: the defaults) against the float64 reference: the output and the
+    cache's spare rows past the length NaN first (those rows are never read)."""
     q, cache, length_t, new_kv, mask = inputs(tokens, heads, length, seed=tokens * 1000 + heads + length)
+    cache[length:] = float("nan")
     out = torch.full((tokens, heads, LATENT), float("nan"), dtype=torch.bfloat16, device="cuda")
-    tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out)
+    tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out, **(config or {}))
     torch.cuda.synchronize()
     return {"nan": bool(out.isnan().any()), "rel_error": relative_error(out, q, cache, length_t, new_kv, mask, scale)}
 
@@ -186,17 +189,6 @@ TILES = {  # other tiles at the verify shape, with and without tensor descriptor
 }
 
 
-def variant_error(tokens, heads, length, scale, config) -> float:
-    """The relative error of one tile configuration against the float64 reference (fresh inputs)."""
-    q, cache, length_t, new_kv, mask = inputs(tokens, heads, length, seed=11)
-    cache[length:] = float("nan")  # rows past the length are never read
-    out = torch.full((tokens, heads, LATENT), float("nan"), dtype=torch.bfloat16, device="cuda")
-    tree_attention_cuda(q, cache, length_t, new_kv, mask, scale, LATENT, out=out, **config)
-    torch.cuda.synchronize()
-    cache[length:] = 0.0
-    return relative_error(out, q, cache, length_t, new_kv, mask, scale)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
@@ -214,7 +206,8 @@ def main(argv=None) -> int:
         for shape, configs in [*VARIANTS.items(), *TILES.items()]:
             for config in configs:
                 try:
-                    error = variant_error(*shape, scale, config)
+                    checked = check(*shape, scale, config)
+                    error = float("nan") if checked["nan"] else checked["rel_error"]
                     row = time_shape(*shape, scale, ceil, config, with_sdpa=False)
                     variants.append({"shape": shape, **config, "graph_us": row["graph_us"], "ratio": row["ratio"],
                                      "rel_error": error})  # fmt: skip
@@ -223,12 +216,11 @@ def main(argv=None) -> int:
                 except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                     variants.append({"shape": shape, **config, "error": str(err)[:200]})
                     print(f"variant {shape} {config}: FAILED {str(err)[:120]}", flush=True)
-                if args.variants_only:  # what is measured so far, should the run be cut short
+                if args.variants_only:  # after each variant: what is measured so far, should the run be cut short
                     (out_dir / "tree_attention_variants.json").write_text(
                         json.dumps({"ceilings": ceil, "variants": variants})
                     )
     if args.variants_only:
-        (out_dir / "tree_attention_variants.json").write_text(json.dumps({"ceilings": ceil, "variants": variants}))
         return 0
     checks = {f"{t}x{h}x{s}": check(t, h, s, scale) for t, h, s in SHAPES + ODD}
     graph = graph_check(scale)

@@ -22,6 +22,32 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _softmax_step(m_i, l_i, scores, HIDDEN: tl.constexpr):
+    """The online softmax's update for one key block's scaled scores [BLOCK_M, BLOCK_N]: the new running max, the
+    factor of the terms so far, the block's weights and the new running sum. HIDDEN: scores may be -inf (a row that
+    sees no key yet keeps a -inf max, and no NaN comes of it)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    if HIDDEN:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _columns(rows_ptr, offs, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns [0, D) of a block of rows (`rows_ptr` [BLOCK_N, 1]), padded with zeros to BLOCK_D; no mask where
+    D == BLOCK_D."""
+    if D == BLOCK_D:
+        values = tl.load(rows_ptr + offs[None, :])
+    else:
+        values = tl.load(rows_ptr + offs[None, :], mask=offs[None, :] < D, other=0.0)
+    return values
+
+
+@triton.jit
 def _attend_block(
     acc,
     m_i,
@@ -59,11 +85,7 @@ def _attend_block(
         )
         scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
     scores = tl.where(visible, scores * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(scores - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = _softmax_step(m_i, l_i, scores, True)
     if SEPARATE_V:
         values = tl.load(
             v_ptr + rows_k[:, None] * v_stride + offs_dl[None, :],
@@ -104,30 +126,20 @@ def _attend_whole_block(
     """A key block whose BLOCK_N rows all lie below the split's end (every one visible to every query): no key mask,
     no -inf handling (every score is finite). Its rows come by the tensor-memory accelerator (`lat_desc`, `rope_desc`:
     [requests, rows, columns] descriptors of the cache's latent and rope columns) or by pointer loads."""
+    rows_k = k_ptr + (block + offs_n)[:, None] * k_stride
     if USE_TMA:
         k_lat = lat_desc.load([b, block, 0]).reshape(BLOCK_N, BLOCK_DL)
     else:
-        rows_k = k_ptr + (block + offs_n)[:, None] * k_stride
-        if D_LAT == BLOCK_DL:
-            k_lat = tl.load(rows_k + offs_dl[None, :])
-        else:
-            k_lat = tl.load(rows_k + offs_dl[None, :], mask=offs_dl[None, :] < D_LAT, other=0.0)
+        k_lat = _columns(rows_k, offs_dl, D_LAT, BLOCK_DL)
     scores = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N] fp32
     if D_ROPE > 0:
         if USE_TMA:
             k_rope = rope_desc.load([b, block, 0]).reshape(BLOCK_N, BLOCK_DR)
         else:
-            rows_k = k_ptr + (block + offs_n)[:, None] * k_stride + D_LAT
-            if D_ROPE == BLOCK_DR:
-                k_rope = tl.load(rows_k + offs_dr[None, :])
-            else:
-                k_rope = tl.load(rows_k + offs_dr[None, :], mask=offs_dr[None, :] < D_ROPE, other=0.0)
+            k_rope = _columns(rows_k + D_LAT, offs_dr, D_ROPE, BLOCK_DR)
         scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
-    scores = scores * qk_scale
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: alpha is 0 at the first block (m_i = -inf)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # every score finite: alpha is 0 at the first block (m_i = -inf)
+    m_new, alpha, p, l_i = _softmax_step(m_i, l_i, scores * qk_scale, False)
     acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
     return acc, m_new, l_i
 

@@ -189,8 +189,8 @@ class StepBudgetPolicy:
     def timed_counts(self) -> dict[int, list[int]]:
         """{budget: the slot counts at which it has a cost of its own (`timed`), ascending}: one pass over the times."""
         out: dict[int, list[int]] = {}
-        for (count, budget), times in self.times.items():
-            if len(times) >= MIN_TIMED or (count, budget) in self.seeded:
+        for count, budget in self.times:
+            if self.timed(budget, count):
                 out.setdefault(budget, []).append(count)
         for counts in out.values():
             counts.sort()
