@@ -6,6 +6,8 @@ with the GPU's idle time between consecutive kernels (by the pair of kernels it 
         [--draft-attention]   (also: the drafter with each form of its attention)
         [--steps]             (also: the device loop's step graphs and one request each, GPU only)
         [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
+        [--compare-overlap]   (also: each target forward with the MoE's shared expert on the current stream, after
+                               the routed experts, as before `ModelOps.overlap_shared_experts`; the outputs compared)
 
 The modules are rank 0's, built by the rank factory (the forms the CLI runs). Writes OUT_DIR/profile_forward.json
 and prints the top kernels.
@@ -136,6 +138,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-attention", action="store_true", help="the drafter with each form of its attention")
     parser.add_argument("--steps", action="store_true", help="the device loop's step graphs (GPU only)")
     parser.add_argument("--draft-capacities", action="store_true", help="the drafter against its cache's capacity")
+    parser.add_argument("--compare-overlap", action="store_true", help="each target forward also with the shared "
+                        "expert after the routed experts on one stream (GPU)")  # fmt: skip
     parser.add_argument("--cache-length", type=int, default=256, help="cached rows the target forwards attend to "
                         "(random latent rows; the capacity holds them): long context's share of attention")  # fmt: skip
     add_setup_args(parser)
@@ -202,6 +206,8 @@ def main(argv=None) -> int:
             if name.startswith("target") and not smoke:
                 print(f"  attention (TreeAttention kernels) {attention:.1f} us of {prof['kernel_us']:.1f} us in "
                       f"kernels at {length} cached rows", flush=True)  # fmt: skip
+                if args.compare_overlap:
+                    results["forwards"][name]["sequential_shared"] = sequential_shared(target, fn, device, smoke)
         if args.steps and not smoke:
             results["steps"] = device_loop_steps(weights, setup, shard)
     if args.draft_capacities:
@@ -219,6 +225,32 @@ def main(argv=None) -> int:
     generator.ranks.close()
     (args.out_dir / "profile_forward.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def sequential_shared(target, fn, device, smoke: bool) -> dict:
+    """The forward `fn` with every MoE's shared expert back on the current stream (after the routed experts), its
+    replay time and profile, and whether its output equals the overlapped form's bit for bit."""
+    moes = [module for module in target.modules() if getattr(module, "overlap_shared", False)]
+    overlapped = fn()[0].clone()
+    for module in moes:
+        module.overlap_shared = False
+    try:
+        same = bool(torch.equal(fn()[0], overlapped))
+        replay = graph_time_us(fn, device, smoke)
+        prof = replay_profile(fn, device) if not smoke else {}
+    finally:
+        for module in moes:
+            module.overlap_shared = True
+    row = {
+        "graph_us": replay,
+        "equal_output": same,
+        "moe_layers": len(moes),
+        **{k: prof[k] for k in ("kernels", "kernel_us", "idle_us", "overlap_us", "back_to_back_us") if k in prof},
+    }
+    print(f"  shared expert after the routed experts, one stream ({len(moes)} MoE layers): {replay:.1f} us a replay "
+          f"(do_bench), {row.get('back_to_back_us', float('nan')):.1f} back to back; output equal to the overlapped "
+          f"form: {same}", flush=True)  # fmt: skip
+    return row
 
 
 def device_loop_steps(weights, setup, shard: int) -> dict:

@@ -80,6 +80,37 @@ class FusedRouter(Router):
                            self.norm_topk_prob, self.scaling, self.row_active)  # fmt: skip
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One second stream a GPU, shared by every MoE layer of the process (the layers run one after another)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def with_shared_experts(moe: nn.Module, x: torch.Tensor, routed) -> torch.Tensor:
+    """routed(x) + moe.shared_experts(x). Where `moe.overlap_shared` (GPUs, `ModelOps.overlap_shared_experts`) the
+    shared expert runs on a second stream while the router and the routed experts run on the current one, as
+    SGLang's DeepSeek-V3 does at small batches: at 1 to 33 tokens each of these kernels is short and leaves SMs idle
+    (launch and ramp, not bandwidth), so the two chains overlap. The same kernels on the same inputs, added in the
+    same order: the output is bit for bit the sequential one. Under CUDA-graph capture the second stream joins the
+    capture (it waits on the capturing stream) and the capture joins it back before the sum, so a graph holds both
+    branches. The side stream's tensors are safe to free: the next layer's side work waits on the current stream
+    first, and x outlives the join."""
+    if not (moe.overlap_shared and x.is_cuda):
+        return routed(x) + moe.shared_experts(x)
+    current, aside = torch.cuda.current_stream(x.device), side_stream(x.device)
+    aside.wait_stream(current)
+    with torch.cuda.stream(aside):
+        shared = moe.shared_experts(x)
+    out = routed(x)
+    current.wait_stream(aside)
+    return out + shared
+
+
 @contextmanager
 def active_rows(routers: list[Router], active: torch.Tensor | None):
     """`Router.row_active` set on `routers` for one forward (the device loop's narrow steps), and cleared after it,
@@ -110,6 +141,7 @@ class MoE(nn.Module):
         )
         width = config.shared_intermediate_size // config.mapping.tp_size
         self.shared_experts = ops.gated_mlp(hidden, width, ops.fused_projections)
+        self.overlap_shared = ops.overlap_shared_experts
 
     def _gather(self, projection: str, ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' slices: [T, k, out, in]."""
@@ -117,12 +149,14 @@ class MoE(nn.Module):
         return weight.index_select(0, ids.reshape(-1)).view(*ids.shape, *weight.shape[1:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return with_shared_experts(self, x, self.routed)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, k]
         gate, up, down = (self._gather(name, ids) for name in ("gate_proj", "up_proj", "down_proj"))
         act = F.silu(torch.einsum("th,tkwh->tkw", x, gate)) * torch.einsum("th,tkwh->tkw", x, up)
         routed = torch.einsum("tkw,tkhw->tkh", act, down)
-        routed = (routed * weights.to(x.dtype)[..., None]).sum(dim=1)
-        return routed + self.shared_experts(x)
+        return (routed * weights.to(x.dtype)[..., None]).sum(dim=1)
 
 
 class DenseMoE(MoE):
@@ -133,7 +167,7 @@ class DenseMoE(MoE):
     chosen experts' arithmetic, and a 33-token verify costs about what a decode does instead of 33 times the
     copies. The same parameters as `MoE`."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, k]
         gate_w, up_w, down_w = (self.experts[n].weight for n in ("gate_proj", "up_proj", "down_proj"))
         experts, width, hidden = gate_w.shape
@@ -141,8 +175,7 @@ class DenseMoE(MoE):
         gate = F.linear(x, gate_w.reshape(experts * width, hidden)).view(-1, experts, width)
         up = F.linear(x, up_w.reshape(experts * width, hidden)).view(-1, experts, width)
         act = (F.silu(gate) * up * dense.to(x.dtype)[..., None]).reshape(-1, experts * width)
-        routed = F.linear(act, down_w.permute(1, 0, 2).reshape(hidden, experts * width))
-        return routed + self.shared_experts(x)
+        return F.linear(act, down_w.permute(1, 0, 2).reshape(hidden, experts * width))
 
 
 def moe_form(config: TargetConfig) -> type:
@@ -163,7 +196,7 @@ class GroupedMoE(MoE):
             raise RuntimeError(f"GroupedMoE needs torch._grouped_mm (torch >= 2.8), this torch is {torch.__version__}")
         self.num_experts = config.n_routed_experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, k]
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
@@ -179,8 +212,7 @@ class GroupedMoE(MoE):
         # back to [T, k] order and summed over k in a fixed order: an index_add_ into the tokens' rows adds with
         # atomics on GPUs, in an order that changes between runs (greedy bf16 output did); this also rounds once
         unsorted = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
-        routed = scaled.index_select(0, unsorted).view(*ids.shape, -1).sum(dim=1)
-        return routed + self.shared_experts(x)
+        return scaled.index_select(0, unsorted).view(*ids.shape, -1).sum(dim=1)
 
 
 class PackedExperts(nn.Module):
@@ -214,6 +246,7 @@ class PackedMoE(nn.Module):
         )
         width = config.shared_intermediate_size // config.mapping.tp_size
         self.shared_experts = ops.gated_mlp(hidden, width, ops.fused_projections)
+        self.overlap_shared = ops.overlap_shared_experts
         self.int4_moe = ops.int4_moe
         self.int4_kwargs = {}  # {"layout": ...} once the op has reordered the words (`prepare_weights`)
 
@@ -228,9 +261,11 @@ class PackedMoE(nn.Module):
             self.int4_kwargs = {"layout": layout}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return with_shared_experts(self, x, self.routed)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)  # [T, k]
         packed = []
         for name in ("gate_proj", "up_proj", "down_proj"):
             packed += [self.experts[name].weight_packed, self.experts[name].weight_scale]
-        routed = self.int4_moe(x, ids, weights, *packed, self.group_size, **self.int4_kwargs)
-        return routed + self.shared_experts(x)
+        return self.int4_moe(x, ids, weights, *packed, self.group_size, **self.int4_kwargs)

@@ -1,10 +1,10 @@
 """The operator forms a rank's modules are built with.
 
 Every choice that depends on the hardware is one field here: which tree attention (the reference, the ONNX op, the
-GPU kernel), which collectives, which MoE (gathered experts or a grouped GEMM; for INT4 experts, which Int4MoE), which
-MLA form, the MoE router's and the SwiGLU MLPs' forms, fused or plain RMSNorm and rotary, the drafter's attention,
-fused projections. The rank factory (`runner/factory.py`) makes the choices once; modules read them in `__init__`,
-so no `forward` branches on the device.
+GPU kernel), which collectives, which MoE (gathered experts or a grouped GEMM; for INT4 experts, which Int4MoE),
+which MLA form, the MoE router's and the SwiGLU MLPs' forms, the shared expert beside the routed ones, fused or
+plain RMSNorm and rotary, the drafter's attention, fused projections. The rank factory (`runner/factory.py`) makes
+the choices once; modules read them in `__init__`, so no `forward` branches on the device.
 """
 
 from __future__ import annotations
@@ -33,3 +33,4 @@ class ModelOps:
     int4_moe: Callable = int4_moe  # routed experts kept INT4 (plugins/int4_moe): reference, ONNX op or GPU kernel
     router: type = Router  # the MoE router: Router (torch operators) or FusedRouter (two Triton launches, GPUs)
     gated_mlp: type = GatedMLP  # SwiGLU MLPs: GatedMLP, or FusedGatedMLP (gate/up one GEMM, the act one kernel)
+    overlap_shared_experts: bool = False  # GPUs: the MoE's shared expert on a second stream (models/moe.py)
