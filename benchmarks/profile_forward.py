@@ -6,8 +6,8 @@ with the GPU's idle time between consecutive kernels (by the pair of kernels it 
         [--draft-attention]   (also: the drafter with each form of its attention)
         [--steps]             (also: the device loop's step graphs and one request each, GPU only)
         [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
-        [--compare-overlap]   (also: each target forward with the MoE's shared expert on the current stream, after
-                               the routed experts, as before `ModelOps.overlap_shared_experts`; the outputs compared)
+        [--compare-overlap]   (also: each target forward on one stream, as before `ModelOps.side_stream`, and with
+                               only the MoE's shared expert beside the routed ones; the outputs compared)
 
 The modules are rank 0's, built by the rank factory (the forms the CLI runs). Writes OUT_DIR/profile_forward.json
 and prints the top kernels.
@@ -138,8 +138,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-attention", action="store_true", help="the drafter with each form of its attention")
     parser.add_argument("--steps", action="store_true", help="the device loop's step graphs (GPU only)")
     parser.add_argument("--draft-capacities", action="store_true", help="the drafter against its cache's capacity")
-    parser.add_argument("--compare-overlap", action="store_true", help="each target forward also with the shared "
-                        "expert after the routed experts on one stream (GPU)")  # fmt: skip
+    parser.add_argument("--compare-overlap", action="store_true", help="each target forward also on one stream, and "
+                        "with only the MoE's branch on the side stream (GPU)")  # fmt: skip
     parser.add_argument("--cache-length", type=int, default=256, help="cached rows the target forwards attend to "
                         "(random latent rows; the capacity holds them): long context's share of attention")  # fmt: skip
     add_setup_args(parser)
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
                 print(f"  attention (TreeAttention kernels) {attention:.1f} us of {prof['kernel_us']:.1f} us in "
                       f"kernels at {length} cached rows", flush=True)  # fmt: skip
                 if args.compare_overlap:
-                    results["forwards"][name]["sequential_shared"] = sequential_shared(target, fn, device, smoke)
+                    results["forwards"][name]["side_stream"] = side_stream_forms(target, fn, device)
         if args.steps and not smoke:
             results["steps"] = device_loop_steps(weights, setup, shard)
     if args.draft_capacities:
@@ -227,30 +227,32 @@ def main(argv=None) -> int:
     return 0
 
 
-def sequential_shared(target, fn, device, smoke: bool) -> dict:
-    """The forward `fn` with every MoE's shared expert back on the current stream (after the routed experts), its
-    replay time and profile, and whether its output equals the overlapped form's bit for bit."""
-    moes = [module for module in target.modules() if getattr(module, "overlap_shared", False)]
-    overlapped = fn()[0].clone()
-    for module in moes:
-        module.overlap_shared = False
+def side_stream_forms(target, fn, device) -> dict:
+    """The forward `fn` with fewer branches on the side stream (`models/streams.py`): MLA's latent row back on the
+    current stream ("moe only"), then the MoE's shared expert too ("one stream"); each form's replay time and
+    profile, and whether its output equals the factory's form bit for bit."""
+    from models.moe import MoE, PackedMoE
+
+    branches = [module for module in target.modules() if getattr(module, "overlap", False)]
+    moes = [module for module in branches if isinstance(module, (MoE, PackedMoE))]
+    reference = fn()[0].clone()
+    rows = {}
     try:
-        same = bool(torch.equal(fn()[0], overlapped))
-        replay = graph_time_us(fn, device, smoke)
-        prof = replay_profile(fn, device) if not smoke else {}
+        for form, kept in (("moe only", moes), ("one stream", [])):
+            for module in branches:
+                module.overlap = any(module is k for k in kept)
+            same = bool(torch.equal(fn()[0], reference))
+            replay = graph_time_us(fn, device, False)
+            prof = replay_profile(fn, device)
+            keys = ("kernels", "kernel_us", "idle_us", "overlap_us", "back_to_back_us")
+            rows[form] = {"graph_us": replay, "equal_output": same, **{k: prof[k] for k in keys}}
+            print(f"  {form} ({len(kept)} of {len(branches)} branches beside): {replay:.1f} us a replay (do_bench), "
+                  f"{prof['back_to_back_us']:.1f} back to back, {prof['kernel_us']:.1f} in kernels, idle "
+                  f"{prof['idle_us']:.1f}; output equal to the factory's form: {same}", flush=True)  # fmt: skip
     finally:
-        for module in moes:
-            module.overlap_shared = True
-    row = {
-        "graph_us": replay,
-        "equal_output": same,
-        "moe_layers": len(moes),
-        **{k: prof[k] for k in ("kernels", "kernel_us", "idle_us", "overlap_us", "back_to_back_us") if k in prof},
-    }
-    print(f"  shared expert after the routed experts, one stream ({len(moes)} MoE layers): {replay:.1f} us a replay "
-          f"(do_bench), {row.get('back_to_back_us', float('nan')):.1f} back to back; output equal to the overlapped "
-          f"form: {same}", flush=True)  # fmt: skip
-    return row
+        for module in branches:
+            module.overlap = True
+    return rows
 
 
 def device_loop_steps(weights, setup, shard: int) -> dict:

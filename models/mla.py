@@ -13,6 +13,8 @@ Both return (partial output of this rank's heads before the o_proj all-reduce, t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,7 @@ from torch import nn
 from models.config import TargetConfig
 from models.layers import fuse_linears, linear
 from models.rope import deinterleave_permutation
+from models.streams import beside, join
 
 
 def per_request(attention):
@@ -52,6 +55,7 @@ class MultiLatentAttention(nn.Module):
         self.rope_interleave = c.rope_interleave
         self.tree_attention, self.apply_rotary = per_request(ops.tree_attention), ops.rotary
         self.fused = ops.fused_projections
+        self.overlap = ops.side_stream  # InPlaceAbsorbedMLA: the latent row's norm and rope beside the query's chain
         self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
         self.q_a_layernorm = ops.norm(c.q_lora_rank, 1e-6)
         self.q_b_proj = linear(c.q_lora_rank, self.heads * c.qk_head_dim)
@@ -128,10 +132,12 @@ class InPlaceAbsorbedMLA(AbsorbedMLA):
             q_a, kv = q_kv[:, : self.q_a_proj.weight.shape[0]], q_kv[:, self.q_a_proj.weight.shape[0] :]
         else:
             q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(tokens, self.heads, self.nope + self.rope)
         new_kv = torch.empty(tokens, lora + self.rope, dtype=x.dtype, device=x.device)
-        rms_norm(kv[:, :lora], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, out=new_kv[:, :lora])
-        rotary(kv[:, lora:], cos, sin, out=new_kv[:, lora:])
+        overlap = self.overlap and x.is_cuda  # the latent row on the side stream (`models/streams.py`)
+        with beside(x.device) if overlap else nullcontext():
+            rms_norm(kv[:, :lora], self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, out=new_kv[:, :lora])
+            rotary(kv[:, lora:], cos, sin, out=new_kv[:, lora:])
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(tokens, self.heads, self.nope + self.rope)
         w_kc, w_vc = self.kv_b_weights()
         query = torch.empty(tokens, self.heads, lora + self.rope, dtype=x.dtype, device=x.device)
         few = tokens <= HEAD_MATMUL_MAX_ROWS  # decode and verify rows: every head's product in one launch
@@ -140,6 +146,8 @@ class InPlaceAbsorbedMLA(AbsorbedMLA):
         else:
             torch.bmm(q[..., : self.nope].transpose(0, 1), w_kc, out=query[..., :lora].transpose(0, 1))
         rotary(q[..., self.nope :], cos, sin, out=query[..., lora:])
+        if overlap:
+            join(x.device)
         latent = self.tree_attention(query, cache, cache_length, new_kv, tree_mask, self.scale, lora)
         out = torch.empty(tokens, self.heads, self.v_dim, dtype=x.dtype, device=x.device)
         if few:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import TargetConfig
+from models.streams import beside, join
 
 
 class StackedExperts(nn.Module):
@@ -80,34 +81,15 @@ class FusedRouter(Router):
                            self.norm_topk_prob, self.scaling, self.row_active)  # fmt: skip
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One second stream a GPU, shared by every MoE layer of the process (the layers run one after another)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
 def with_shared_experts(moe: nn.Module, x: torch.Tensor, routed) -> torch.Tensor:
-    """routed(x) + moe.shared_experts(x). Where `moe.overlap_shared` (GPUs, `ModelOps.overlap_shared_experts`) the
-    shared expert runs on a second stream while the router and the routed experts run on the current one, as
-    SGLang's DeepSeek-V3 does at small batches: at 1 to 33 tokens each of these kernels is short and leaves SMs idle
-    (launch and ramp, not bandwidth), so the two chains overlap. The same kernels on the same inputs, added in the
-    same order: the output is bit for bit the sequential one. Under CUDA-graph capture the second stream joins the
-    capture (it waits on the capturing stream) and the capture joins it back before the sum, so a graph holds both
-    branches. The side stream's tensors are safe to free: the next layer's side work waits on the current stream
-    first, and x outlives the join."""
-    if not (moe.overlap_shared and x.is_cuda):
+    """routed(x) + moe.shared_experts(x); where `moe.overlap` (GPUs, `ModelOps.side_stream`) the shared expert runs
+    on the side stream while the router and the routed experts run on the current one (`models/streams.py`)."""
+    if not (moe.overlap and x.is_cuda):
         return routed(x) + moe.shared_experts(x)
-    current, aside = torch.cuda.current_stream(x.device), side_stream(x.device)
-    aside.wait_stream(current)
-    with torch.cuda.stream(aside):
+    with beside(x.device):
         shared = moe.shared_experts(x)
     out = routed(x)
-    current.wait_stream(aside)
+    join(x.device)
     return out + shared
 
 
@@ -141,7 +123,7 @@ class MoE(nn.Module):
         )
         width = config.shared_intermediate_size // config.mapping.tp_size
         self.shared_experts = ops.gated_mlp(hidden, width, ops.fused_projections)
-        self.overlap_shared = ops.overlap_shared_experts
+        self.overlap = ops.side_stream
 
     def _gather(self, projection: str, ids: torch.Tensor) -> torch.Tensor:
         """The chosen experts' slices: [T, k, out, in]."""
@@ -246,7 +228,7 @@ class PackedMoE(nn.Module):
         )
         width = config.shared_intermediate_size // config.mapping.tp_size
         self.shared_experts = ops.gated_mlp(hidden, width, ops.fused_projections)
-        self.overlap_shared = ops.overlap_shared_experts
+        self.overlap = ops.side_stream
         self.int4_moe = ops.int4_moe
         self.int4_kwargs = {}  # {"layout": ...} once the op has reordered the words (`prepare_weights`)
 

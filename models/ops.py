@@ -33,4 +33,4 @@ class ModelOps:
     int4_moe: Callable = int4_moe  # routed experts kept INT4 (plugins/int4_moe): reference, ONNX op or GPU kernel
     router: type = Router  # the MoE router: Router (torch operators) or FusedRouter (two Triton launches, GPUs)
     gated_mlp: type = GatedMLP  # SwiGLU MLPs: GatedMLP, or FusedGatedMLP (gate/up one GEMM, the act one kernel)
-    overlap_shared_experts: bool = False  # GPUs: the MoE's shared expert on a second stream (models/moe.py)
+    side_stream: bool = False  # GPUs: independent branches on a second stream (the MoE's shared expert, MLA's latent)

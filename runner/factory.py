@@ -148,8 +148,8 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
     """The GPU forms: the Triton TreeAttention and drafter kernels, grouped-GEMM MoE (bf16; the gathered experts
     otherwise), the W4A16 grouped kernel for INT4 experts (their words reordered once at load where the dimensions
     allow), the router in two Triton launches, fused RMSNorm and rotary, the in-place absorbed MLA (q_a and kv_a one
-    GEMM), q/k/v and gate/up as one GEMM each, the SwiGLU act one kernel, the MoE's shared expert on a second stream
-    beside the router and the routed experts."""
+    GEMM), q/k/v and gate/up as one GEMM each, the SwiGLU act one kernel; the MoE's shared expert and MLA's latent
+    norm and rope on a second stream beside the rest of their layer (`models/streams.py`)."""
     from models.dflash import KernelDraftAttention
     from models.layers import FusedGatedMLP, FusedRMSNorm
     from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
@@ -170,7 +170,7 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
         int4_moe=Int4MoEKernel(),
         router=FusedRouter,
         gated_mlp=FusedGatedMLP,
-        overlap_shared_experts=True,
+        side_stream=True,
     )
 
 
