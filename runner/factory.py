@@ -175,7 +175,12 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
 
 
 def model_ops(device: torch.device, collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
-    return gpu_ops(collectives, target_cfg, dtype) if device.type == "cuda" else cpu_ops(collectives, target_cfg)
+    if device.type != "cuda":
+        return cpu_ops(collectives, target_cfg)
+    from models.streams import side_stream
+
+    side_stream(device)  # made now, before any graph capture
+    return gpu_ops(collectives, target_cfg, dtype)
 
 
 def rank_device(options: RankOptions, rank: int) -> torch.device:
@@ -294,8 +299,10 @@ def describe_ops(ops: ModelOps, int4_experts: bool = False) -> str:
     attention = getattr(ops.tree_attention, "__name__", type(ops.tree_attention).__name__)
     int4 = getattr(ops.int4_moe, "__name__", type(ops.int4_moe).__name__)
     moe = f"INT4 experts by {int4}" if int4_experts else ops.moe.__name__
-    return f"{attention}, {ops.mla.__name__}, {moe}, {ops.norm.__name__}, {ops.draft_attention.__name__}" + (
-        ", fused projections" if ops.fused_projections else ""
+    return (
+        f"{attention}, {ops.mla.__name__}, {moe}, {ops.norm.__name__}, {ops.draft_attention.__name__}"
+        + (", fused projections" if ops.fused_projections else "")
+        + (", side stream" if ops.side_stream else "")
     )
 
 
