@@ -20,6 +20,9 @@
 #   peer      benchmarks/flashmla_peer.py: FlashMLA built from .peers/flashmla (a copy of ../shared/peers/flashmla in
 #             an ignored folder, carried with the call) and timed next to TreeAttention
 #   profile   benchmarks/profile_forward.py: the kimi-rank forward's kernels and gaps
+#   overlap   profile_forward.py --compare-overlap: the target forward with its side-stream branches (models/streams.py),
+#             with the MoE's alone and on one stream, outputs compared; kimi-rank-int4 where the GPU holds it
+#             (> 120 GB), else the moe and kimi-rank presets
 #   budget    kimi_rank_int4.py --auto-budget $BUDGET_FLAGS at 1k context: an engine with budgets 8/16/32 (a graph each),
 #             auto and budget 8 on it, next to the fixed-budget rows
 #   batch     in-flight batching: 'concurrency' (benchmarks/concurrency.py --device cuda --no-triton: the trained pair
@@ -167,6 +170,16 @@ fi
 if has profile; then
   python3 benchmarks/profile_forward.py "$OUT" > "$OUT/profile_forward.log" 2>&1; echo "profile rc=$?"
   grep -A14 "^target T=1:" "$OUT/profile_forward.log"
+fi
+if has overlap; then
+  MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  MODELS="moe kimi-rank"; [ "$MEM" -gt 120000 ] && MODELS="kimi-rank-int4 moe"
+  for M in $MODELS; do
+    mkdir -p "$OUT/overlap_$M"
+    limit 300 python3 benchmarks/profile_forward.py "$OUT/overlap_$M" --model "$M" --cache-length 1024 --compare-overlap \
+      > "$OUT/overlap_$M.log" 2>&1; echo "overlap $M rc=$?"
+    grep -E "^target|moe only|one stream \(" "$OUT/overlap_$M.log"
+  done
 fi
 if has budget; then
   mkdir -p "$OUT/budget"
