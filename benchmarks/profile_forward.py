@@ -6,8 +6,8 @@ with the GPU's idle time between consecutive kernels (by the pair of kernels it 
         [--draft-attention]   (also: the drafter with each form of its attention)
         [--steps]             (also: the device loop's step graphs and one request each, GPU only)
         [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
-        [--compare-overlap]   (also: each target forward on one stream, as before `ModelOps.side_stream`, and with
-                               only the MoE's shared expert beside the routed ones; the outputs compared)
+        [--compare-overlap]   (also: each target forward on one stream, with the MoE's shared expert on a side
+                               stream, and with MLA's latent row there too (`models/streams.py`); outputs compared)
 
 The modules are rank 0's, built by the rank factory (the forms the CLI runs). Writes OUT_DIR/profile_forward.json
 and prints the top kernels.
@@ -228,30 +228,33 @@ def main(argv=None) -> int:
 
 
 def side_stream_forms(target, fn, device) -> dict:
-    """The forward `fn` with fewer branches on the side stream (`models/streams.py`): MLA's latent row back on the
-    current stream ("moe only"), then the MoE's shared expert too ("one stream"); each form's replay time and
-    profile, and whether its output equals the factory's form bit for bit."""
+    """The forward `fn` with its independent branches (`models/streams.py`) on one stream, with the MoE's shared
+    expert alone on the side stream ("moe only"), and with MLA's latent row there too ("moe and mla"): each form's
+    replay time and profile, and whether its output equals the factory's form bit for bit."""
+    from models.mla import InPlaceAbsorbedMLA
     from models.moe import MoE, PackedMoE
 
-    branches = [module for module in target.modules() if getattr(module, "overlap", False)]
-    moes = [module for module in branches if isinstance(module, (MoE, PackedMoE))]
+    modules = [m for m in target.modules() if isinstance(m, (MoE, PackedMoE, InPlaceAbsorbedMLA))]
+    moes = [m for m in modules if not isinstance(m, InPlaceAbsorbedMLA)]
+    factory = {id(m): m.overlap for m in modules}
     reference = fn()[0].clone()
     rows = {}
     try:
-        for form, kept in (("moe only", moes), ("one stream", [])):
-            for module in branches:
-                module.overlap = any(module is k for k in kept)
+        for form, beside in (("one stream", []), ("moe only", moes), ("moe and mla", modules)):
+            chosen = {id(m) for m in beside}
+            for module in modules:
+                module.overlap = id(module) in chosen
             same = bool(torch.equal(fn()[0], reference))
             replay = graph_time_us(fn, device, False)
             prof = replay_profile(fn, device)
             keys = ("kernels", "kernel_us", "idle_us", "overlap_us", "back_to_back_us")
-            rows[form] = {"graph_us": replay, "equal_output": same, **{k: prof[k] for k in keys}}
-            print(f"  {form} ({len(kept)} of {len(branches)} branches beside): {replay:.1f} us a replay (do_bench), "
+            rows[form] = {"graph_us": replay, "equal_output": same, "beside": len(beside), **{k: prof[k] for k in keys}}
+            print(f"  {form} ({len(beside)} of {len(modules)} branches beside): {replay:.1f} us a replay (do_bench), "
                   f"{prof['back_to_back_us']:.1f} back to back, {prof['kernel_us']:.1f} in kernels, idle "
                   f"{prof['idle_us']:.1f}; output equal to the factory's form: {same}", flush=True)  # fmt: skip
     finally:
-        for module in branches:
-            module.overlap = True
+        for module in modules:
+            module.overlap = factory[id(module)]
     return rows
 
 

@@ -178,7 +178,7 @@ if has overlap; then
     mkdir -p "$OUT/overlap_$M"
     limit 300 python3 benchmarks/profile_forward.py "$OUT/overlap_$M" --model "$M" --cache-length 1024 --compare-overlap \
       > "$OUT/overlap_$M.log" 2>&1; echo "overlap $M rc=$?"
-    grep -E "^target|moe only|one stream \(" "$OUT/overlap_$M.log"
+    grep -E "^target|moe only|one stream \(|moe and mla" "$OUT/overlap_$M.log"
   done
 fi
 if has budget; then
