@@ -36,6 +36,23 @@ def test_gpu_runtime_smoke(tmp_path):
                 assert r["mean_accept_length"] > 7, r
 
 
+def test_profile_forward_side_stream_forms_smoke(tmp_path):
+    """`profile_forward.py --compare-overlap` finds every MoE layer's branch (the "moe" preset: all but the dense first
+    layer), runs each form and records that its logits equal the factory's form (on the CPU the branches run in
+    order whatever the setting; on a GPU the same check compares streams)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "benchmarks/profile_forward.py", str(tmp_path), "--smoke", "--model", "moe",
+                           "--compare-overlap"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "profile_forward.json").read_text())
+    moe_layers = result["layers"] - 1
+    for tokens in (1, 8, 33):
+        forms = result["forwards"][f"target T={tokens}"]["side_stream"]
+        assert [f["beside"] for f in forms.values()] == [0, moe_layers, moe_layers]  # no MLA form on the CPU
+        assert all(f["equal_output"] and f["graph_us"] > 0 for f in forms.values())
+
+
 def test_convert_memory_smoke(tmp_path):
     """The convert benchmark at the tiny model's dimensions: it writes the synthetic INT4 checkpoint, converts it as a
     user would and reports a peak memory and a read rate."""
