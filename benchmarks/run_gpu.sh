@@ -30,6 +30,9 @@
 #             1k context: the whole rank, random and oracle drafters)
 #   smoke     the tiny demo through the CLI on the GPU with several budgets (8/16/32): auto and budget 32, one request
 #             and four in-flight batched, each == the CPU's autoregressive tokens
+#   triton    benchmarks/concurrency.py --device cuda with the Triton rows: the CLI and a real tritonserver, unpacked
+#             from $TRITON_BUNDLE (`python -m runner.serving.triton_bundle pack --python 3.12 B.tar.xz` on a machine
+#             with a package index; the archive travels with the tree) into a venv over this machine's python3
 #   policy    benchmarks/batch_policy.py: CLI jobs of 16 requests in-flight batched, in the order $ORDER (default
 #             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved), each mode's median
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
@@ -191,6 +194,15 @@ if has concurrency || has batch; then
   mkdir -p "$OUT/batch"
   limit python3 benchmarks/concurrency.py "$OUT/batch" --device cuda --no-triton ${CONC_FLAGS:-} > "$OUT/concurrency.log" 2>&1
   echo "concurrency rc=$?"; tail -24 "$OUT/concurrency.log"
+fi
+if has triton; then
+  rm -rf /tmp/ddtree-triton-venv && mkdir -p "$OUT/triton"
+  if python3 -m runner.serving.triton_bundle unpack "${TRITON_BUNDLE:?TRITON_BUNDLE: the packed tritonserver}" \
+      /tmp/ddtree-triton-venv; then
+    DDTREE_TRITON_VENV=/tmp/ddtree-triton-venv limit python3 benchmarks/concurrency.py "$OUT/triton" --device cuda \
+      ${CONC_FLAGS:-} > "$OUT/concurrency_triton.log" 2>&1
+    echo "triton rc=$?"; tail -30 "$OUT/concurrency_triton.log"
+  fi
 fi
 if has rankbatch || has batch; then
   mkdir -p "$OUT/batch"

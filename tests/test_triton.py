@@ -476,3 +476,40 @@ def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs)
             break
         time.sleep(2)
     assert last[0] == 200 and json.loads(last[1])["text_output"] == cli_outputs["greedy"][0]
+
+
+def test_a_packed_server_unpacked_over_another_python_starts_and_refuses_a_mismatch(tmp_path):
+    """`runner.serving.triton_bundle`: the Triton venv's server packed for this Python, unpacked as a venv of the test
+    environment's interpreter (itself a venv: its packages reach the new one through a .pth file) with the bundled
+    numpy 1.x first on its path; the unpacked tritonserver serves a repository; an archive for another Python and a
+    target that is not empty are refused, naming the values."""
+    import sys
+
+    from runner.serving.triton_bundle import pack, unpack
+
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    archive = tmp_path / "triton.tar"
+    manifest = pack(TRITON_VENV, version, archive)
+    assert manifest["python"] == version and manifest["numpy"].startswith("numpy-1.")
+    assert not any("libpython" in f for f in manifest["files"])
+    target = tmp_path / "server-venv"
+    binary = unpack(archive, target)
+    probe = "import numpy, torch; print(numpy.__version__)"
+    numpy_version = subprocess.check_output([str(target / "bin" / "python"), "-c", probe], text=True).strip()
+    assert numpy_version.startswith("1."), numpy_version  # the bundle's, ahead of the interpreter's own numpy
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    ports = [free_port() for _ in range(3)]
+    process = start_server(target, repo, tmp_path / "work", *ports, tmp_path / "server.log")
+    try:
+        wait_ready(process, ports[0], tmp_path / "server.log", timeout=120)
+    finally:
+        stop_server(process)
+    assert binary.exists()
+    with pytest.raises(FileExistsError, match="not empty"):
+        unpack(archive, target)
+    other = "3.12" if version != "3.12" else "3.11"
+    wrong = tmp_path / "other.tar"
+    pack(TRITON_VENV, other, wrong)
+    with pytest.raises(ValueError, match=f"stub for Python {other}.*this is Python {version}"):
+        unpack(wrong, tmp_path / "other-venv")
