@@ -2,9 +2,10 @@
 
 Every choice that depends on the hardware is one field here: which tree attention (the reference, the ONNX op, the
 GPU kernel), which collectives, which MoE (gathered experts or a grouped GEMM; for INT4 experts, which Int4MoE),
-which MLA form, the MoE router's and the SwiGLU MLPs' forms, the shared expert beside the routed ones, fused or
-plain RMSNorm and rotary, the drafter's attention, fused projections. The rank factory (`runner/factory.py`) makes
-the choices once; modules read them in `__init__`, so no `forward` branches on the device.
+which MLA form, the MoE router's and the SwiGLU MLPs' forms, a layer's independent branches on a second stream,
+fused or plain RMSNorm and rotary, the drafter's attention, fused projections. The rank factory
+(`runner/factory.py`) makes the choices once; modules read them in `__init__`, so no `forward` branches on the
+device.
 """
 
 from __future__ import annotations
