@@ -9,11 +9,11 @@ there as a venv over that machine's own Python and packages.
 Python backend, the response cache, the backend stub built for `--python` (the target machine's interpreter, not the
 venv's), the wheel's bundled libraries but its own libpython (the stub links the target interpreter's), and the
 venv's numpy 1.x for that Python (the stub's compiled numpy interface misreads numpy 2's arrays: requests fail to
-decode) from pip. About 37 MB with xz for Triton 2.51. `unpack` makes DIR a venv of the running interpreter that
+decode) from pip. About 35 MB with xz for Triton 2.51. `unpack` makes DIR a venv of the running interpreter that
 sees its packages (numpy, torch: the base's by `--system-site-packages`, and the interpreter's own by a .pth file
 where it is itself a venv), extracts the archive into DIR's site-packages, and checks with ldd that every library
-the server binary needs is found. An archive whose stub was built for another Python than the one unpacking it is
-refused, naming both.
+the server binary and the stub need is found (the stub: this interpreter's shared libpython). An archive whose stub
+was built for another Python than the one unpacking it is refused, naming both.
 """
 
 from __future__ import annotations
@@ -105,15 +105,22 @@ def unpack(archive_path: Path, target: Path) -> Path:
         (site / "ddtree-parent-site.pth").write_text("".join(f"{path}\n" for path in own))
         archive.extractall(site, filter="tar")
     binary = site / SERVER / "bin" / "tritonserver"
-    missing = _missing_libraries(binary, site / LIBS)
+    missing = _missing_libraries(binary, [site / LIBS])
     if missing:
         raise RuntimeError(f"{binary} needs libraries the archive lacks: {missing}")
+    # the stub links this interpreter's libpython, found where triton_server looks (its LIBDIR, then the bundle's)
+    stub = site / SERVER / "python_backend_stubs" / version / "triton_python_backend_stub"
+    libdir = _venv_paths(target)["libdir"]
+    missing = _missing_libraries(stub, [Path(libdir), site / LIBS])
+    if missing:
+        raise RuntimeError(f"the Python backend stub needs {missing}, not found in this Python's LIBDIR {libdir} "
+                           f"({sys.executable}): the stub needs a Python built with a shared libpython")  # fmt: skip
     return binary
 
 
-def _missing_libraries(binary: Path, libs: Path) -> list[str]:
-    """The libraries `ldd` cannot find for `binary` with the bundled folder on the search path."""
-    env = {"LD_LIBRARY_PATH": str(libs), "PATH": "/usr/bin:/bin"}
+def _missing_libraries(binary: Path, folders: list[Path]) -> list[str]:
+    """The libraries `ldd` cannot find for `binary` with `folders` on the search path."""
+    env = {"LD_LIBRARY_PATH": ":".join(map(str, folders)), "PATH": "/usr/bin:/bin"}
     listing = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, env=env, check=False).stdout
     return [line.split()[0] for line in listing.splitlines() if "not found" in line]
 
