@@ -483,9 +483,11 @@ def test_a_packed_server_unpacked_over_another_python_starts_and_refuses_a_misma
     environment's interpreter (itself a venv: its packages reach the new one through a .pth file) with the bundled
     numpy 1.x first on its path; the unpacked tritonserver serves a repository; an archive for another Python and a
     target that is not empty are refused, naming the values."""
+    import io
     import sys
+    import tarfile
 
-    from runner.serving.triton_bundle import pack, unpack
+    from runner.serving.triton_bundle import MANIFEST, pack, unpack
 
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     archive = tmp_path / "triton.tar"
@@ -509,7 +511,12 @@ def test_a_packed_server_unpacked_over_another_python_starts_and_refuses_a_misma
     with pytest.raises(FileExistsError, match="not empty"):
         unpack(archive, target)
     other = "3.12" if version != "3.12" else "3.11"
-    wrong = tmp_path / "other.tar"
-    pack(TRITON_VENV, other, wrong)
+    wrong = tmp_path / "other.tar"  # another Python's archive: its manifest is read first
+    with tarfile.open(wrong, "w") as archive:
+        data = json.dumps({"python": other, "files": []}).encode()
+        info = tarfile.TarInfo(MANIFEST)
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
     with pytest.raises(ValueError, match=f"stub for Python {other}.*this is Python {version}"):
         unpack(wrong, tmp_path / "other-venv")
+    assert not (tmp_path / "other-venv").exists()
