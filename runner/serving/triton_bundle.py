@@ -30,7 +30,7 @@ import venv
 import zipfile
 from pathlib import Path
 
-from runner.serving.triton_server import _venv_paths
+from runner.serving.triton_server import venv_paths
 
 SERVER = "pytriton/tritonserver"
 LIBS = "nvidia_pytriton.libs"
@@ -39,7 +39,7 @@ MANIFEST = "ddtree-triton-bundle.json"
 
 def pack(triton_venv: Path, python: str, out: Path) -> dict:
     """Writes `out` (.tar.xz, .tar.gz or .tar by its name) and returns its manifest."""
-    site = Path(_venv_paths(Path(triton_venv))["purelib"])
+    site = Path(venv_paths(Path(triton_venv))["purelib"])
     server = site / SERVER
     stub = server / "python_backend_stubs" / python / "triton_python_backend_stub"
     if not (server / "bin" / "tritonserver").exists():
@@ -99,7 +99,8 @@ def unpack(archive_path: Path, target: Path) -> Path:
         if target.exists() and any(target.iterdir()):
             raise FileExistsError(f"{target} exists and is not empty: unpack into a new folder")
         venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(target)
-        site = Path(_venv_paths(target)["purelib"])
+        paths = venv_paths(target)  # one subprocess: the new venv's site-packages and its interpreter's LIBDIR
+        site = Path(paths["purelib"])
         # this interpreter's own packages too, where it is itself a venv (whose base --system-site-packages shows)
         own = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
         (site / "ddtree-parent-site.pth").write_text("".join(f"{path}\n" for path in own))
@@ -110,7 +111,7 @@ def unpack(archive_path: Path, target: Path) -> Path:
         raise RuntimeError(f"{binary} needs libraries the archive lacks: {missing}")
     # the stub links this interpreter's libpython, found where triton_server looks (its LIBDIR, then the bundle's)
     stub = site / SERVER / "python_backend_stubs" / version / "triton_python_backend_stub"
-    libdir = _venv_paths(target)["libdir"]
+    libdir = paths["libdir"]
     missing = _missing_libraries(stub, [Path(libdir), site / LIBS])
     if missing:
         raise RuntimeError(f"the Python backend stub needs {missing}, not found in this Python's LIBDIR {libdir} "

@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 
-def _venv_paths(venv: Path) -> dict:
+def venv_paths(venv: Path) -> dict:
     python = venv / "bin" / "python"
     if not python.exists():
         raise FileNotFoundError(f"no Python in the Triton venv {venv} (make it with `make triton-venv`)")
@@ -36,7 +36,7 @@ def _venv_paths(venv: Path) -> dict:
 def start_server(
     triton_venv: Path, repository: Path, work: Path, http_port: int, grpc_port: int, metrics_port: int, log_path: Path
 ) -> subprocess.Popen:
-    paths = _venv_paths(Path(triton_venv))
+    paths = venv_paths(Path(triton_venv))
     site = Path(paths["purelib"])
     server = site / "pytriton" / "tritonserver"
     if not (server / "bin" / "tritonserver").exists():
