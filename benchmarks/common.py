@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -53,19 +54,43 @@ def preset_ranks(weights: PresetWeights, setup: Setup, spec: SpecConfig, device_
     return Generator(local_ranks(weights, options, spec, build), autoregressive)
 
 
-def graph_time_us(fn, device: torch.device, smoke: bool) -> float:
-    """Median time of fn captured in one CUDA graph and replayed (do_bench: warm-up, L2 flushed between replays);
-    on the CPU one eager call."""
+FLUSHES = ("write", "read", "none")
+
+
+def graph_time_us(fn, device: torch.device, smoke: bool, flush: str = "write") -> float:
+    """Median time of fn captured in one CUDA graph and replayed (warm-up, then 100 replays, the L2 flushed before
+    each as `flush` says; see `replay_time_us`); on the CPU one eager call."""
     if smoke:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6
-    import triton.testing
-
     from runner.sessions.cuda_graphs import capture_graph
 
     graph, _ = capture_graph(fn, device, warmups=2)
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3
+    return replay_time_us(graph.replay, flush)
+
+
+def replay_time_us(replay, flush: str = "write", reps: int = 100, warmup: int = 10) -> float:
+    """Median of `reps` timed calls of `replay` (CUDA events around each call alone), the L2 cache flushed before
+    each by a 256 MiB pass, not timed:
+      write  zeroes the buffer, as triton.testing.do_bench does: the L2 is left full of dirty lines, so the timed
+             call's reads evict them and DRAM also takes their write-back (about one byte written a byte read);
+      read   reads it (a max over it): the L2 is left holding clean lines, as in a forward where the kernel before
+             read weights;
+      none   no flush: what the last call left in the L2 stays (warm data for anything smaller than the L2)."""
+    if flush not in FLUSHES:
+        raise ValueError(f"flush: expected one of {FLUSHES}, got {flush!r}")
+    buffer = torch.ones(64 << 20, dtype=torch.int32, device="cuda")  # 256 MiB, five times an H200's L2
+    passes = {"write": buffer.zero_, "read": buffer.max, "none": lambda: None}
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(warmup + reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(warmup + reps)]
+    for start, end in zip(starts, ends):
+        passes[flush]()
+        start.record()
+        replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts[warmup:], ends[warmup:])) * 1e3
 
 
 def measure_ceilings(smoke: bool) -> dict:

@@ -267,6 +267,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-triton", action="store_true", help="the CLI rows only")
+    parser.add_argument("--no-cli", action="store_true", help="the Triton rows only")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the engine's dtype (default: float32 on the CPU, bfloat16 on a GPU)")  # fmt: skip
     parser.add_argument("--phases-only", action="store_true", help="only the in-process phase times (part 3)")
@@ -294,17 +295,17 @@ def main(argv=None) -> int:
         return 0
     rounds = args.rounds
     texts = prompts(max(levels) * rounds, args.smoke)
-    for mode in CLI_MODES if args.device == "cuda" else ():  # a discarded job first: kernels compiled for new
+    modes = [] if args.no_cli else list(CLI_MODES)
+    for mode in modes if args.device == "cuda" else ():  # a discarded job first: kernels compiled for new
         cli_row(engine, out, texts[:2], 8, 2, mode, args.device)  # shapes land in Triton's disk cache, as on a server
     # one at a time: the largest level's prompts in one job a mode, each request alone (a request's rate does not
     # depend on the others), so the rate of the first n requests is the one-at-a-time row at level n
-    single = {mode: cli_row(engine, out, texts, tokens, 1, mode, args.device) for mode in CLI_MODES}
-    modes = list(CLI_MODES)
+    single = {mode: cli_row(engine, out, texts, tokens, 1, mode, args.device) for mode in modes}
     for n in levels:
         batched = n > 1 or rounds > 1
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for repeat in range(args.repeats if batched else 1):
-            shift = repeat % len(modes)  # each repeat starts at another mode: no mode always runs first or last
+            shift = repeat % max(len(modes), 1)  # each repeat starts at another mode: no mode always runs first or last
             for mode in modes[shift:] + modes[:shift]:
                 alone = one_at_a_time(single[mode], n * rounds)
                 together = (cli_row(engine, out, texts[: n * rounds], tokens, n, mode, args.device, repeat)
@@ -324,7 +325,7 @@ def main(argv=None) -> int:
     print("\n| requests | mode | one at a time (tokens/s) | batched (tokens/s) | batched / one at a time |")
     print("|---|---|---|---|---|")
     for n in levels:
-        for mode in CLI_MODES:
+        for mode in modes:
             mine = [r for r in info["cli"] if r["level"] == n and r["cli_mode"] == mode]
             alone = next(r for r in mine if r["max_batch_size"] == 1)
             together = next((r for r in mine if r["max_batch_size"] == n and r is not alone), alone)

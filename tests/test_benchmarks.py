@@ -98,6 +98,20 @@ def test_int4_load_probe_smoke(tmp_path):
     assert len(rows) == 8 and all(r["correct"] for r in rows) and {r["splits"] for r in rows} == {1, 3}
 
 
+def test_l2_flush_probe_smoke(tmp_path):
+    """The flush probe at small shapes on the CPU: every form runs under each flush, a row each with its floor."""
+    from tests.interpreter import run_interpreted
+
+    done = run_interpreted(f"""
+        from benchmarks.l2_flush_probe import main
+        assert main([{str(tmp_path)!r}, "--smoke", "--repeats", "1"]) == 0
+    """)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "l2_flush_probe.json").read_text())["rows"]
+    assert [r["form"].split()[0] for r in rows] == ["read", "sum", "copy", "int4", "int4"]
+    assert all(r["floor_us"] > 0 and r["bytes"] > 0 and {"write_us", "read_us", "none_us"} <= set(r) for r in rows)
+
+
 @pytest.mark.parametrize("synthetic", [False, True])
 def test_kimi_rank_int4_smoke(tmp_path, synthetic):
     """The whole-rank INT4 benchmark at tiny shapes: packed experts through the factory, every mode at one context,
