@@ -69,8 +69,10 @@ def int4_forms(device, smoke: bool) -> list[tuple[str, int, object]]:
         ids, weights = ids.to(device), weights.to(device)
         x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
         moved = int(ids.unique().numel()) * expert_bytes
-        run = (lambda x=x, ids=ids, weights=weights:
-               int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=DEFAULT_TUNING, layout=layout))  # fmt: skip
+
+        def run(x=x, ids=ids, weights=weights):
+            return int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=DEFAULT_TUNING, layout=layout)
+
         forms.append((f"int4 MoE kernel T={tokens} (routed experts)", moved, run))
     return forms
 
@@ -87,8 +89,10 @@ def attention_forms(smoke: bool) -> list[tuple[str, int, object]]:
         out = torch.empty(tokens, 8, LATENT, dtype=torch.bfloat16, device="cuda")
         width = cache.shape[1]
         moved = 2 * (length * width + tokens * width + tokens * 8 * width + tokens * 8 * LATENT)
-        run = (lambda q=q, cache=cache, length_t=length_t, new_kv=new_kv, mask=mask, out=out:
-               tree_attention_cuda(q, cache, length_t, new_kv, mask, 576**-0.5, LATENT, out=out))  # fmt: skip
+
+        def run(q=q, cache=cache, length_t=length_t, new_kv=new_kv, mask=mask, out=out):
+            tree_attention_cuda(q, cache, length_t, new_kv, mask, 576**-0.5, LATENT, out=out)
+
         forms.append((f"tree attention T={tokens} H=8 S={length}", moved, run))
     return forms
 
@@ -113,7 +117,9 @@ def main(argv=None) -> int:
         floor = moved / ceilings["copy_Bps"] * 1e6
         times = {f: statistics.median(graph_time_us(run, device, args.smoke, flush=f) for _ in range(args.repeats))
                  for f in FLUSHES}  # fmt: skip
-        info["rows"].append({"form": name, "bytes": moved, "floor_us": floor, **{f"{f}_us": t for f, t in times.items()}})
+        info["rows"].append(
+            {"form": name, "bytes": moved, "floor_us": floor, **{f"{f}_us": t for f, t in times.items()}}
+        )
         print(f"| {name} | {moved / 1e6:.1f} | {floor:.1f} | " + " | ".join(f"{t:.1f}" for t in times.values()) + " |",
               flush=True)  # fmt: skip
     (args.out_dir / "l2_flush_probe.json").write_text(json.dumps(info, indent=1) + "\n")
