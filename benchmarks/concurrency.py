@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -139,18 +140,23 @@ def _histogram(values) -> dict:
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
-def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: bool) -> list[dict]:
+def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: bool, models: list[str],
+                budgets: list[str | None]) -> list[dict]:  # fmt: skip
+    """The Triton rows: `models` (names in MODELS) in one server; each DDTree model once a request budget in
+    `budgets` (None: the engine's own, the request sends none; "auto" or a budget: the request's `ddtree_budget`)."""
     from runner.serving.triton_repo import write_repository
     from runner.serving.triton_server import start_server, stop_server, wait_ready
 
     venv = Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton"))
     repo = out / "repo"
-    for name, (autoregressive, batched) in MODELS.items():
+    for name in models:
+        autoregressive, batched = MODELS[name]
         staging = out / f"staging-{name}"
         write_repository(engine, staging, model_name=name, backend="torch", force=True,
                          max_batch_size=max(levels) if batched else 1, autoregressive=autoregressive,
                          max_queue=4 * max(levels))  # fmt: skip
         repo.mkdir(exist_ok=True)
+        shutil.rmtree(repo / name, ignore_errors=True)  # an earlier run's, in this benchmark's own folder
         (staging / name).rename(repo / name)
     ports = [free_port() for _ in range(3)]
     process = start_server(venv, repo, out, *ports, out / "server.log")
@@ -159,9 +165,10 @@ def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: 
         wait_ready(process, ports[0], out / "server.log", timeout=900)
         texts = prompts(2 * max(levels), smoke)
         for clients in levels:
-            for name in MODELS:
-                rows.append(load(ports[0], name, texts, clients, tokens))
-                print(f"triton {name:15s} {clients:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tokens/s, latency "
+            for name, budget in ((n, b) for n in models for b in ([None] if MODELS[n][0] else budgets)):
+                rows.append(load(ports[0], name, texts, clients, tokens, budget=budget))
+                label = name + (f" ({budget})" if budget else "")
+                print(f"triton {label:22s} {clients:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tokens/s, latency "
                       f"median {rows[-1]['latency_median_s']:.2f} s, worst {rows[-1]['latency_max_s']:.2f} s",
                       flush=True)  # fmt: skip
     finally:
@@ -169,12 +176,15 @@ def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: 
     return rows
 
 
-def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per_client: int = 2) -> dict:
+def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per_client: int = 2,
+         budget: str | None = None) -> dict:  # fmt: skip
     latencies, errors = [], []
 
     def client(c: int) -> None:
         for k in range(per_client):
             body = {"text_input": texts[(c * per_client + k) % len(texts)], "max_tokens": tokens, "end_id": -1}
+            if budget is not None:
+                body["ddtree_budget"] = budget
             request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/generate",
                                              data=json.dumps(body).encode(),
                                              headers={"Content-Type": "application/json"})  # fmt: skip
@@ -195,7 +205,8 @@ def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per
     wall = time.perf_counter() - started
     if errors:
         raise RuntimeError(f"{model}, {clients} clients: {errors[:3]}")
-    return {"model": model, "clients": clients, "requests": len(latencies), "tokens": len(latencies) * tokens,
+    return {"model": model, "budget": budget, "clients": clients, "requests": len(latencies),
+            "tokens": len(latencies) * tokens,
             "seconds": wall, "tokens_per_s": len(latencies) * tokens / wall,
             "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies)}  # fmt: skip
 
@@ -268,11 +279,21 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-triton", action="store_true", help="the CLI rows only")
     parser.add_argument("--no-cli", action="store_true", help="the Triton rows only")
+    parser.add_argument("--triton-models", default=",".join(MODELS),
+                        help=f"the Triton models served (default: all of {','.join(MODELS)})")  # fmt: skip
+    parser.add_argument("--triton-budgets", default="",
+                        help="request budgets for the Triton DDTree models, comma-separated ('auto' or a budget the "
+                             "engine verifies; default: none sent, the engine's own)")  # fmt: skip
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="the engine's dtype (default: float32 on the CPU, bfloat16 on a GPU)")  # fmt: skip
     parser.add_argument("--phases-only", action="store_true", help="only the in-process phase times (part 3)")
     parser.add_argument("--smoke", action="store_true", help="the tiny demo model, two levels: checks the script")
     args = parser.parse_args(argv)
+    models = [m for m in args.triton_models.split(",") if m]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        parser.error(f"--triton-models: expected names among {sorted(MODELS)}, got {unknown}")
+    budgets = [b for b in args.triton_budgets.split(",") if b] or [None]
     levels = [int(n) for n in (args.levels or ("1,2" if args.smoke else "1,2,4,8,16")).split(",")]
     tokens = args.tokens or (8 if args.smoke else 64)
     out = args.out_dir.resolve()
@@ -280,7 +301,7 @@ def main(argv=None) -> int:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "levels": levels,
             "dtype": dtype, "tokens": tokens, "rounds": args.rounds, "repeats": args.repeats, "cli": [],
-            "triton": []}  # fmt: skip
+            "triton_server": []}  # fmt: skip
     if args.device == "cuda" and not args.smoke:
         info.update(environment(False))
 
@@ -320,7 +341,7 @@ def main(argv=None) -> int:
                 info["cli"].append({**{k: v for k, v in row.items() if k not in ("outputs", "budgets")}, "level": n})
         save()
     if not args.no_triton:
-        info["triton"] = triton_rows(engine, out, levels, tokens, args.smoke)
+        info["triton_server"] = triton_rows(engine, out, levels, tokens, args.smoke, models, budgets)
     save()
     print("\n| requests | mode | one at a time (tokens/s) | batched (tokens/s) | batched / one at a time |")
     print("|---|---|---|---|---|")

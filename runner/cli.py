@@ -324,7 +324,7 @@ def main_on_rank(comm, argv=None) -> int:
         # --serve: the step graphs a request can take (greedy; sampled with no filter, top-p alone, top-k)
         forms = (SamplingParams(), SamplingParams(1.0), SamplingParams(1.0, top_p=0.95), SamplingParams(1.0, top_k=50))
         requests = forms if args.serve else (params,)
-        warm = generator.warm_up(requests)
+        warm = generator.warm_up(requests, serving=args.serve)
         startup = {"build_seconds": built, "warm_up_seconds": warm, "ranks": worker.description}
         if args.serve:
             from runner.serving.serve import serve

@@ -230,8 +230,16 @@ def test_a_request_chooses_its_budget_when_served(demo_hf, tmp_path):
         options = RankOptions(device="cpu", device_loop=True, autoregressive=autoregressive)
         ranks = local_ranks(CheckpointWeights(engine.checkpoint_dir), options, engine.spec, engine.build_config)
         out = io.StringIO()
-        serve(Generator(ranks, autoregressive), tokenizer, engine, engine.spec, "torch", inp=io.StringIO(lines),
-              out=out)  # fmt: skip
+        generator = Generator(ranks, autoregressive)
+        generator.warm_up(serving=True)  # a server's warm-up measures `auto`'s costs, once
+        if not autoregressive:
+            assert generator.policy is not None and generator.step_policy is not None
+
+            def measured_again(*args, **kwargs):
+                raise AssertionError("auto's costs measured again at a request")
+
+            generator.measure_budgets = measured_again
+        serve(generator, tokenizer, engine, engine.spec, "torch", inp=io.StringIO(lines), out=out)
         ranks.close()
         return {e["id"]: e for e in map(json.loads, out.getvalue().splitlines()[1:]) if e["event"] != "tokens"}
 
