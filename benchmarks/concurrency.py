@@ -15,8 +15,9 @@ into a TP-1 engine directory (torch backend) and run by what users launch:
    slowest request at the end). `--repeats R`: each batched job R times, the modes interleaved and each repeat
    starting at another mode; a row is the median run, with every run's rate.
 2. Triton: one tritonserver with four models of the same engine (DDTree and autoregressive, each one at a time and
-   batched up to the largest level); N clients, each sending two requests in turn (`max_tokens` tokens, no end
-   token); aggregate tokens/s over the wall time, and per-request latency (median and worst).
+   batched up to the largest level; `--triton-models` picks some); N clients, each sending two requests in turn
+   (`--triton-requests`; `max_tokens` tokens, no end token; `--triton-budgets`: the DDTree models' rows once a
+   request `ddtree_budget` each); aggregate tokens/s over the wall time, and per-request latency (median, worst).
 3. In process, a DDTree 32 batched step's phases (draft, tree, verify, accept; the median of 10 steps, eager: on a
    CPU) at 1 and 8 requests: where a batch's time goes (`--phases-only` runs just this).
 Writes OUT_DIR/concurrency.json; prints markdown tables.
@@ -141,7 +142,7 @@ def _histogram(values) -> dict:
 
 
 def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: bool, models: list[str],
-                budgets: list[str | None]) -> list[dict]:  # fmt: skip
+                budgets: list[str | None], per_client: int = 2) -> list[dict]:  # fmt: skip
     """The Triton rows: `models` (names in MODELS) in one server; each DDTree model once a request budget in
     `budgets` (None: the engine's own, the request sends none; "auto" or a budget: the request's `ddtree_budget`)."""
     from runner.serving.triton_repo import write_repository
@@ -163,10 +164,10 @@ def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: 
     rows = []
     try:
         wait_ready(process, ports[0], out / "server.log", timeout=900)
-        texts = prompts(2 * max(levels), smoke)
+        texts = prompts(per_client * max(levels), smoke)
         for clients in levels:
             for name, budget in ((n, b) for n in models for b in ([None] if MODELS[n][0] else budgets)):
-                rows.append(load(ports[0], name, texts, clients, tokens, budget=budget))
+                rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget))
                 label = name + (f" ({budget})" if budget else "")
                 print(f"triton {label:22s} {clients:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tokens/s, latency "
                       f"median {rows[-1]['latency_median_s']:.2f} s, worst {rows[-1]['latency_max_s']:.2f} s",
@@ -281,6 +282,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-cli", action="store_true", help="the Triton rows only")
     parser.add_argument("--triton-models", default=",".join(MODELS),
                         help=f"the Triton models served (default: all of {','.join(MODELS)})")  # fmt: skip
+    parser.add_argument("--triton-requests", type=int, default=2, help="requests each Triton client sends in turn")
     parser.add_argument("--triton-budgets", default="",
                         help="request budgets for the Triton DDTree models, comma-separated ('auto' or a budget the "
                              "engine verifies; default: none sent, the engine's own)")  # fmt: skip
@@ -341,7 +343,8 @@ def main(argv=None) -> int:
                 info["cli"].append({**{k: v for k, v in row.items() if k not in ("outputs", "budgets")}, "level": n})
         save()
     if not args.no_triton:
-        info["triton_server"] = triton_rows(engine, out, levels, tokens, args.smoke, models, budgets)
+        info["triton_server"] = triton_rows(engine, out, levels, tokens, args.smoke, models, budgets,
+                                            args.triton_requests)  # fmt: skip
     save()
     print("\n| requests | mode | one at a time (tokens/s) | batched (tokens/s) | batched / one at a time |")
     print("|---|---|---|---|---|")
