@@ -77,11 +77,13 @@ def replay_time_us(replay, flush: str = "write", reps: int = 100, warmup: int = 
              call's reads evict them and DRAM also takes their write-back (about one byte written a byte read);
       read   reads it (a max over it): the L2 is left holding clean lines, as in a forward where the kernel before
              read weights;
-      none   no flush: what the last call left in the L2 stays (warm data for anything smaller than the L2)."""
+      none   no flush: what the last call left in the L2 stays (warm data for anything smaller than the L2); the
+             GPU spins for about 50 us instead, so the call is queued before the GPU reaches it (else a call shorter
+             than its launch on the host measures the launch)."""
     if flush not in FLUSHES:
         raise ValueError(f"flush: expected one of {FLUSHES}, got {flush!r}")
     buffer = torch.ones(64 << 20, dtype=torch.int32, device="cuda")  # 256 MiB, five times an H200's L2
-    passes = {"write": buffer.zero_, "read": buffer.max, "none": lambda: None}
+    passes = {"write": buffer.zero_, "read": buffer.max, "none": lambda: torch.cuda._sleep(100_000)}
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(warmup + reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(warmup + reps)]
     for start, end in zip(starts, ends):
