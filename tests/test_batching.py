@@ -282,15 +282,27 @@ def test_serve_batches_requests_in_flight(demo_ckpt, demo_engine):
                 {"id": "g", "text_input": "One more", "max_tokens": 16}]  # fmt: skip
     lines = "\n".join(map(json.dumps, requests))
 
+    class Output(io.StringIO):  # counts the flushes: a batched step's events go out in one
+        flushes = 0
+
+        def flush(self):
+            self.flushes += 1
+            super().flush()
+
+    flushes = {}
+
     def served(batch: int) -> list[dict]:
         options = RankOptions(device="cpu", device_loop=True, max_batch_size=batch)
         generator = Generator(local_ranks(CheckpointWeights(demo_ckpt(1)), options, engine.spec, build))
-        out = io.StringIO()
+        out = Output()
         serve(generator, tokenizer, engine, engine.spec, "torch", inp=io.StringIO(lines), out=out)
         generator.ranks.close()
+        flushes[batch] = out.flushes
         return [json.loads(line) for line in out.getvalue().splitlines()][1:]
 
     batched, alone = served(3), served(1)
+    assert flushes[1] == len(alone) + 1  # one at a time: every event (and "ready") at once
+    assert flushes[3] < len(batched) * 2 // 3, (flushes, len(batched))  # batched: a step's events together
     finals = {e["id"]: e for e in batched if e["event"] != "tokens"}
     expected = {e["id"]: e for e in alone if e["event"] != "tokens"}
     for name in "abcdg":

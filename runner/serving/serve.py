@@ -142,6 +142,34 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+class Events:
+    """The job's output, one JSON line an event. Called with an event it writes and flushes it, unless `hold` is on:
+    then the events wait for `release`, which writes them in one write and one flush (a batched step's events: one
+    a request; 16 tokens events into a pipe took 69 us one by one and 47 us together on a 2-core CPU)."""
+
+    def __init__(self, out):
+        self.out = out
+        self.held: list[str] | None = None
+
+    def __call__(self, event: dict) -> None:
+        line = json.dumps(event) + "\n"
+        if self.held is not None:
+            self.held.append(line)
+            return
+        self.out.write(line)
+        self.out.flush()
+
+    def hold(self) -> None:
+        if self.held is None:
+            self.held = []
+
+    def release(self) -> None:
+        held, self.held = self.held, None
+        if held:
+            self.out.write("".join(held))
+            self.out.flush()
+
+
 class RequestCancelled(Exception):
     """Raised from a request's token callback when its client cancelled it: the generation stops there."""
 
@@ -179,10 +207,7 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
     inp, out = inp or sys.stdin, out or sys.stdout
     if parent_pid is not None:
         threading.Thread(target=_end_with, args=(parent_pid,), daemon=True).start()
-
-    def send(event: dict) -> None:
-        out.write(json.dumps(event) + "\n")
-        out.flush()
+    send = Events(out)
 
     from runner.chat import GenerationDefaults
 
@@ -285,7 +310,7 @@ def _finish(send, generator, tokenizer, request, detokenizer, result) -> None:
     )
 
 
-def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send) -> None:
+def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send: Events) -> None:
     """In-flight batching (`--max_batch_size` > 1): requests the device loop serves join the batch at the next step
     after their own prefill and leave when done (`runner/device/batch.py`), in arrival order while slots are free;
     the batch steps while any is in it, and a new request waits at most one step. A request the device loop does not
@@ -297,53 +322,60 @@ def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send) -> None:
     waiting: list = []  # parsed requests without a slot yet, in arrival order
     streams: dict = {}  # request id -> (request, detokenizer)
     ended = False
-    while not ended or waiting or batcher.members:
-        idle = not waiting and not batcher.members
-        try:  # block for input only when nothing else is to be done
-            lines = [inbox.requests.get(timeout=None if idle else 0)]
-        except queue.Empty:
-            lines = []
-        while True:
-            try:
-                lines.append(inbox.requests.get_nowait())
+    try:
+        while not ended or waiting or batcher.members:
+            idle = not waiting and not batcher.members
+            send.release()  # the last round's events, before waiting for input
+            try:  # block for input only when nothing else is to be done
+                lines = [inbox.requests.get(timeout=None if idle else 0)]
             except queue.Empty:
-                break
-        for line in lines:
-            if line is None:
-                ended = True
-                continue
-            request = parse(line)
-            if isinstance(request, dict):
-                send(request)
-            else:
-                waiting.append(request)
-        for member in list(batcher.members.values()):  # cancelled in the batch: gone before the next step
-            if member.tag in inbox.cancelled:
-                batcher.remove(member)
-                request, detokenizer = streams.pop(member.tag)
-                send({"id": request.id, "event": "cancelled", "output_ids": detokenizer.tokens})
-        admissions = []  # the requests free slots take, admitted together (their prefills share forwards)
-        while waiting and batcher.free > len(admissions):
-            request = waiting.pop(0)
-            if request.id in inbox.cancelled:
-                send({"id": request.id, "event": "cancelled", "output_ids": []})
-                continue
-            detokenizer = Detokenizer(tokenizer)
-            on_tokens = lambda new, r=request, d=detokenizer: send(_tokens_event(r, d, new))  # noqa: E731
-            if not generator.on_device(request.params, request.banned, request.budget):
-                result = generator.generate(
-                    request.prompt, request.max_tokens, request.params, request.end_ids, on_tokens,
-                    request.stop_sequences, request.banned, request.budget,
-                )  # fmt: skip
-                _finish(send, generator, tokenizer, request, detokenizer, result)
-                continue
-            streams[request.id] = (request, detokenizer)
-            admissions.append(Admission(request.prompt, request.max_tokens, request.params, request.end_ids,
-                                        on_tokens, request.stop_sequences, request.budget, request.id))  # fmt: skip
-        for member in generator.admit_many(batcher, admissions):
-            if member.result.elapsed:  # done at its first token
+                lines = []
+            send.hold()  # this round's events (a step's: one a request) go out together
+            while True:
+                try:
+                    lines.append(inbox.requests.get_nowait())
+                except queue.Empty:
+                    break
+            for line in lines:
+                if line is None:
+                    ended = True
+                    continue
+                request = parse(line)
+                if isinstance(request, dict):
+                    send(request)
+                else:
+                    waiting.append(request)
+            for member in list(batcher.members.values()):  # cancelled in the batch: gone before the next step
+                if member.tag in inbox.cancelled:
+                    batcher.remove(member)
+                    request, detokenizer = streams.pop(member.tag)
+                    send({"id": request.id, "event": "cancelled", "output_ids": detokenizer.tokens})
+            admissions = []  # the requests free slots take, admitted together (their prefills share forwards)
+            while waiting and batcher.free > len(admissions):
+                request = waiting.pop(0)
+                if request.id in inbox.cancelled:
+                    send({"id": request.id, "event": "cancelled", "output_ids": []})
+                    continue
+                detokenizer = Detokenizer(tokenizer)
+                on_tokens = lambda new, r=request, d=detokenizer: send(_tokens_event(r, d, new))  # noqa: E731
+                if not generator.on_device(request.params, request.banned, request.budget):
+                    send.release()  # a request alone on the host loop streams its tokens as they come
+                    result = generator.generate(
+                        request.prompt, request.max_tokens, request.params, request.end_ids, on_tokens,
+                        request.stop_sequences, request.banned, request.budget,
+                    )  # fmt: skip
+                    _finish(send, generator, tokenizer, request, detokenizer, result)
+                    send.hold()
+                    continue
+                streams[request.id] = (request, detokenizer)
+                admissions.append(Admission(request.prompt, request.max_tokens, request.params, request.end_ids,
+                                            on_tokens, request.stop_sequences, request.budget, request.id))  # fmt: skip
+            for member in generator.admit_many(batcher, admissions):
+                if member.result.elapsed:  # done at its first token
+                    request, detokenizer = streams.pop(member.tag)
+                    _finish(send, generator, tokenizer, request, detokenizer, member.result)
+            for member in batcher.step():
                 request, detokenizer = streams.pop(member.tag)
                 _finish(send, generator, tokenizer, request, detokenizer, member.result)
-        for member in batcher.step():
-            request, detokenizer = streams.pop(member.tag)
-            _finish(send, generator, tokenizer, request, detokenizer, member.result)
+    finally:
+        send.release()  # the last round's events (or those before an error)
