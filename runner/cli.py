@@ -325,7 +325,8 @@ def main_on_rank(comm, argv=None) -> int:
         forms = (SamplingParams(), SamplingParams(1.0), SamplingParams(1.0, top_p=0.95), SamplingParams(1.0, top_k=50))
         requests = forms if args.serve else (params,)
         warm = generator.warm_up(requests, serving=args.serve)
-        startup = {"build_seconds": built, "warm_up_seconds": warm, "ranks": worker.description}
+        startup = {"build_seconds": built, "warm_up_seconds": warm, "warm_up_phases": generator.warm_up_phases,
+                   "ranks": worker.description}  # fmt: skip
         if args.serve:
             from runner.serving.serve import serve
 

@@ -36,6 +36,7 @@ class Generator:
         # in-flight batching (`runner/device/batch.py`): requests a step serves at most
         self.batch_slots = len(lead.batch.loops) if lead.batch is not None else 1
         self.rank_description = lead.description
+        self.warm_up_phases: dict[str, float] = {}  # `warm_up`'s seconds by part
         self.policy = None  # the cost-aware tree budget's policy (`runner/budget.py`), measured on first use
         self.step_policy = None  # `auto` on the device loop (`runner/device/budget.py`), seeded with the same costs
         # an all-`auto` batch's one budget a step, autoregressive steps among the choices (`StepBudgetPolicy`); shared
@@ -317,23 +318,38 @@ class Generator:
         (the tiny demo engine through Triton on the CPU: that request took 2.2 s for 8 tokens, the next 0.04 s).
         Returns the seconds it took."""
         start = time.perf_counter()
+        phases = self.warm_up_phases = {}  # seconds each part took, for the startup report
+
+        def timed(name: str, work, *args) -> None:
+            began = time.perf_counter()
+            work(*args)
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - began
+
         block = self.spec.block_size
         # longer than a block, so the host loop's first draft takes the draft_prefill profile as a real prompt does
         prompt = self._warm_prompt()
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
         if self.on_gpu:
-            self._warm_prefill_lengths(requests[0] if requests else GREEDY)
+            timed("prefill lengths", self._warm_prefill_lengths, requests[0] if requests else GREEDY)
         batched = []  # the forms whose batched steps were warmed
         for params in requests:
-            self.generate(prompt, tokens, params)
-            if self.on_gpu and self.on_device(params) and len(self.device_budgets) > 1:
-                for budget in self.device_budgets:  # each budget's graph (the default's was just captured)
-                    self.generate(prompt, tokens, params, budget=budget)
+            form = "greedy" if params.greedy else f"temperature {params.temperature:g}" + (
+                f", top-k {params.top_k}" if params.top_k else "") + (
+                f", top-p {params.top_p:g}" if params.top_p < 1 else "")  # fmt: skip
+            timed(f"requests, {form}", self._warm_requests, prompt, tokens, params)
             if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
-                self._warm_batch(prompt, params)
+                timed(f"batched steps, {form}", self._warm_batch, prompt, params)
                 batched.append(params)
         if batched and len(self.device_budgets) > 1 and not self.autoregressive:
-            self.measure_batch_costs(prompt, batched[0])  # once, at the first form's costs (a server's: greedy)
+            # once, at the first form's costs (a server's: greedy)
+            timed("batch costs", self.measure_batch_costs, prompt, batched[0])
         if serving and self.policy is None and len(self.spec.budgets) > 1 and not self.autoregressive:
-            self.measure_budgets()
+            timed("auto costs", self.measure_budgets)
         return time.perf_counter() - start
+
+    def _warm_requests(self, prompt: list[int], tokens: int, params: SamplingParams) -> None:
+        """One request with `params`; on a GPU's device loop with several budgets, one at each (a graph each)."""
+        self.generate(prompt, tokens, params)
+        if self.on_gpu and self.on_device(params) and len(self.device_budgets) > 1:
+            for budget in self.device_budgets:  # each budget's graph (the default's was just captured)
+                self.generate(prompt, tokens, params, budget=budget)

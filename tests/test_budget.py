@@ -234,6 +234,7 @@ def test_a_request_chooses_its_budget_when_served(demo_hf, tmp_path):
         generator.warm_up(serving=True)  # a server's warm-up measures `auto`'s costs, once
         if not autoregressive:
             assert generator.policy is not None and generator.step_policy is not None
+            assert set(generator.warm_up_phases) == {"requests, greedy", "auto costs"}  # the startup report's parts
 
             def measured_again(*args, **kwargs):
                 raise AssertionError("auto's costs measured again at a request")
