@@ -37,6 +37,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -170,7 +172,9 @@ def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: 
                 rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget))
                 label = name + (f" ({budget})" if budget else "")
                 print(f"triton {label:22s} {clients:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tokens/s, latency "
-                      f"median {rows[-1]['latency_median_s']:.2f} s, worst {rows[-1]['latency_max_s']:.2f} s",
+                      f"median {rows[-1]['latency_median_s']:.3f} s, p90 {rows[-1]['latency_p90_s']:.3f} s, worst "
+                      f"{rows[-1]['latency_max_s']:.3f} s; a request {rows[-1]['request_tokens_per_s_median']:.1f} "
+                      "tokens/s (median)",
                       flush=True)  # fmt: skip
     finally:
         stop_server(process)
@@ -209,7 +213,9 @@ def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per
     return {"model": model, "budget": budget, "clients": clients, "requests": len(latencies),
             "tokens": len(latencies) * tokens,
             "seconds": wall, "tokens_per_s": len(latencies) * tokens / wall,
-            "latency_median_s": statistics.median(latencies), "latency_max_s": max(latencies)}  # fmt: skip
+            "latency_median_s": statistics.median(latencies), "latency_p90_s": float(np.quantile(latencies, 0.9)),
+            "latency_max_s": max(latencies),
+            "request_tokens_per_s_median": tokens / statistics.median(latencies)}  # fmt: skip
 
 
 def phase_times(engine: Path, batches: tuple[int, ...] = (1, 8), steps: int = 10, smoke: bool = False) -> list[dict]:
