@@ -7,11 +7,12 @@ flushed (`none`), in one run (`benchmarks.common.replay_time_us` says what each 
 Forms (one H200 or H100; Kimi K2.x per-rank TP-8 dimensions):
   read 14.7 MB        the load-only kernel of `int4_load_probe.py` (best shape there): one token's 8 experts' gate
                       and up words, read and folded, nothing written
-  sum 14.7 MB         torch's sum over one contiguous buffer of the same bytes
   copy 14.7 MB        torch's copy of the same bytes (read + written)
   int4 T=1, T=33      the W4A16 MoE kernel as the rank factory runs it (random routing; the routed experts)
   tree attention      TreeAttention at T = 33, H = 8 over 32768 and 131072 cached rows, and T = 1 over 131072
-Each row: the bytes its floor counts, the floor at this run's copy rate, and the median time under each flush.
+Each row: the bytes its floor counts, the floor at this run's copy rate, the median time of one call under each
+flush, and a call's time in a sequence of 8 calls over other data each, back to back in one graph (as a forward's
+layers run: launches overlapped, nothing of the last call in the L2).
 Writes OUT_DIR/l2_flush_probe.json. --smoke: small shapes on the CPU, the forms run once (checks the script).
 """
 
@@ -30,29 +31,33 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import FLUSHES, environment, graph_time_us, measure_ceilings  # noqa: E402
 
+VARIANTS = 8  # forms over other data each, for the sequence column (8 x 14.7 MB already exceeds an H200's L2)
 
-def load_forms(device, smoke: bool) -> list[tuple[str, int, object]]:
+
+def load_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]]:
     from benchmarks.int4_load_probe import KIMI, SMOKE, fold
 
     dims = SMOKE if smoke else KIMI
     gen = torch.Generator().manual_seed(0)
     words = torch.randint(-(2**31), 2**31 - 1, (dims["experts"], dims["rows"], dims["words"]), generator=gen,
                           dtype=torch.int32).to(device)  # fmt: skip
-    ids = torch.randperm(dims["experts"], generator=gen)[: dims["chosen"]].to(device, torch.int32)
+    order = torch.randperm(dims["experts"], generator=gen).to(device, torch.int32)
+    chosen = [order[v * dims["chosen"] : (v + 1) * dims["chosen"]] for v in range(variants)]  # other experts each
     rows = 8
     out = torch.empty(dims["chosen"] * (dims["rows"] // rows), dtype=torch.int32, device=device)
     moved = dims["chosen"] * dims["rows"] * dims["words"] * 4
-    flat = words.view(-1)[: moved // 4]
-    dst = torch.empty_like(flat)
-    total = torch.empty((), dtype=torch.int64, device=device)
+    flat = words.view(-1)
+    dst = torch.empty(moved // 4, dtype=torch.int32, device=device)
+    n = moved // 4
     return [
-        (f"read {moved / 1e6:.1f} MB (load-only kernel)", moved, lambda: fold(words, ids, out, rows, 64, 1, 1, 4)),
-        (f"sum {moved / 1e6:.1f} MB (torch)", moved, lambda: torch.sum(flat, 0, dtype=torch.int64, out=total)),
-        (f"copy {moved / 1e6:.1f} MB (torch)", 2 * moved, lambda: dst.copy_(flat)),
-    ]
+        (f"read {moved / 1e6:.1f} MB (load-only kernel)", moved,
+         [lambda ids=ids: fold(words, ids, out, rows, 64, 1, 1, 4) for ids in chosen]),
+        (f"copy {moved / 1e6:.1f} MB (torch)", 2 * moved,
+         [lambda v=v: dst.copy_(flat[v * n : (v + 1) * n]) for v in range(variants)]),
+    ]  # fmt: skip
 
 
-def int4_forms(device, smoke: bool) -> list[tuple[str, int, object]]:
+def int4_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]]:
     from benchmarks.int4_moe_gpu import GROUP, make_weights, prepared, rank_config, routing
     from plugins.int4_moe.kernel import DEFAULT_TUNING, int4_moe_cuda
 
@@ -65,19 +70,22 @@ def int4_forms(device, smoke: bool) -> list[tuple[str, int, object]]:
     expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
     forms = []
     for tokens in (1, 33):
-        ids, weights = routing("random", tokens, experts, k, gen)
-        ids, weights = ids.to(device), weights.to(device)
-        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
-        moved = int(ids.unique().numel()) * expert_bytes
+        runs, distinct = [], []
+        for _ in range(variants):  # random routing each: other experts (T = 1: 8 of 384)
+            ids, weights = routing("random", tokens, experts, k, gen)
+            ids, weights = ids.to(device), weights.to(device)
+            x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+            distinct.append(int(ids.unique().numel()))
 
-        def run(x=x, ids=ids, weights=weights):
-            return int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=DEFAULT_TUNING, layout=layout)
+            def run(x=x, ids=ids, weights=weights):
+                return int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=DEFAULT_TUNING, layout=layout)
 
-        forms.append((f"int4 MoE kernel T={tokens} (routed experts)", moved, run))
+            runs.append(run)
+        forms.append((f"int4 MoE kernel T={tokens} (routed experts)", distinct[0] * expert_bytes, runs))
     return forms
 
 
-def attention_forms(smoke: bool) -> list[tuple[str, int, object]]:
+def attention_forms(smoke: bool, variants: int) -> list[tuple[str, int, list]]:
     if smoke:
         return []  # the kernel needs a GPU (its CPU check is tests/test_tree_attention_kernel.py)
     from benchmarks.tree_attention_gpu import LATENT, inputs
@@ -85,16 +93,26 @@ def attention_forms(smoke: bool) -> list[tuple[str, int, object]]:
 
     forms = []
     for tokens, length in ((33, 32768), (33, 131072), (1, 131072)):
-        q, cache, length_t, new_kv, mask = inputs(tokens, 8, length, seed=1)
-        out = torch.empty(tokens, 8, LATENT, dtype=torch.bfloat16, device="cuda")
-        width = cache.shape[1]
+        runs = []
+        for v in range(variants):  # a cache each (as each layer has its own)
+            q, cache, length_t, new_kv, mask = inputs(tokens, 8, length, seed=1 + v)
+            out = torch.empty(tokens, 8, LATENT, dtype=torch.bfloat16, device="cuda")
+
+            def run(q=q, cache=cache, length_t=length_t, new_kv=new_kv, mask=mask, out=out):
+                tree_attention_cuda(q, cache, length_t, new_kv, mask, 576**-0.5, LATENT, out=out)
+
+            runs.append(run)
+        width = LATENT + 64
         moved = 2 * (length * width + tokens * width + tokens * 8 * width + tokens * 8 * LATENT)
-
-        def run(q=q, cache=cache, length_t=length_t, new_kv=new_kv, mask=mask, out=out):
-            tree_attention_cuda(q, cache, length_t, new_kv, mask, 576**-0.5, LATENT, out=out)
-
-        forms.append((f"tree attention T={tokens} H=8 S={length}", moved, run))
+        forms.append((f"tree attention T={tokens} H=8 S={length}", moved, runs))
     return forms
+
+
+def sequence_time_us(runs: list, device, smoke: bool) -> float:
+    """A call's time inside a sequence: every variant in turn, back to back in one CUDA graph (each over other data,
+    as a forward's layers read their own weights and caches), the L2 left clean before it; the graph's time over
+    the calls (launches overlap, the L2 holds nothing a call needs)."""
+    return graph_time_us(lambda: [run() for run in runs], device, smoke, flush="read") / len(runs)
 
 
 def main(argv=None) -> int:
@@ -105,21 +123,26 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.smoke else "cuda")
+    variants = 2 if args.smoke else VARIANTS
     ceilings = measure_ceilings(args.smoke)
     info = {**environment(args.smoke), "command": " ".join(sys.argv), "copy_GBps": ceilings["copy_Bps"] / 1e9,
-            "flushes": list(FLUSHES), "rows": []}  # fmt: skip
-    forms = load_forms(device, args.smoke) + int4_forms(device, args.smoke) + attention_forms(args.smoke)
+            "flushes": list(FLUSHES), "variants": variants, "rows": []}  # fmt: skip
+    forms = (load_forms(device, args.smoke, variants) + int4_forms(device, args.smoke, variants)
+             + attention_forms(args.smoke, variants))  # fmt: skip
     print(f"copy rate {info['copy_GBps']:.0f} GB/s")
-    print("| form | bytes (MB) | floor (us) | " + " | ".join(f"{f} flush (us)" for f in FLUSHES) + " |")
-    print("|---|---:|---:|" + "---:|" * len(FLUSHES))
-    for name, moved, run in forms:
-        run()  # compiled before any capture
+    columns = [f"{f} flush (us)" for f in FLUSHES] + [f"in a sequence of {variants} (us)"]
+    print("| form | bytes (MB) | floor (us) | " + " | ".join(columns) + " |")
+    print("|---|---:|---:|" + "---:|" * len(columns))
+    for name, moved, runs in forms:
+        for run in runs:
+            run()  # compiled before any capture
         floor = moved / ceilings["copy_Bps"] * 1e6
-        times = {f: statistics.median(graph_time_us(run, device, args.smoke, flush=f) for _ in range(args.repeats))
-                 for f in FLUSHES}  # fmt: skip
-        info["rows"].append(
-            {"form": name, "bytes": moved, "floor_us": floor, **{f"{f}_us": t for f, t in times.items()}}
+        times = {f"{f}_us": statistics.median(graph_time_us(runs[0], device, args.smoke, flush=f)
+                                              for _ in range(args.repeats)) for f in FLUSHES}  # fmt: skip
+        times["sequence_us"] = statistics.median(
+            sequence_time_us(runs, device, args.smoke) for _ in range(args.repeats)
         )
+        info["rows"].append({"form": name, "bytes": moved, "floor_us": floor, **times})
         print(f"| {name} | {moved / 1e6:.1f} | {floor:.1f} | " + " | ".join(f"{t:.1f}" for t in times.values()) + " |",
               flush=True)  # fmt: skip
     (args.out_dir / "l2_flush_probe.json").write_text(json.dumps(info, indent=1) + "\n")

@@ -37,6 +37,8 @@
 #             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved), each mode's median
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
 #             temperature 1.0, device loop; budget 16, the best there, twice: the run-to-run noise)
+#   flush     benchmarks/l2_flush_probe.py: the floor-bound kernels (INT4 MoE, TreeAttention, a load and a copy) after
+#             the L2 was left dirty, clean or unflushed, and a call's time in a sequence over other data (as a forward)
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
 #             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share)
 set -uo pipefail
@@ -183,6 +185,10 @@ if has overlap; then
       > "$OUT/overlap_$M.log" 2>&1; echo "overlap $M rc=$?"
     grep -E "^target|moe only|one stream \(|moe and mla" "$OUT/overlap_$M.log"
   done
+fi
+if has flush; then
+  limit python3 benchmarks/l2_flush_probe.py "$OUT" > "$OUT/l2_flush_probe.log" 2>&1; echo "flush rc=$?"
+  tail -12 "$OUT/l2_flush_probe.log"
 fi
 if has budget; then
   mkdir -p "$OUT/budget"
