@@ -333,9 +333,7 @@ class Generator:
             timed("prefill lengths", self._warm_prefill_lengths, requests[0] if requests else GREEDY)
         batched = []  # the forms whose batched steps were warmed
         for params in requests:
-            form = "greedy" if params.greedy else f"temperature {params.temperature:g}" + (
-                f", top-k {params.top_k}" if params.top_k else "") + (
-                f", top-p {params.top_p:g}" if params.top_p < 1 else "")  # fmt: skip
+            form = _form_name(params)
             timed(f"requests, {form}", self._warm_requests, prompt, tokens, params)
             if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
                 timed(f"batched steps, {form}", self._warm_batch, prompt, params)
@@ -353,3 +351,12 @@ class Generator:
         if self.on_gpu and self.on_device(params) and len(self.device_budgets) > 1:
             for budget in self.device_budgets:  # each budget's graph (the default's was just captured)
                 self.generate(prompt, tokens, params, budget=budget)
+
+
+def _form_name(params: SamplingParams) -> str:
+    """A request form in words, for the warm-up's report: "greedy" or "temperature 1, top-p 0.95"."""
+    if params.greedy:
+        return "greedy"
+    filters = ([f"top-k {params.top_k}"] if params.top_k else []) + ([f"top-p {params.top_p:g}"] if params.top_p < 1
+                                                                        else [])  # fmt: skip
+    return ", ".join([f"temperature {params.temperature:g}", *filters])
