@@ -357,6 +357,9 @@ def _form_name(params: SamplingParams) -> str:
     """A request form in words, for the warm-up's report: "greedy" or "temperature 1, top-p 0.95"."""
     if params.greedy:
         return "greedy"
-    filters = ([f"top-k {params.top_k}"] if params.top_k else []) + ([f"top-p {params.top_p:g}"] if params.top_p < 1
-                                                                        else [])  # fmt: skip
-    return ", ".join([f"temperature {params.temperature:g}", *filters])
+    words = [f"temperature {params.temperature:g}"]
+    if params.top_k:
+        words.append(f"top-k {params.top_k}")
+    if params.top_p < 1:
+        words.append(f"top-p {params.top_p:g}")
+    return ", ".join(words)
