@@ -8,7 +8,8 @@ The trained pair (`trained/`: a small Kimi K2.x-architecture target and its DFla
 into a TP-1 engine directory (torch backend) and run by what users launch:
 1. The CLI (`mpirun -np 1 python -m runner --backend torch --loop device`): N prompts in one job, one at a time
    (`--max_batch_size 1`) and in-flight batched (`--max_batch_size N`), DDTree 32, DDTree 8, DDTree auto (budgets
-   8, 16 and 32; batched: one budget a step for the batch, `StepBudgetPolicy`) and autoregressive; the rate is every
+   8, 16 and 32; batched: one budget a step for the batch, `StepBudgetPolicy`), the DFlash chain (an engine of its
+   own: budget 7, one branch a depth) and autoregressive (`--modes` picks some); the rate is every
    request's tokens over the job's generation time; the batched tokens must equal the one-at-a-time ones, and the
    budgets the steps took are recorded. `--rounds K`: N x K prompts through N slots (each joins when one leaves:
    steady in-flight batching, as a server under N concurrent clients sees it; with K = 1 the batch drains to its
@@ -48,14 +49,20 @@ TRAINED = ROOT / "trained"
 MODELS = {"ddtree": (False, False), "ddtree-batched": (False, True), "ar": (True, False), "ar-batched": (True, True)}
 CLI_MODES = {  # the baseline first: a run cut short still has it
     "autoregressive": ["--autoregressive"],
+    "DFlash chain": [],  # its own engine (CHAIN): a block's tokens in a line, a verify of 8
     "DDTree 8": ["--ddtree_budget", "8"],
     "DDTree auto (8/16/32)": ["--ddtree_budget", "auto"],
     "DDTree 32": ["--ddtree_budget", "32"],
 }
 
 
-def build_engine(out: Path, smoke: bool, dtype: str = "float32") -> Path:
-    """The TP-1 engine directory (float32 on a CPU; on a GPU bf16, as the acceptance benchmark runs the pair)."""
+CHAIN = ("--ddtree_budget", "7", "--max_topk", "1")  # the DFlash chain's engine: budget 7 with one branch a depth
+
+
+def build_engine(out: Path, smoke: bool, dtype: str = "float32", name: str = "engine",
+                 spec: tuple = ("--extra_budgets", "8,16")) -> Path:  # fmt: skip
+    """The TP-1 engine directory `out/name` (float32 on a CPU; on a GPU bf16, as the acceptance benchmark runs the
+    pair); `spec`: its tree budgets (default 32, 8 and 16: `auto`'s choices)."""
     from builder.cli import main as build_main
 
     if smoke:  # the tiny demo checkpoints: no trained weights needed
@@ -65,10 +72,10 @@ def build_engine(out: Path, smoke: bool, dtype: str = "float32") -> Path:
         drafter = write_drafter(out / "hf" / "kimi-k2-tiny-dflash", force=True)
     else:
         target, drafter = TRAINED / "kimi-k2-py", TRAINED / "kimi-k2-py-dflash"
-    engine = out / "engine"
+    engine = out / name
     args = ["--model_dir", str(target), "--draft_model_dir", str(drafter), "--output_dir", str(engine),
             "--max_input_len", "128", "--max_seq_len", "512", "--dtype", dtype, "--no_onnx", "--force",
-            "--extra_budgets", "8,16"]  # fmt: skip
+            *spec]  # fmt: skip
     if build_main(args) != 0:
         raise RuntimeError("build-engine failed")
     return engine
@@ -286,6 +293,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-triton", action="store_true", help="the CLI rows only")
     parser.add_argument("--no-cli", action="store_true", help="the Triton rows only")
+    parser.add_argument("--modes", default=",".join(CLI_MODES),
+                        help=f"the CLI's modes, comma-separated (default: all of {','.join(CLI_MODES)})")  # fmt: skip
     parser.add_argument("--triton-models", default=",".join(MODELS),
                         help=f"the Triton models served (default: all of {','.join(MODELS)})")  # fmt: skip
     parser.add_argument("--triton-requests", type=int, default=2, help="requests each Triton client sends in turn")
@@ -301,6 +310,9 @@ def main(argv=None) -> int:
     unknown = sorted(set(models) - set(MODELS))
     if unknown:
         parser.error(f"--triton-models: expected names among {sorted(MODELS)}, got {unknown}")
+    unknown = sorted(set(args.modes.split(",")) - set(CLI_MODES))
+    if unknown:
+        parser.error(f"--modes: expected names among {list(CLI_MODES)}, got {unknown}")
     budgets = [b for b in args.triton_budgets.split(",") if b] or [None]
     levels = [int(n) for n in (args.levels or ("1,2" if args.smoke else "1,2,4,8,16")).split(",")]
     tokens = args.tokens or (8 if args.smoke else 64)
@@ -317,6 +329,10 @@ def main(argv=None) -> int:
         (out / "concurrency.json").write_text(json.dumps(info, indent=1) + "\n")
 
     engine = build_engine(out, args.smoke, dtype)
+    modes = [] if args.no_cli else [m for m in CLI_MODES if m in args.modes.split(",")]
+    engines = {mode: engine for mode in CLI_MODES}
+    if "DFlash chain" in modes:
+        engines["DFlash chain"] = build_engine(out, args.smoke, dtype, "engine-chain", CHAIN)
     if args.device == "cpu" or args.phases_only:  # eager phases timed on the host clock: a CPU measurement
         info["phases"] = phase_times(engine, smoke=args.smoke)
         save()
@@ -324,12 +340,13 @@ def main(argv=None) -> int:
         return 0
     rounds = args.rounds
     texts = prompts(max(levels) * rounds, args.smoke)
-    modes = [] if args.no_cli else list(CLI_MODES)
     for mode in modes if args.device == "cuda" else ():  # a discarded job first: kernels compiled for new
-        cli_row(engine, out, texts[:2], 8, 2, mode, args.device)  # shapes land in Triton's disk cache, as on a server
+        cli_row(
+            engines[mode], out, texts[:2], 8, 2, mode, args.device
+        )  # shapes land in Triton's disk cache, as on a server
     # one at a time: the largest level's prompts in one job a mode, each request alone (a request's rate does not
     # depend on the others), so the rate of the first n requests is the one-at-a-time row at level n
-    single = {mode: cli_row(engine, out, texts, tokens, 1, mode, args.device) for mode in modes}
+    single = {mode: cli_row(engines[mode], out, texts, tokens, 1, mode, args.device) for mode in modes}
     for n in levels:
         batched = n > 1 or rounds > 1
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
@@ -337,7 +354,7 @@ def main(argv=None) -> int:
             shift = repeat % max(len(modes), 1)  # each repeat starts at another mode: no mode always runs first or last
             for mode in modes[shift:] + modes[:shift]:
                 alone = one_at_a_time(single[mode], n * rounds)
-                together = (cli_row(engine, out, texts[: n * rounds], tokens, n, mode, args.device, repeat)
+                together = (cli_row(engines[mode], out, texts[: n * rounds], tokens, n, mode, args.device, repeat)
                             if batched else alone)  # fmt: skip
                 runs[mode].append({**together, "equal_to_one_at_a_time": together["outputs"] == alone["outputs"]})
                 print(f"cli {mode:14s} {n:3d} requests, max_batch_size {together['max_batch_size']:2d}"

@@ -230,9 +230,11 @@ def test_concurrency_benchmark_smoke(tmp_path):
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "concurrency.json").read_text())
-    assert len(result["cli"]) == 12 and all(r["tokens"] == 8 * r["requests"] for r in result["cli"])
+    assert len(result["cli"]) == 15 and all(r["tokens"] == 8 * r["requests"] for r in result["cli"])
     batched = [r for r in result["cli"] if r["max_batch_size"] > 1]
-    assert len(batched) == 4 and all(r["equal_to_one_at_a_time"] for r in batched)
+    assert len(batched) == 5 and all(r["equal_to_one_at_a_time"] for r in batched)
+    chain = next(r for r in batched if r["cli_mode"] == "DFlash chain")
+    assert chain["mode"].startswith("DFlash chain (block 8), device loop")  # its own engine: budget 7, one branch
     # two runs of each batched job, the row the slower one's (the lower middle of two)
     assert all(len(r["repeats_tokens_per_s"]) == 2 for r in batched)
     assert all(round(r["tokens_per_s"], 2) == min(r["repeats_tokens_per_s"]) for r in batched)
