@@ -15,10 +15,11 @@ into a TP-1 engine directory (torch backend) and run by what users launch:
    steady in-flight batching, as a server under N concurrent clients sees it; with K = 1 the batch drains to its
    slowest request at the end). `--repeats R`: each batched job R times, the modes interleaved and each repeat
    starting at another mode; a row is the median run, with every run's rate.
-2. Triton: one tritonserver with four models of the same engine (DDTree and autoregressive, each one at a time and
-   batched up to the largest level; `--triton-models` picks some); N clients, each sending two requests in turn
-   (`--triton-requests`; `max_tokens` tokens, no end token; `--triton-budgets`: the DDTree models' rows once a
-   request `ddtree_budget` each); aggregate tokens/s over the wall time, and per-request latency (median, worst).
+2. Triton: one tritonserver with five models (DDTree and autoregressive, each one at a time and batched up to the
+   largest level, and the DFlash chain's engine batched; `--triton-models` picks some); N clients, each sending two
+   requests in turn (`--triton-requests`; `max_tokens` tokens, no end token; `--triton-budgets`: the DDTree models'
+   rows once a request `ddtree_budget` each); aggregate tokens/s over the wall time, per-request latency (median,
+   90th percentile, worst) and a request's tokens/s.
 3. In process, a DDTree 32 batched step's phases (draft, tree, verify, accept; the median of 10 steps, eager: on a
    CPU) at 1 and 8 requests: where a batch's time goes (`--phases-only` runs just this).
 Writes OUT_DIR/concurrency.json; prints markdown tables.
@@ -46,7 +47,13 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import environment  # noqa: E402
 
 TRAINED = ROOT / "trained"
-MODELS = {"ddtree": (False, False), "ddtree-batched": (False, True), "ar": (True, False), "ar-batched": (True, True)}
+MODELS = {
+    "ddtree": (False, False),
+    "ddtree-batched": (False, True),
+    "ar": (True, False),
+    "ar-batched": (True, True),
+    "chain-batched": (False, True),
+}  # (autoregressive, batched); "chain-*" serve the DFlash chain's engine
 CLI_MODES = {  # the baseline first: a run cut short still has it
     "autoregressive": ["--autoregressive"],
     "DFlash chain": [],  # its own engine (CHAIN): a block's tokens in a line, a verify of 8
@@ -150,10 +157,11 @@ def _histogram(values) -> dict:
     return dict(sorted(counts.items(), key=lambda item: int(item[0])))
 
 
-def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: bool, models: list[str],
+def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: int, smoke: bool, models: list[str],
                 budgets: list[str | None], per_client: int = 2) -> list[dict]:  # fmt: skip
-    """The Triton rows: `models` (names in MODELS) in one server; each DDTree model once a request budget in
-    `budgets` (None: the engine's own, the request sends none; "auto" or a budget: the request's `ddtree_budget`)."""
+    """The Triton rows: `models` (names in MODELS) in one server, each of `engines[name]`; each DDTree model once a
+    request budget in `budgets` (None: the engine's own, the request sends none; "auto" or a budget: the request's
+    `ddtree_budget`; the chain's model: its own budget only)."""
     from runner.serving.triton_repo import write_repository
     from runner.serving.triton_server import start_server, stop_server, wait_ready
 
@@ -162,7 +170,7 @@ def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: 
     for name in models:
         autoregressive, batched = MODELS[name]
         staging = out / f"staging-{name}"
-        write_repository(engine, staging, model_name=name, backend="torch", force=True,
+        write_repository(engines[name], staging, model_name=name, backend="torch", force=True,
                          max_batch_size=max(levels) if batched else 1, autoregressive=autoregressive,
                          max_queue=4 * max(levels))  # fmt: skip
         repo.mkdir(exist_ok=True)
@@ -175,7 +183,8 @@ def triton_rows(engine: Path, out: Path, levels: list[int], tokens: int, smoke: 
         wait_ready(process, ports[0], out / "server.log", timeout=900)
         texts = prompts(per_client * max(levels), smoke)
         for clients in levels:
-            for name, budget in ((n, b) for n in models for b in ([None] if MODELS[n][0] else budgets)):
+            fixed = [n for n in models if MODELS[n][0] or n.startswith("chain")]  # the request names no budget
+            for name, budget in ((n, b) for n in models for b in ([None] if n in fixed else budgets)):
                 rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget))
                 label = name + (f" ({budget})" if budget else "")
                 print(f"triton {label:22s} {clients:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tokens/s, latency "
@@ -331,7 +340,7 @@ def main(argv=None) -> int:
     engine = build_engine(out, args.smoke, dtype)
     modes = [] if args.no_cli else [m for m in CLI_MODES if m in args.modes.split(",")]
     engines = {mode: engine for mode in CLI_MODES}
-    if "DFlash chain" in modes:
+    if "DFlash chain" in modes or (not args.no_triton and any(m.startswith("chain") for m in models)):
         engines["DFlash chain"] = build_engine(out, args.smoke, dtype, "engine-chain", CHAIN)
     if args.device == "cpu" or args.phases_only:  # eager phases timed on the host clock: a CPU measurement
         info["phases"] = phase_times(engine, smoke=args.smoke)
@@ -366,7 +375,8 @@ def main(argv=None) -> int:
                 info["cli"].append({**{k: v for k, v in row.items() if k not in ("outputs", "budgets")}, "level": n})
         save()
     if not args.no_triton:
-        info["triton_server"] = triton_rows(engine, out, levels, tokens, args.smoke, models, budgets,
+        served = {m: engines["DFlash chain"] if m.startswith("chain") else engine for m in models}
+        info["triton_server"] = triton_rows(served, out, levels, tokens, args.smoke, models, budgets,
                                             args.triton_requests)  # fmt: skip
     save()
     print("\n| requests | mode | one at a time (tokens/s) | batched (tokens/s) | batched / one at a time |")

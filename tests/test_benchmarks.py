@@ -245,7 +245,7 @@ def test_concurrency_benchmark_smoke(tmp_path):
     )  # 0: autoregressive steps
     assert all("batched: up to 2 requests a step" in r["mode"] for r in batched)
     assert {(r["model"], r["clients"]) for r in result["triton_server"]} == {
-        (m, c) for m in ("ddtree", "ddtree-batched", "ar", "ar-batched") for c in (1, 2)
+        (m, c) for m in ("ddtree", "ddtree-batched", "ar", "ar-batched", "chain-batched") for c in (1, 2)
     }
 
 
