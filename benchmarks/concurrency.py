@@ -182,8 +182,8 @@ def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: 
     try:
         wait_ready(process, ports[0], out / "server.log", timeout=900)
         texts = prompts(per_client * max(levels), smoke)
+        fixed = [n for n in models if MODELS[n][0] or n.startswith("chain")]  # their requests name no budget
         for clients in levels:
-            fixed = [n for n in models if MODELS[n][0] or n.startswith("chain")]  # the request names no budget
             for name, budget in ((n, b) for n in models for b in ([None] if n in fixed else budgets)):
                 rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget))
                 label = name + (f" ({budget})" if budget else "")
