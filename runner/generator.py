@@ -138,10 +138,11 @@ class Generator:
         form), then one with each budget for the whole batch as an all-`auto` batch steps it (statistics reported)
         and as a batch all at that fixed budget steps it (none), and one autoregressive step (`DECODE`); the `auto`
         ones each under a policy of that one choice, so the batch policy learns nothing from these steps (they
-        include the captures). Requests of different lengths leaving one after another missed
-        slot counts whenever two left at the same step (one H200: the first step at such a count took 110-161 ms, and
-        its time steered the policy). First the admissions of several requests at once (`_warm_group_prefills`)."""
-        from runner.device.budget import DECODE, StepBudgetPolicy
+        include the captures), and an autoregressive step after a tree step. Requests of different lengths leaving
+        one after another missed slot counts whenever two left at the same step (one H200: the first step at such a
+        count took 110-161 ms, and its time steered the policy). First the admissions of several requests at once
+        (`_warm_group_prefills`)."""
+        from runner.device.budget import DECODE, ScriptedPolicy, StepBudgetPolicy
 
         self._warm_group_prefills(params)
         several, budgets = len(self.device_budgets) > 1, self.device_budgets
@@ -156,6 +157,11 @@ class Generator:
                 self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((budget,)))
                 if budget != DECODE:
                     self.generate_many(*batch, budget=budget)
+            # an autoregressive step after a tree step, whose pending context may be a block wide (after a load or
+            # an autoregressive step it is one row at most: the form above; `BatchLoop._decode`): a tree step emits
+            # at most a block, so requests of 2 + block tokens take a second step
+            self.generate_many([prompt] * count, 2 + self.spec.block_size, [params] * count, budget="auto",
+                               batch_policy=ScriptedPolicy((budgets[0], DECODE)))  # fmt: skip
 
     def measure_batch_costs(self, prompt: list[int], params: SamplingParams = GREEDY,
                             rounds: int = 3) -> dict[tuple[int, int], float]:  # fmt: skip

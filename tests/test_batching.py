@@ -679,21 +679,10 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
     requests of different prompts and lengths joining and leaving: every request's tokens are its autoregressive
     ones; after every step each slot's drafter has every committed row but the last step's (its pending context),
     and the draft cache holds what steps that only drafted would have written there."""
-    from runner.device.budget import DECODE, StepBudgetPolicy
+    from runner.device.budget import DECODE, ScriptedPolicy
     from runner.generator import Generator
     from runner.sampling import Sampler, SamplingParams
     from runner.speculate import generate_autoregressive
-
-    class Scripted(StepBudgetPolicy):
-        def __init__(self, script):
-            super().__init__((4, 8, 16), decode=True)
-            self.script = script
-
-        def choose(self, busy=1, count=1):
-            return self.script[self.steps % len(self.script)]
-
-        def record(self, count, budget, seconds, stats):
-            self.steps += 1
 
     spec = SpecConfig(8, 16, extra_budgets=(4, 8))
     reference = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS))
@@ -707,7 +696,7 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
         generator = Generator(ranks)
         generator.policy = object()  # `auto`'s single-request costs are not needed: the batch chooses
         batcher = generator.batcher()
-        batcher.batch_policy = Scripted(script)
+        batcher.batch_policy = ScriptedPolicy(script, budgets=(4, 8, 16))
         loops = ranks.lead.batch.loops
         waiting, members = list(range(len(lengths))), []
         while waiting or batcher.members:
@@ -747,8 +736,9 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     generator, batch = Generator(ranks), ranks.lead.batch
     taken, step = [], batch.step
 
-    def spy(count, idle=(), budget=None, report=True):
-        taken.append((count, budget, report or budget in (None, DECODE)))  # the graph's key (`BatchLoop.step`)
+    def spy(count, idle=(), budget=None, report=True):  # the graph's key (`BatchLoop.step`)
+        narrow = budget == DECODE and not any(loop.wide_context for loop in batch.loops[:count])
+        taken.append((count, budget, report or budget in (None, DECODE), *((narrow,) if budget == DECODE else ())))
         return step(count, idle, budget, report)
 
     batch.step = spy
@@ -762,8 +752,10 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     taken.clear()
     generator._warm_batch(PROMPTS[0], GREEDY)
     generator.measure_batch_costs(PROMPTS[0], GREEDY)  # the GPU warm-up's next call, once for every form
-    forms = {(c, b, True) for c in (1, 2, 3) for b in (DECODE, 4, 8, 16)} | {(2, None, True), (3, None, True)}
+    forms = {(c, b, True) for c in (1, 2, 3) for b in (4, 8, 16)} | {(2, None, True), (3, None, True)}
     forms |= {(c, b, False) for c in (1, 2, 3) for b in (4, 8, 16)}  # a batch all at one fixed budget
+    # autoregressive steps after a load or another such step (their pending context one row) and after a tree step
+    forms |= {(c, DECODE, True, narrow) for c in (1, 2, 3) for narrow in (True, False)}
     assert set(taken) == forms
     # the batch policy, untaught, starts from a cost timed at each slot count of 1, 2 ... and the most, each choice
     policy = generator.batch_policy

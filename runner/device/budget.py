@@ -306,3 +306,19 @@ class StepBudgetPolicy:
         for (count, budget), times in sorted(self.times.items()):
             out.setdefault(count, {"steps": {}, "ms": {}})["ms"][budget] = round(statistics.median(times) * 1e3, 3)
         return out
+
+
+class ScriptedPolicy(StepBudgetPolicy):
+    """The steps of `script` in turn (`DECODE` or a budget; cyclically), learning nothing: how the warm-up takes a
+    given sequence of step forms (`Generator._warm_batch`: a tree step, then an autoregressive one). budgets: the
+    policy's own (what `reports` sees; default the script's)."""
+
+    def __init__(self, script: tuple[int, ...], budgets: tuple[int, ...] | None = None):
+        super().__init__(budgets or tuple({b for b in script if b != DECODE}) or (DECODE,), decode=DECODE in script)
+        self.script = tuple(script)
+
+    def choose(self, busy: int = 1, count: int = 1) -> int:
+        return self.script[self.steps % len(self.script)]
+
+    def record(self, count: int, budget: int, seconds: float | None, stats: list[dict]) -> None:
+        self.steps += 1

@@ -68,6 +68,9 @@ class DeviceLoop:
         self.num_cached = torch.zeros(1, **long)
         self.num_drafted = torch.zeros(1, **long)
         self.context_count = torch.zeros(1, **long)
+        # on the host: whether the pending context may hold more than one row (after a tree step: the accepted
+        # rows; after a load or an autoregressive step of a batch: at most one), `BatchLoop._decode`'s choice
+        self.wide_context = False
         self.bonus = torch.zeros(1, **long)
         self.context = torch.zeros(block, self.drafter.fc.weight.shape[1], dtype=self.cache.latent.dtype, device=device)
         self.masks = torch.full((block - 1,), worker.mask_token_id, **long)
@@ -153,6 +156,7 @@ class DeviceLoop:
             self.prefill_context()
             self.context.zero_()
             self.context_count.fill_(0)
+            self.wide_context = False
         self.num_cached.fill_(self.cache.num_cached)
         self.num_drafted.fill_(self.cache.num_drafted)
         self.bonus.fill_(bonus)
