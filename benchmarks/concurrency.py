@@ -20,8 +20,9 @@ into a TP-1 engine directory (torch backend) and run by what users launch:
    requests in turn (`--triton-requests`; `max_tokens` tokens, no end token; `--triton-budgets`: the DDTree models'
    rows once a request `ddtree_budget` each); aggregate tokens/s over the wall time, per-request latency (median,
    90th percentile, worst) and a request's tokens/s.
-3. In process, a DDTree 32 batched step's phases (draft, tree, verify, accept; the median of 10 steps, eager: on a
-   CPU) at 1 and 8 requests: where a batch's time goes (`--phases-only` runs just this).
+3. In process, a DDTree 32 batched step's phases (draft, tree, verify, accept) and the batch's autoregressive step
+   (a block's drafter context or one row's; the median of 10 steps, eager: on a CPU) at 1, 8 and 16 requests: where
+   a batch's time goes (`--phases-only` runs just this).
 Writes OUT_DIR/concurrency.json; prints markdown tables.
 """
 
@@ -234,8 +235,10 @@ def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per
             "request_tokens_per_s_median": tokens / statistics.median(latencies)}  # fmt: skip
 
 
-def phase_times(engine: Path, batches: tuple[int, ...] = (1, 8), steps: int = 10, smoke: bool = False) -> list[dict]:
-    """Milliseconds per phase of a DDTree 32 batched step (eager, timed around each phase), median of `steps`."""
+def phase_times(engine: Path, batches: tuple[int, ...] = (1, 8, 16), steps: int = 10,
+                smoke: bool = False) -> list[dict]:  # fmt: skip
+    """Milliseconds per phase of a DDTree 32 batched step and of the batch's autoregressive steps (eager, timed
+    around each phase), median of `steps`."""
     import torch
 
     from engines.engine_dir import load_engine_dir
@@ -271,9 +274,13 @@ def phase_times(engine: Path, batches: tuple[int, ...] = (1, 8), steps: int = 10
 
 
 def _phases(step, loops) -> dict:
-    """A batched step's phases (`runner/device/batch.py`), each callable alone."""
+    """A batched step's phases (`runner/device/batch.py`), each callable alone; then an autoregressive step of the
+    batch (`DECODE`, as `auto` takes it) committing a block's drafter context, as after a tree step, and one row's,
+    as after a load or another such step."""
     return {"draft": lambda: step._draft(loops), "tree": lambda: step._trees(loops),
-            "verify": lambda: step._verify(loops), "accept": lambda: step._accept(loops)}  # fmt: skip
+            "verify": lambda: step._verify(loops), "accept": lambda: step._accept(loops),
+            "decode, a block's context": lambda: step._decode(loops, speculative=True),
+            "decode, one row's context": lambda: step._decode(loops, speculative=True, narrow=True)}  # fmt: skip
 
 
 def free_port() -> int:
@@ -343,7 +350,7 @@ def main(argv=None) -> int:
     if "DFlash chain" in modes or (not args.no_triton and any(m.startswith("chain") for m in models)):
         engines["DFlash chain"] = build_engine(out, args.smoke, dtype, "engine-chain", CHAIN)
     if args.device == "cpu" or args.phases_only:  # eager phases timed on the host clock: a CPU measurement
-        info["phases"] = phase_times(engine, smoke=args.smoke)
+        info["phases"] = phase_times(engine, (1, 8) if args.smoke else (1, 8, 16), smoke=args.smoke)
         save()
     if args.phases_only:
         return 0

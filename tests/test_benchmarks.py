@@ -239,6 +239,7 @@ def test_concurrency_benchmark_smoke(tmp_path):
     assert all(len(r["repeats_tokens_per_s"]) == 2 for r in batched)
     assert all(round(r["tokens_per_s"], 2) == min(r["repeats_tokens_per_s"]) for r in batched)
     assert [r["requests"] for r in result["phases"]] == [1, 8] and all(r["verify"] > 0 for r in result["phases"])
+    assert all(r["decode, a block's context"] > 0 and r["decode, one row's context"] > 0 for r in result["phases"])
     auto = [r for r in batched if r["cli_mode"].startswith("DDTree auto")]
     assert (
         auto and set(auto[0]["budgets_chosen"]) <= {"0", "8", "16", "32"} and auto[0]["budgets_chosen"]
