@@ -347,7 +347,8 @@ def main(argv=None) -> int:
     engine = build_engine(out, args.smoke, dtype)
     modes = [] if args.no_cli else [m for m in CLI_MODES if m in args.modes.split(",")]
     engines = {mode: engine for mode in CLI_MODES}
-    if "DFlash chain" in modes or (not args.no_triton and any(m.startswith("chain") for m in models)):
+    chain_rows = "DFlash chain" in modes or (not args.no_triton and any(m.startswith("chain") for m in models))
+    if chain_rows and not args.phases_only:
         engines["DFlash chain"] = build_engine(out, args.smoke, dtype, "engine-chain", CHAIN)
     if args.device == "cpu" or args.phases_only:  # eager phases timed on the host clock: a CPU measurement
         info["phases"] = phase_times(engine, (1, 8) if args.smoke else (1, 8, 16), smoke=args.smoke)
