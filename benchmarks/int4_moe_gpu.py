@@ -67,15 +67,18 @@ def make_weights(config, device, dtype, gen):
     return tensors, shared, router, width
 
 
+def packed_expert_bytes(hidden: int, width: int) -> int:
+    """The packed bytes of one expert: gate, up and down's INT4 words and their bf16 scales (one per GROUP inputs)."""
+    return 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
+
+
 def rows_probe_setup(device, dtype):
     """What the rows-layout probes share: the rank config, its random packed experts (checkpoint and rows layout),
     the packed bytes of one expert (words and scales of gate, up and down) and the ceilings measured now."""
     config = rank_config(False)
     tensors, _, _, width = make_weights(config, device, dtype, torch.Generator().manual_seed(0))
     rows = [repack_rows(t) if t.dtype == torch.int32 else t for t in tensors]
-    hidden = config.hidden_size
-    expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
-    return config, tensors, rows, expert_bytes, measure_ceilings(False)
+    return config, tensors, rows, packed_expert_bytes(config.hidden_size, width), measure_ceilings(False)
 
 
 def routing(kind: str, tokens: int, experts: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +251,7 @@ def main(argv=None) -> int:
     grouped_dtype = torch.bfloat16
     dense = [dequantize_experts(tensors[i], tensors[i + 1], GROUP).to(grouped_dtype) for i in (0, 2, 4)]
     ceilings = measure_ceilings(smoke)
-    expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2  # packed + bf16 scales
+    expert_bytes = packed_expert_bytes(hidden, width)
     fixed_bytes = 3 * hidden * width * 2 + experts * hidden * 2  # shared expert + router, bf16
     ready, layout = prepared(tensors)
     tuning, sweep = DEFAULT_TUNING, []

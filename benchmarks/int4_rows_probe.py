@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment, graph_time_us, measure_ceilings  # noqa: E402
-from benchmarks.int4_moe_gpu import GROUP, make_weights, rank_config, routing  # noqa: E402
+from benchmarks.int4_moe_gpu import GROUP, make_weights, packed_expert_bytes, rank_config, routing  # noqa: E402
 from plugins.int4_moe import kernel  # noqa: E402
 from plugins.int4_moe.kernel import DEFAULT_TUNING, Tuning, int4_moe_cuda, repack_rows  # noqa: E402
 from plugins.int4_moe.reference import int4_moe  # noqa: E402
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     tensors, _, _, width = make_weights(config, device, dtype, gen)
     experts, hidden, k = config.n_routed_experts, config.hidden_size, config.num_experts_per_tok
     ceilings = measure_ceilings(False)
-    expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
+    expert_bytes = packed_expert_bytes(hidden, width)
 
     def case(kind, tokens, seed):
         g = torch.Generator().manual_seed(seed)

@@ -58,7 +58,7 @@ def load_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]
 
 
 def int4_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]]:
-    from benchmarks.int4_moe_gpu import GROUP, make_weights, prepared, rank_config, routing
+    from benchmarks.int4_moe_gpu import GROUP, make_weights, packed_expert_bytes, prepared, rank_config, routing
     from plugins.int4_moe.kernel import DEFAULT_TUNING, int4_moe_cuda
 
     config = rank_config(smoke)
@@ -67,7 +67,7 @@ def int4_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]
     tensors, _, _, width = make_weights(config, device, dtype, gen)
     ready, layout = prepared(tensors)
     hidden, experts, k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
-    expert_bytes = 3 * hidden * width // 2 + 3 * hidden * width // GROUP * 2
+    expert_bytes = packed_expert_bytes(hidden, width)
     forms = []
     for tokens in (1, 33):
         runs, distinct = [], []
@@ -88,7 +88,7 @@ def int4_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]
 def attention_forms(smoke: bool, variants: int) -> list[tuple[str, int, list]]:
     if smoke:
         return []  # the kernel needs a GPU (its CPU check is tests/test_tree_attention_kernel.py)
-    from benchmarks.tree_attention_gpu import LATENT, inputs
+    from benchmarks.tree_attention_gpu import LATENT, bytes_moved, inputs
     from plugins.tree_attention.kernel import tree_attention_cuda
 
     forms = []
@@ -102,9 +102,7 @@ def attention_forms(smoke: bool, variants: int) -> list[tuple[str, int, list]]:
                 tree_attention_cuda(q, cache, length_t, new_kv, mask, 576**-0.5, LATENT, out=out)
 
             runs.append(run)
-        width = LATENT + 64
-        moved = 2 * (length * width + tokens * width + tokens * 8 * width + tokens * 8 * LATENT)
-        forms.append((f"tree attention T={tokens} H=8 S={length}", moved, runs))
+        forms.append((f"tree attention T={tokens} H=8 S={length}", bytes_moved(tokens, 8, length), runs))
     return forms
 
 
