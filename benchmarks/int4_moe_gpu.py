@@ -162,6 +162,10 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
         "grouped_mm_bf16_us": lambda: grouped_bf16(gx, ids, weights, dense),
         "dequantize_then_grouped_us": lambda: dequantize_then_grouped(gx, ids, weights, tensors),
     }
+    if layout == "rows" and x.shape[0] == 1:  # one token: the Triton CUDA-core form beside the CUDA C kernels
+        triton_token = replace(tuning, token_kernel="triton")
+        forms["token_triton_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=triton_token,
+                                                         layout=layout)  # fmt: skip
     if layout == "rows":
         tensor_cores = replace(tuning, gemv_tokens=0)
         forms["rows_tensor_cores_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tensor_cores,
@@ -272,6 +276,10 @@ def main(argv=None) -> int:
             error = max(error, float((tuned - want).norm() / want.norm()))
             fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tuning, layout=layout).float()
             error = max(error, float((fast - want).norm() / want.norm()))
+            if layout == "rows" and tokens == 1:  # the Triton form of one token too, where the CUDA C one ran
+                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=replace(tuning, token_kernel="triton"),
+                                     layout=layout).float()  # fmt: skip
+                error = max(error, float((fast - want).norm() / want.norm()))
             if layout == "rows":  # the tensor-core form too, where the CUDA-core one ran above
                 fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=replace(tuning, gemv_tokens=0),
                                      layout=layout).float()  # fmt: skip

@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -69,7 +70,9 @@ def int4_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]
     hidden, experts, k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
     expert_bytes = packed_expert_bytes(hidden, width)
     forms = []
-    for tokens in (1, 33):
+    triton_token = replace(DEFAULT_TUNING, token_kernel="triton")
+    for tokens, tuning, name in ((1, DEFAULT_TUNING, "CUDA C"), (1, triton_token, "Triton"),
+                                 (33, DEFAULT_TUNING, "tensor cores")):  # fmt: skip
         runs, distinct = [], []
         for _ in range(variants):  # random routing each: other experts (T = 1: 8 of 384)
             ids, weights = routing("random", tokens, experts, k, gen)
@@ -77,11 +80,11 @@ def int4_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]
             x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
             distinct.append(int(ids.unique().numel()))
 
-            def run(x=x, ids=ids, weights=weights):
-                return int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=DEFAULT_TUNING, layout=layout)
+            def run(x=x, ids=ids, weights=weights, tuning=tuning):
+                return int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tuning, layout=layout)
 
             runs.append(run)
-        forms.append((f"int4 MoE kernel T={tokens} (routed experts)", distinct[0] * expert_bytes, runs))
+        forms.append((f"int4 MoE kernel T={tokens}, {name} (routed experts)", distinct[0] * expert_bytes, runs))
     return forms
 
 

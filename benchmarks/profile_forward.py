@@ -8,6 +8,8 @@ with the GPU's idle time between consecutive kernels (by the pair of kernels it 
         [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
         [--compare-overlap]   (also: each target forward on one stream, with the MoE's shared expert on a side
                                stream, and with MLA's latent row there too (`models/streams.py`); outputs compared)
+        [--compare-token-kernel]  (also: the one-token target forward with each form of the INT4 experts' one-token
+                               kernel, `Tuning.token_kernel`: CUDA C and Triton; outputs compared)
 
 The modules are rank 0's, built by the rank factory (the forms the CLI runs). Writes OUT_DIR/profile_forward.json
 and prints the top kernels.
@@ -140,6 +142,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-capacities", action="store_true", help="the drafter against its cache's capacity")
     parser.add_argument("--compare-overlap", action="store_true", help="each target forward also on one stream, and "
                         "with only the MoE's branch on the side stream (GPU)")  # fmt: skip
+    parser.add_argument("--compare-token-kernel", action="store_true", help="the one-token forward with each form "
+                        "of the INT4 one-token kernel (kimi-rank-int4, GPU)")  # fmt: skip
     parser.add_argument("--cache-length", type=int, default=256, help="cached rows the target forwards attend to "
                         "(random latent rows; the capacity holds them): long context's share of attention")  # fmt: skip
     add_setup_args(parser)
@@ -206,6 +210,8 @@ def main(argv=None) -> int:
             if name.startswith("target") and not smoke:
                 print(f"  attention (TreeAttention kernels) {attention:.1f} us of {prof['kernel_us']:.1f} us in "
                       f"kernels at {length} cached rows", flush=True)  # fmt: skip
+            if name == "target T=1" and args.compare_token_kernel:
+                results["forwards"][name]["token_kernel"] = token_kernel_forms(fn, device, smoke)
             if name.startswith("target") and args.compare_overlap:
                 results["forwards"][name]["side_stream"] = side_stream_forms(target, fn, device, smoke)
 
@@ -226,6 +232,34 @@ def main(argv=None) -> int:
     generator.ranks.close()
     (args.out_dir / "profile_forward.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def token_kernel_forms(fn, device, smoke: bool) -> dict:
+    """The one-token forward `fn` with each form of the INT4 experts' one-token kernel (`Tuning.token_kernel`, read
+    at each call, so each form is captured in its own graph): replay time, back-to-back time, kernels, and the
+    output's largest difference from the default form's (the two forms sum in different orders)."""
+    from dataclasses import replace
+
+    from plugins.int4_moe import kernel
+
+    default = kernel.DEFAULT_TUNING
+    reference = fn()[0].float().clone()
+    rows = {}
+    try:
+        for form in ("cuda", "triton"):
+            kernel.DEFAULT_TUNING = replace(default, token_kernel=form)
+            out = fn()[0].float()
+            rows[form] = {"graph_us": graph_time_us(fn, device, smoke),
+                          "max_abs_diff": float((out - reference).abs().max()),
+                          "relative_diff": float((out - reference).norm() / reference.norm().clamp_min(1e-30))}
+            if not smoke:
+                prof = replay_profile(fn, device)
+                rows[form].update({k: prof[k] for k in ("kernels", "kernel_us", "idle_us", "back_to_back_us")})
+            print(f"  INT4 one-token kernel {form}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[form].items()),
+                  flush=True)  # fmt: skip
+    finally:
+        kernel.DEFAULT_TUNING = default
+    return rows
 
 
 def side_stream_forms(target, fn, device, smoke: bool) -> dict:

@@ -354,3 +354,50 @@ def test_w4a16_cuda_core_form_matches_reference_under_the_interpreter():
     done = run_interpreted(script, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert float(done.stdout.split()[-1]) < TOLERANCE
+
+
+@pytest.mark.parametrize("k, width", [(8, 128), (4, 256)])
+def test_cuda_token_kernels_algorithm_matches_reference(k, width):
+    """The CUDA token kernels' computation (`token_cuda.algorithm`: the same 16-byte chunks a lane reads, the same
+    nibbles, groups, act and butterfly, in torch) against the reference on the rows layout's words, bfloat16 token
+    and scales as Kimi K2.x runs them; two lanes a pair (k = 8: four; k = 4: eight lanes, one chunk each). The
+    compiled kernels are checked against the same reference on a GPU (`test_cuda_token_kernels_on_a_gpu`)."""
+    from plugins.int4_moe import token_cuda
+    from plugins.int4_moe.kernel import Int4MoEKernel
+
+    hidden, group = 1024, 32
+    assert token_cuda.fits(hidden, width, group, k) and not token_cuda.fits(hidden + 32, width, group, k)
+    tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in random_experts(12, hidden, width, group, 0)]
+    words, layout = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
+    ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
+    x = torch.randn(1, hidden).to(torch.bfloat16)
+    ids, weights = random_routing(1, 12, k, seed=3)
+    got = token_cuda.algorithm(x, ids, weights, *ready, group)
+    want = int4_moe(x.float(), ids, weights, *(t.float() if t.is_floating_point() else t for t in tensors), group)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, hidden)
+    assert rel(got.float(), want) < 1e-2  # bfloat16 act and output (8 bits): about 4e-3
+    # a mistaken chunk, nibble or group in the algorithm shows: the same words read in the checkpoint's order
+    assert rel(token_cuda.algorithm(x, ids, weights, tensors[0], tensors[1], tensors[2], tensors[3], tensors[4],
+                                    tensors[5], group).float(), want) > 0.5  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NVRTC compiles the kernels)")
+def test_cuda_token_kernels_on_a_gpu():
+    """The compiled kernels against the reference and against their algorithm, at Kimi K2.x's per-rank TP-8
+    dimensions (hidden 7168, width 256, top-8 of 384 experts, groups of 32) and int64 and int32 expert ids."""
+    from plugins.int4_moe import token_cuda
+    from plugins.int4_moe.kernel import Int4MoEKernel
+
+    hidden, width, group, experts = 7168, 256, 32, 24
+    tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t
+               for t in random_experts(experts, hidden, width, group, 0)]  # fmt: skip
+    words, _ = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
+    ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
+    for seed, id_dtype in ((1, torch.int64), (2, torch.int32)):
+        x = torch.randn(1, hidden).to(torch.bfloat16)
+        ids, weights = random_routing(1, experts, 8, seed=seed)
+        want = int4_moe(x.float(), ids, weights, *(t.float() if t.is_floating_point() else t for t in tensors), group)
+        got = token_cuda.int4_moe_token(x.cuda(), ids.to(id_dtype).cuda(), weights.cuda(),
+                                        *(t.cuda() for t in ready), group).cpu()  # fmt: skip
+        assert rel(got.float(), want) < 1e-2
+        assert rel(got.float(), token_cuda.algorithm(x, ids, weights, *ready, group).float()) < 1e-2

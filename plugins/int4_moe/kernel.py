@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.int4_moe import token_cuda
+
 ROUTE_MAX_PAIRS = 1024  # one routing program sorts up to this many (token, expert) pairs
 MAGIC = tl.constexpr(0x4B000000)  # the bits of 2^23 as float32: (nibble | MAGIC) read as float32 is 2^23 + nibble
 MAGIC_BIAS = tl.constexpr(8388616.0)  # 2^23 + 8: subtracting it leaves (nibble - 8) with no int-to-float convert
@@ -74,6 +76,9 @@ class Tuning:
     cuda_core_block: int = 2  # pairs of one expert a CUDA-core block multiplies at once (blocks of 1 narrower)
     cuda_core_down_n: int = 128  # rows a CUDA-core down program computes for a block (one token: `gemv_down_n`)
     rows_split: int | None = None  # K splits of the rows tensor-core form; None: what the chosen experts need
+    # one bfloat16 token in the rows layout: "cuda" (`token_cuda`: CUDA C compiled by NVRTC at first use, every load
+    # of a row issued before its first multiply) or "triton" (the CUDA-core form above)
+    token_kernel: str = "cuda"
 
 
 # the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
@@ -839,11 +844,13 @@ def int4_moe_cuda(
     group_size: int,
     out: torch.Tensor | None = None,
     stream: torch.cuda.Stream | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
+    tuning: Tuning | None = None,
     layout: str = "compressed-tensors",
 ) -> torch.Tensor:
     """The contract of `reference.int4_moe`; runs on any device Triton runs on (the interpreter included).
-    layout "rows": the packed words were reordered by `repack_rows` (the scales are unchanged)."""
+    layout "rows": the packed words were reordered by `repack_rows` (the scales are unchanged). tuning None: the
+    module's `DEFAULT_TUNING` at the time of the call."""
+    tuning = DEFAULT_TUNING if tuning is None else tuning
     tokens, hidden = x.shape
     experts, width, _ = gate_packed.shape
     if group_size % 8 or hidden % group_size or width % group_size:
@@ -855,6 +862,11 @@ def int4_moe_cuda(
                          f"{group_size}")  # fmt: skip
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         x = x.contiguous()
+        token = layout == "rows" and tokens == 1 and tuning.token_kernel == "cuda"
+        if token and _token_cuda_fits(x, gate_scale, down_scale, expert_ids, group_size, width):
+            result = token_cuda.int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed,
+                                               up_scale, down_packed, down_scale, group_size)  # fmt: skip
+            return result if out is None else out.copy_(result)
         if (layout == "rows" and tokens <= tuning.gemv_tokens and expert_ids.numel() <= ROUTE_MAX_PAIRS
                 and gemv_fits(hidden, width, group_size)):  # fmt: skip
             result = _rows_cuda_cores(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale,
@@ -868,6 +880,12 @@ def int4_moe_cuda(
                         up_scale, down_packed, down_scale, group_size, routed, precision, tuning)  # fmt: skip
         result = routed.view(tokens, -1, hidden).sum(dim=1)
         return result.to(x.dtype) if out is None else out.copy_(result)
+
+
+def _token_cuda_fits(x, gate_scale, down_scale, expert_ids, group_size: int, width: int) -> bool:
+    """Whether `token_cuda` takes this call: one bfloat16 token on a CUDA device, bfloat16 scales, its dimensions."""
+    return (x.is_cuda and x.dtype == gate_scale.dtype == down_scale.dtype == torch.bfloat16
+            and token_cuda.fits(x.shape[1], width, group_size, expert_ids.shape[-1]))  # fmt: skip
 
 
 def _k_split(programs: int, total: int, block: int, device: torch.device, per_sm: int,

@@ -1,0 +1,280 @@
+"""One token's W4A16 MoE in CUDA C (a decode's routed experts): two kernels compiled at first use by NVRTC.
+
+A decode step's token chooses k distinct experts, so each chosen expert's packed words are read exactly once and the
+work is a GEMV: the time is the time to stream the bytes. The Triton forms issue their loads a tile at a time and
+read one token's gate and up words at no better than 2.6x the copy rate (BENCHMARKS.md, section 8); here every lane
+issues all of its row's 16-byte loads before its first multiply, so each SM keeps about 100 KB in flight.
+
+Layout: the "rows" words (`kernel.repack_rows`: nibble j of word w holds input j * words + w), scales bfloat16,
+x bfloat16, routing weights float32, expert ids int32 or int64 (the router's, read as they come).
+
+1. `gate_up` (block: 8 warps; warp: one (pair, row) of gate and the same row of up). The token's x is staged in
+   shared memory as float32 after the warp's loads are issued. Lane l reads 16-byte chunks l, l + 32, ... of each
+   row (words 4c .. 4c + 3 of chunk c). Nibble j of those four words holds inputs j * words + 4c .. + 3, all in
+   one group (group | 4, 4 | words), so a lane sums four products (value - 8, exact in float32 by the exponent bias
+   trick: `_unpack`) and adds them times the group's scale. The warp's lanes are summed by a butterfly (a fixed
+   order); lane 0 writes silu(gate) * up of the row, rounded to bfloat16, into act [k, width].
+2. `down` (block: 8 warps; warp: ROWS output rows). Lane l takes expert l / (32 / k) and a slice of its act
+   (words of that slice, every nibble: 8 x slice-words inputs), held in registers for all of the warp's rows; per
+   row it loads its slice's words (16 bytes at a time) and the slice's scales, sums, multiplies by its pair's
+   routing weight; the butterfly sums experts and slices; lane 0 writes the row in bfloat16.
+
+`algorithm` is the same computation in torch, lane by lane (the same chunks, nibbles, groups and butterfly), so the
+kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py); a GPU test checks the
+compiled kernels themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LANES = 32
+WARPS = 8  # warps a block, both kernels
+DOWN_ROWS = 4  # output rows a down warp computes
+
+SOURCE = r"""
+typedef unsigned short bf16;
+typedef IDS_T id_t;
+
+__device__ __forceinline__ float from_bf16(bf16 h) { return __int_as_float(((unsigned)h) << 16); }
+
+__device__ __forceinline__ bf16 to_bf16(float f) {  // round to nearest even (finite values)
+    unsigned u = __float_as_uint(f);
+    return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// nibble J of a word as (value - 8), exactly: the nibble sits at bit P (8, 12 or 16) of the word, of the word << 8
+// (`lo`) or of the word >> 12 (`hi`); or-ed under the exponent of 2^(23 - P) it reads as 2^(23 - P) + value. Two
+// shifts a word (shared by its eight nibbles), then one lop3 and one add a nibble.
+template <int J>
+__device__ __forceinline__ float unpack(unsigned lo, unsigned word, unsigned hi) {
+    constexpr int P = J == 0 || J == 2 || J == 5 ? 8 : (J == 1 || J == 3 || J == 6 ? 12 : 16);
+    const unsigned src = J < 2 ? lo : (J < 5 ? word : hi);
+    return __uint_as_float((src & (0xFu << P)) | ((150u - P) << 23)) - (float)((1 << (23 - P)) + 8);
+}
+
+template <int J>
+__device__ __forceinline__ float nibble_dot(uint4 w, float4 x) {
+    float s = unpack<J>(w.x << 8, w.x, w.x >> 12) * x.x;
+    s = fmaf(unpack<J>(w.y << 8, w.y, w.y >> 12), x.y, s);
+    s = fmaf(unpack<J>(w.z << 8, w.z, w.z >> 12), x.z, s);
+    return fmaf(unpack<J>(w.w << 8, w.w, w.w >> 12), x.w, s);
+}
+
+// sum of j's products for J = 0 .. 7, the loops unrolled (a template argument for each nibble)
+#define FOR_NIBBLES(BODY) BODY(0) BODY(1) BODY(2) BODY(3) BODY(4) BODY(5) BODY(6) BODY(7)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+gate_up(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint4* __restrict__ gate_p,
+        const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
+        bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
+    __shared__ __align__(16) float xs[HIDDEN];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row_id = blockIdx.x * WARPS + warp;  // < TOP_K * WIDTH (the grid is exact)
+    const int pair = row_id / WIDTH, row = row_id % WIDTH;
+    const long long e = (long long)ids[pair];
+    const long long p_off = (e * p_stride_e + (long long)row * p_stride_r) / 4;  // in 16-byte chunks
+    const long long s_off = e * s_stride_e + (long long)row * s_stride_r;
+    uint4 g[CHUNKS], u[CHUNKS];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        g[c] = __ldg(gate_p + p_off + lane + 32 * c);
+        u[c] = __ldg(up_p + p_off + lane + 32 * c);
+    }
+    for (int i = threadIdx.x; i < HIDDEN / 2; i += 32 * WARPS) {
+        unsigned two = __ldg((const unsigned*)x + i);
+        xs[2 * i] = __uint_as_float(two << 16);
+        xs[2 * i + 1] = __uint_as_float(two & 0xFFFF0000u);
+    }
+    __syncthreads();
+    float acc_g = 0.0f, acc_u = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int w = 4 * (lane + 32 * c);
+#define GATE_UP(J) {                                                                                            \
+            const int input = J * WORDS_IN + w;                                                                      \
+            const float4 xv = *(const float4*)(xs + input);                                                          \
+            acc_g = fmaf(from_bf16(__ldg(gate_s + s_off + input / GROUP)), nibble_dot<J>(g[c], xv), acc_g);          \
+            acc_u = fmaf(from_bf16(__ldg(up_s + s_off + input / GROUP)), nibble_dot<J>(u[c], xv), acc_u); }
+        FOR_NIBBLES(GATE_UP)
+#undef GATE_UP
+    }
+    acc_g = warp_sum(acc_g);
+    acc_u = warp_sum(acc_u);
+    if (lane == 0) act[pair * WIDTH + row] = to_bf16(acc_g / (1.0f + __expf(-acc_g)) * acc_u);
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __restrict__ weights,
+     const uint4* __restrict__ down_p, const bf16* __restrict__ down_s, bf16* __restrict__ out, int p_stride_e,
+     int p_stride_r, int s_stride_e, int s_stride_r) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int pair = lane / LANES_PER_PAIR, part = lane % LANES_PER_PAIR;
+    const long long e = (long long)ids[pair];
+    const int row0 = (blockIdx.x * WARPS + warp) * ROWS;
+    const int w0 = part * WORDS_PER_LANE;  // the lane's first word of each row
+    uint4 q[ROWS][CHUNKS_PER_LANE];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const long long p_off = (e * p_stride_e + (long long)min(row0 + r, HIDDEN - 1) * p_stride_r + w0) / 4;
+#pragma unroll
+        for (int c = 0; c < CHUNKS_PER_LANE; ++c) q[r][c] = __ldg(down_p + p_off + c);
+    }
+    float a[8][WORDS_PER_LANE];  // the lane's act inputs: nibble j of word w0 + i is input j * WORDS_W + w0 + i
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int i = 0; i < WORDS_PER_LANE; ++i) a[j][i] = from_bf16(act[pair * WIDTH + j * WORDS_W + w0 + i]);
+    const float weight = weights[pair];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int row = row0 + r;
+        const long long s_off = e * s_stride_e + (long long)min(row, HIDDEN - 1) * s_stride_r;
+        float acc = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CHUNKS_PER_LANE; ++c) {
+#define DOWN(J) {                                                                                               \
+                const float4 av = make_float4(a[J][4 * c], a[J][4 * c + 1], a[J][4 * c + 2], a[J][4 * c + 3]);       \
+                const float s = from_bf16(__ldg(down_s + s_off + (J * WORDS_W + w0 + 4 * c) / GROUP));              \
+                acc = fmaf(s, nibble_dot<J>(q[r][c], av), acc); }
+            FOR_NIBBLES(DOWN)
+#undef DOWN
+        }
+        acc = warp_sum(acc * weight);
+        if (lane == 0 && row < HIDDEN) out[row] = to_bf16(acc);
+    }
+}
+"""
+
+
+def fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
+    """The shapes the kernels take: 32 lanes of 16-byte chunks across a row's input words; each chunk's four words
+    in one group for every nibble; k dividing 32, each of a pair's lanes a whole number of chunks of down's words."""
+    words_in, words_w = hidden // 8, width // 8
+    if hidden % group_size or width % group_size or group_size % 4 or words_in % (4 * LANES):
+        return False
+    if top_k < 1 or LANES % top_k:
+        return False
+    return words_w % (4 * (LANES // top_k)) == 0 and hidden <= 12288  # x as float32 in 48 KB of shared memory
+
+
+def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype) -> dict[str, str]:
+    words_in, words_w = hidden // 8, width // 8
+    per_pair = LANES // top_k
+    return {
+        "HIDDEN": hidden, "WIDTH": width, "GROUP": group_size, "TOP_K": top_k, "WARPS": WARPS, "ROWS": DOWN_ROWS,
+        "WORDS_IN": words_in, "WORDS_W": words_w, "CHUNKS": words_in // (4 * LANES), "LANES_PER_PAIR": per_pair,
+        "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
+        "IDS_T": "long long" if ids_dtype == torch.int64 else "int",
+    }  # fmt: skip
+
+
+_COMPILED: dict[tuple, tuple] = {}
+
+
+def _kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype):
+    """(gate_up, down) compiled for these dimensions on this device's architecture, once a process."""
+    key = (device, hidden, width, group_size, top_k, ids_dtype)
+    if key not in _COMPILED:
+        defines = _defines(hidden, width, group_size, top_k, ids_dtype)
+        source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
+        major, minor = torch.cuda.get_device_capability(device)
+        with torch.cuda.device(device):
+            _COMPILED[key] = tuple(
+                torch.cuda._compile_kernel(source, name, compute_capability=f"{major}{minor}",
+                                           nvcc_options=["-std=c++17", "--use_fast_math"])  # fmt: skip
+                for name in ("gate_up", "down")
+            )
+    return _COMPILED[key]
+
+
+def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed,
+                   down_scale, group_size: int) -> torch.Tensor:  # fmt: skip
+    """`reference.int4_moe` for one bfloat16 token on a CUDA device, the words in the "rows" layout: [1, hidden]."""
+    tokens, hidden = x.shape
+    width, top_k = gate_packed.shape[1], expert_ids.shape[-1]
+    if tokens != 1 or x.dtype != torch.bfloat16 or not fits(hidden, width, group_size, top_k):
+        raise ValueError(f"the CUDA token kernels take one bfloat16 token at dimensions `fits` accepts: got x "
+                         f"{tuple(x.shape)} {x.dtype}, width {width}, group {group_size}, k {top_k}")  # fmt: skip
+    for t in (gate_packed, up_packed, down_packed, gate_scale, up_scale, down_scale):
+        if t.stride(-1) != 1 or t.dtype not in (torch.int32, torch.bfloat16):
+            raise ValueError(f"the CUDA token kernels need rows of contiguous int32 words and bfloat16 scales: got "
+                             f"{t.dtype} with strides {t.stride()}")  # fmt: skip
+    ids = expert_ids.reshape(-1)
+    ids = ids if ids.dtype in (torch.int32, torch.int64) and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
+    gate_up, down = _kernels(x.device, hidden, width, group_size, top_k, ids.dtype)
+    act = torch.empty((top_k, width), dtype=torch.bfloat16, device=x.device)
+    out = torch.empty_like(x)
+    gate_up(grid=(top_k * width // WARPS, 1, 1), block=(LANES * WARPS, 1, 1),
+            args=[x.contiguous(), ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
+                  gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)])  # fmt: skip
+    down(grid=(-(-hidden // (WARPS * DOWN_ROWS)), 1, 1), block=(LANES * WARPS, 1, 1),
+         args=[act, ids, weights, down_packed, down_scale, out, down_packed.stride(0), down_packed.stride(1),
+               down_scale.stride(0), down_scale.stride(1)])  # fmt: skip
+    return out
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """[..., 4] int32 words -> [..., 8 nibbles j, 4 words] float32 (value - 8), as `unpack` reads them."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    return (((words.unsqueeze(-2) >> shifts[:, None]) & 0xF) - 8).to(torch.float32)
+
+
+def _butterfly(values: torch.Tensor) -> torch.Tensor:
+    """The sum over the last dimension (32 lanes) in `warp_sum`'s order: every lane ends with the same total."""
+    lanes = torch.arange(LANES)
+    for m in (16, 8, 4, 2, 1):
+        values = values + values[..., lanes ^ m]
+    return values[..., 0]
+
+
+def _to_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16)
+
+
+def algorithm(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
+              group_size: int) -> torch.Tensor:  # fmt: skip
+    """The kernels' computation in torch, lane by lane (CPU; float32 sums, bfloat16 act and output)."""
+    hidden, width, top_k = x.shape[1], gate_packed.shape[1], expert_ids.shape[-1]
+    words_in, words_w = hidden // 8, width // 8
+    ids, weights = expert_ids.reshape(-1).long(), expert_weights.reshape(-1).float()
+    xs = x[0].float()
+    lanes, chunks = torch.arange(LANES), words_in // (4 * LANES)
+    act = torch.empty(top_k, width, dtype=torch.bfloat16)
+    for pair in range(top_k):
+        e = int(ids[pair])
+        sums = []
+        for packed, scale in ((gate_packed, gate_scale), (up_packed, up_scale)):
+            acc = torch.zeros(width, LANES)
+            for c in range(chunks):
+                w = 4 * (lanes + LANES * c)  # [lanes]: each lane's first word of chunk c
+                words = packed[e][:, w[:, None] + torch.arange(4)]  # [rows, lanes, 4]
+                for j in range(8):
+                    inputs = j * words_in + w[:, None] + torch.arange(4)  # [lanes, 4]
+                    dot = (_nibbles(words)[:, :, j] * xs[inputs]).sum(-1)  # [rows, lanes]
+                    acc = acc + scale[e][:, (j * words_in + w) // group_size].float() * dot
+            sums.append(_butterfly(acc))
+        g, u = sums
+        act[pair] = _to_bf16(g / (1.0 + torch.exp(-g)) * u)
+    per_pair = LANES // top_k
+    per_lane = words_w // per_pair
+    acc = torch.zeros(hidden, LANES)
+    for lane in range(LANES):
+        pair, part = divmod(lane, per_pair)
+        e, w0 = int(ids[pair]), part * per_lane
+        lane_acc = torch.zeros(hidden)
+        for c in range(per_lane // 4):
+            words = down_packed[e][:, w0 + 4 * c : w0 + 4 * c + 4]  # [hidden, 4]
+            for j in range(8):
+                inputs = j * words_w + w0 + 4 * c + torch.arange(4)
+                dot = (_nibbles(words)[:, j] * act[pair, inputs].float()).sum(-1)
+                lane_acc = lane_acc + down_scale[e][:, (j * words_w + w0 + 4 * c) // group_size].float() * dot
+        acc[:, lane] = lane_acc * weights[pair]
+    return _to_bf16(_butterfly(acc))[None]
