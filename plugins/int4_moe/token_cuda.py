@@ -31,6 +31,7 @@ import torch
 LANES = 32
 WARPS = 8  # warps a block, both kernels
 DOWN_ROWS = 4  # output rows a down warp computes
+RPB = 2  # gate/up row pairs a `gate_up_split` block computes
 
 SOURCE = r"""
 typedef unsigned short bf16;
@@ -110,6 +111,57 @@ gate_up(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint4* _
     if (lane == 0) act[pair * WIDTH + row] = to_bf16(acc_g / (1.0f + __expf(-acc_g)) * acc_u);
 }
 
+// gate and up with the K dimension split over the block's warps: warp c reads chunk c (16 bytes a lane) of each of
+// the block's RPB row pairs, its x slice held in registers for all of them; the warps' sums meet in shared memory and
+// are added in chunk order.
+extern "C" __global__ void __launch_bounds__(32 * CHUNKS)
+gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint4* __restrict__ gate_p,
+              const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
+              bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
+    __shared__ float part[RPB][CHUNKS][2];
+    const int lane = threadIdx.x & 31, c = threadIdx.x >> 5;
+    const int row_id = blockIdx.x * RPB;  // RPB | WIDTH: the block's rows are rows of one pair
+    const int pair = row_id / WIDTH, row0 = row_id % WIDTH;
+    const long long e = (long long)ids[pair];
+    const int w = 4 * (lane + 32 * c);
+    uint4 g[RPB], u[RPB];
+#pragma unroll
+    for (int r = 0; r < RPB; ++r) {
+        const long long p_off = (e * p_stride_e + (long long)(row0 + r) * p_stride_r + w) / 4;
+        g[r] = __ldg(gate_p + p_off);
+        u[r] = __ldg(up_p + p_off);
+    }
+    float4 xv[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const uint2 two = __ldg((const uint2*)(x + j * WORDS_IN + w));
+        xv[j] = make_float4(__uint_as_float(two.x << 16), __uint_as_float(two.x & 0xFFFF0000u),
+                            __uint_as_float(two.y << 16), __uint_as_float(two.y & 0xFFFF0000u));
+    }
+#pragma unroll
+    for (int r = 0; r < RPB; ++r) {
+        const long long s_off = e * s_stride_e + (long long)(row0 + r) * s_stride_r;
+        float acc_g = 0.0f, acc_u = 0.0f;
+#define GATE_UP(J) {                                                                                                \
+        const int group = (J * WORDS_IN + w) / GROUP;                                                                \
+        acc_g = fmaf(from_bf16(__ldg(gate_s + s_off + group)), nibble_dot<J>(g[r], xv[J]), acc_g);                    \
+        acc_u = fmaf(from_bf16(__ldg(up_s + s_off + group)), nibble_dot<J>(u[r], xv[J]), acc_u); }
+        FOR_NIBBLES(GATE_UP)
+#undef GATE_UP
+        acc_g = warp_sum(acc_g);
+        acc_u = warp_sum(acc_u);
+        if (lane == 0) { part[r][c][0] = acc_g; part[r][c][1] = acc_u; }
+    }
+    __syncthreads();
+    if (threadIdx.x < RPB) {
+        const int r = threadIdx.x;
+        float sg = 0.0f, su = 0.0f;
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) { sg += part[r][k][0]; su += part[r][k][1]; }
+        act[pair * WIDTH + row0 + r] = to_bf16(sg / (1.0f + __expf(-sg)) * su);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __restrict__ weights,
      const uint4* __restrict__ down_p, const bf16* __restrict__ down_s, bf16* __restrict__ out, int p_stride_e,
@@ -130,7 +182,13 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int i = 0; i < WORDS_PER_LANE; ++i) a[j][i] = from_bf16(act[pair * WIDTH + j * WORDS_W + w0 + i]);
+        for (int i = 0; i < WORDS_PER_LANE; i += 4) {
+            const uint2 two = *(const uint2*)(act + pair * WIDTH + j * WORDS_W + w0 + i);
+            a[j][i] = __uint_as_float(two.x << 16);
+            a[j][i + 1] = __uint_as_float(two.x & 0xFFFF0000u);
+            a[j][i + 2] = __uint_as_float(two.y << 16);
+            a[j][i + 3] = __uint_as_float(two.y & 0xFFFF0000u);
+        }
     const float weight = weights[pair];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -141,7 +199,8 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
         for (int c = 0; c < CHUNKS_PER_LANE; ++c) {
 #define DOWN(J) {                                                                                               \
                 const float4 av = make_float4(a[J][4 * c], a[J][4 * c + 1], a[J][4 * c + 2], a[J][4 * c + 3]);       \
-                const float s = from_bf16(__ldg(down_s + s_off + (J * WORDS_W + w0 + 4 * c) / GROUP));              \
+                const float s = from_bf16(__ldg(down_s + s_off + (ONE_GROUP ? (J * WORDS_W + w0) / GROUP              \
+                                                                             : (J * WORDS_W + w0 + 4 * c) / GROUP)));  \
                 acc = fmaf(s, nibble_dot<J>(q[r][c], av), acc); }
             FOR_NIBBLES(DOWN)
 #undef DOWN
@@ -161,7 +220,7 @@ def fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
         return False
     if top_k < 1 or LANES % top_k:
         return False
-    return words_w % (4 * (LANES // top_k)) == 0 and hidden <= 12288  # x as float32 in 48 KB of shared memory
+    return words_w % (4 * (LANES // top_k)) == 0 and width % RPB == 0 and hidden <= 12288  # x in 48 KB of shared
 
 
 def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype) -> dict[str, str]:
@@ -171,27 +230,53 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "HIDDEN": hidden, "WIDTH": width, "GROUP": group_size, "TOP_K": top_k, "WARPS": WARPS, "ROWS": DOWN_ROWS,
         "WORDS_IN": words_in, "WORDS_W": words_w, "CHUNKS": words_in // (4 * LANES), "LANES_PER_PAIR": per_pair,
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
-        "IDS_T": "long long" if ids_dtype == torch.int64 else "int",
+        "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB,
+        # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
+        "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
 
 
-_COMPILED: dict[tuple, tuple] = {}
+_COMPILED: dict[tuple, dict] = {}
+GATE_FORM = "gate_up_split"  # or "gate_up" (a warp a row pair, x staged in shared memory)
 
 
-def _kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype):
-    """(gate_up, down) compiled for these dimensions on this device's architecture, once a process."""
-    key = (device, hidden, width, group_size, top_k, ids_dtype)
+def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
+            **overrides) -> dict:  # fmt: skip
+    """{name: kernel} compiled for these dimensions on this device's architecture, once a process; `overrides`
+    replace launch constants (WARPS, ROWS, RPB: `benchmarks/int4_token_probe.py` times them)."""
+    key = (device, hidden, width, group_size, top_k, ids_dtype, tuple(sorted(overrides.items())))
     if key not in _COMPILED:
-        defines = _defines(hidden, width, group_size, top_k, ids_dtype)
+        defines = {**_defines(hidden, width, group_size, top_k, ids_dtype), **overrides}
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
-            _COMPILED[key] = tuple(
-                torch.cuda._compile_kernel(source, name, compute_capability=f"{major}{minor}",
-                                           nvcc_options=["-std=c++17", "--use_fast_math"])  # fmt: skip
-                for name in ("gate_up", "down")
-            )
+            _COMPILED[key] = {
+                name: torch.cuda._compile_kernel(source, name, compute_capability=f"{major}{minor}",
+                                                 nvcc_options=["-std=c++17", "--use_fast_math"])  # fmt: skip
+                for name in ("gate_up", "gate_up_split", "down")
+            }
     return _COMPILED[key]
+
+
+def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, out, group_size,
+           gate_form: str = GATE_FORM, **overrides) -> None:  # fmt: skip
+    """The two launches into `act` [k, width] and `out` [1, hidden] (ids and weights flat, as `int4_moe_token`
+    prepares them)."""
+    hidden, width, top_k = x.shape[1], gate_packed.shape[1], ids.numel()
+    compiled = kernels(x.device, hidden, width, group_size, top_k, ids.dtype, **overrides)
+    defines = {**_defines(hidden, width, group_size, top_k, ids.dtype), **overrides}
+    gate_args = [x, ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
+                 gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
+    if gate_form == "gate_up_split":
+        compiled[gate_form](grid=(top_k * width // defines["RPB"], 1, 1), block=(LANES * defines["CHUNKS"], 1, 1),
+                            args=gate_args)  # fmt: skip
+    else:
+        compiled[gate_form](grid=(top_k * width // defines["WARPS"], 1, 1), block=(LANES * defines["WARPS"], 1, 1),
+                            args=gate_args)  # fmt: skip
+    rows = defines["WARPS"] * defines["ROWS"]
+    compiled["down"](grid=(-(-hidden // rows), 1, 1), block=(LANES * defines["WARPS"], 1, 1),
+                     args=[act, ids, weights, down_packed, down_scale, out, down_packed.stride(0),
+                           down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)])  # fmt: skip
 
 
 def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed,
@@ -209,15 +294,10 @@ def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_pa
     ids = expert_ids.reshape(-1)
     ids = ids if ids.dtype in (torch.int32, torch.int64) and ids.is_contiguous() else ids.to(torch.int64).contiguous()
     weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
-    gate_up, down = _kernels(x.device, hidden, width, group_size, top_k, ids.dtype)
     act = torch.empty((top_k, width), dtype=torch.bfloat16, device=x.device)
     out = torch.empty_like(x)
-    gate_up(grid=(top_k * width // WARPS, 1, 1), block=(LANES * WARPS, 1, 1),
-            args=[x.contiguous(), ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
-                  gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)])  # fmt: skip
-    down(grid=(-(-hidden // (WARPS * DOWN_ROWS)), 1, 1), block=(LANES * WARPS, 1, 1),
-         args=[act, ids, weights, down_packed, down_scale, out, down_packed.stride(0), down_packed.stride(1),
-               down_scale.stride(0), down_scale.stride(1)])  # fmt: skip
+    launch(x.contiguous(), ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act,
+           out, group_size)  # fmt: skip
     return out
 
 
@@ -252,15 +332,17 @@ def algorithm(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed,
         e = int(ids[pair])
         sums = []
         for packed, scale in ((gate_packed, gate_scale), (up_packed, up_scale)):
-            acc = torch.zeros(width, LANES)
-            for c in range(chunks):
+            total = torch.zeros(width)
+            for c in range(chunks):  # `gate_up_split`: warp c, then the warps' sums in chunk order
                 w = 4 * (lanes + LANES * c)  # [lanes]: each lane's first word of chunk c
                 words = packed[e][:, w[:, None] + torch.arange(4)]  # [rows, lanes, 4]
+                acc = torch.zeros(width, LANES)
                 for j in range(8):
                     inputs = j * words_in + w[:, None] + torch.arange(4)  # [lanes, 4]
                     dot = (_nibbles(words)[:, :, j] * xs[inputs]).sum(-1)  # [rows, lanes]
                     acc = acc + scale[e][:, (j * words_in + w) // group_size].float() * dot
-            sums.append(_butterfly(acc))
+                total = total + _butterfly(acc)
+            sums.append(total)
         g, u = sums
         act[pair] = _to_bf16(g / (1.0 + torch.exp(-g)) * u)
     per_pair = LANES // top_k

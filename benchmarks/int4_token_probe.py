@@ -1,0 +1,137 @@
+"""Launch shapes of the INT4 one-token CUDA C kernels (`plugins/int4_moe/token_cuda.py`) at Kimi K2.x per-rank TP-8
+dimensions on one GPU: each gate/up and down form timed alone and the pair in a sequence, with its registers.
+
+    PYTHONPATH=. python3 benchmarks/int4_token_probe.py OUT_DIR [--repeats 3]
+
+Forms: `gate_up` (a warp a row pair, x staged in shared memory; WARPS warps a block), `gate_up_split` (a warp a
+16-byte chunk of RPB row pairs); `down` (ROWS output rows a warp, WARPS warps a block). Each is checked against the
+torch reference through the pair of launches (relative error < 1e-2), then timed by CUDA-graph replay with the L2
+left clean (`benchmarks.common.graph_time_us(flush="read")`), and 8 calls over other experts back to back in one
+graph (a call's share: as inside a forward). The byte floor: the bytes each kernel reads at the copy rate of this
+run. Writes OUT_DIR/int4_token_probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import environment, graph_time_us, measure_ceilings  # noqa: E402
+from benchmarks.int4_moe_gpu import GROUP, make_weights, prepared, rank_config, routing  # noqa: E402
+from plugins.int4_moe import token_cuda  # noqa: E402
+from plugins.int4_moe.reference import int4_moe  # noqa: E402
+
+VARIANTS = 8
+
+
+def attributes(kernel) -> dict:
+    """Registers a thread and local (spilled) bytes of a compiled kernel."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    out = {}
+    for name, attr in (("registers", 4), ("local_bytes", 3)):
+        value = ctypes.c_int()
+        lib.cuFuncGetAttribute(ctypes.byref(value), attr, kernel.func)
+        out[name] = value.value
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    ceilings = measure_ceilings(False)
+    config = rank_config(False)
+    gen = torch.Generator().manual_seed(0)
+    tensors, _, _, width = make_weights(config, device, dtype, gen)
+    ready, layout = prepared(tensors)
+    assert layout == "rows"
+    hidden, experts, k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
+    calls = []
+    for _ in range(VARIANTS):
+        ids, weights = routing("random", 1, experts, k, gen)
+        x = torch.randn(1, hidden, generator=gen).to(device, dtype)
+        calls.append((x, ids.reshape(-1).to(device), weights.reshape(-1).to(device, torch.float32)))
+    act = torch.empty(k, width, dtype=dtype, device=device)
+    out = torch.empty(1, hidden, dtype=dtype, device=device)
+    x0, ids0, w0 = calls[0]
+    want = int4_moe(x0.float(), ids0[None], w0[None], *[t if t.dtype == torch.int32 else t.float() for t in tensors],
+                    GROUP)  # fmt: skip
+    words_in, words_w = hidden // 8, width // 8
+    gate_bytes = k * 2 * width * (words_in * 4 + hidden // GROUP * 2)
+    down_bytes = k * hidden * (words_w * 4 + width // GROUP * 2)
+    copy = ceilings["copy_Bps"]
+    info = {**environment(False), "command": " ".join(sys.argv), "copy_GBps": copy / 1e9,
+            "gate_up_floor_us": gate_bytes / copy * 1e6, "down_floor_us": down_bytes / copy * 1e6, "rows": []}  # fmt: skip
+    print(f"copy {copy / 1e9:.0f} GB/s; floors: gate/up {info['gate_up_floor_us']:.1f} us, down "
+          f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
+    shapes = [("gate_up", {"WARPS": 8, "ROWS": 4}), ("gate_up", {"WARPS": 4, "ROWS": 4}),
+              ("gate_up_split", {"RPB": 1, "ROWS": 1}), ("gate_up_split", {"RPB": 2, "ROWS": 2}),
+              ("gate_up_split", {"RPB": 4, "ROWS": 4}), ("gate_up_split", {"RPB": 8, "ROWS": 8}),
+              ("gate_up_split", {"RPB": 2, "ROWS": 4, "WARPS": 4}), ("gate_up_split", {"RPB": 2, "ROWS": 1, "WARPS": 4})]  # fmt: skip
+    for form, overrides in shapes:
+        compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
+        row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[form]),
+               "down_regs": attributes(compiled["down"])}  # fmt: skip
+
+        def both(c, form=form, overrides=overrides):
+            token_cuda.launch(c[0], c[1], c[2], *ready, act, out, GROUP, gate_form=form, **overrides)
+
+        both(calls[0])
+        row["relative_error"] = float((out.float() - want).norm() / want.norm())
+        if row["relative_error"] > 1e-2:
+            print(json.dumps(row), flush=True)
+            raise RuntimeError(f"{form} {overrides}: relative error {row['relative_error']:.2e}")
+        defines = {**token_cuda._defines(hidden, width, GROUP, k, ids0.dtype), **overrides}
+        times = {
+            "pair_us": lambda: both(calls[0]),
+            "sequence_us": lambda: [both(c) for c in calls],
+        }
+        for name, fn in times.items():
+            t = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
+            row[name] = t / (VARIANTS if name == "sequence_us" else 1)
+        # each kernel alone: the gate/up launch, and the down launch over the act it left
+        compiled_gate = compiled[form]
+        row["gate_us"] = statistics.median(graph_time_us(lambda: _gate(compiled_gate, form, defines, calls[0], ready,
+                                                                       act, k, width), device, False, flush="read")
+                                           for _ in range(args.repeats))  # fmt: skip
+        row["down_us"] = statistics.median(graph_time_us(lambda: _down(compiled["down"], defines, calls[0], ready, act,
+                                                                       out, hidden), device, False, flush="read")
+                                           for _ in range(args.repeats))  # fmt: skip
+        info["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    (args.out_dir / "int4_token_probe.json").write_text(json.dumps(info, indent=1) + "\n")
+    return 0
+
+
+def _gate(kernel, form, defines, call, ready, act, k, width):
+    x, ids, _ = call
+    args = [x, ids, ready[0], ready[1], ready[2], ready[3], act, ready[0].stride(0), ready[0].stride(1),
+            ready[1].stride(0), ready[1].stride(1)]  # fmt: skip
+    if form == "gate_up_split":
+        kernel(grid=(k * width // defines["RPB"], 1, 1), block=(32 * defines["CHUNKS"], 1, 1), args=args)
+    else:
+        kernel(grid=(k * width // defines["WARPS"], 1, 1), block=(32 * defines["WARPS"], 1, 1), args=args)
+
+
+def _down(kernel, defines, call, ready, act, out, hidden):
+    _, ids, weights = call
+    rows = defines["WARPS"] * defines["ROWS"]
+    kernel(grid=(-(-hidden // rows), 1, 1), block=(32 * defines["WARPS"], 1, 1),
+           args=[act, ids, weights, ready[4], ready[5], out, ready[4].stride(0), ready[4].stride(1), ready[5].stride(0),
+                 ready[5].stride(1)])  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
