@@ -72,14 +72,15 @@ def main(argv=None) -> int:
     gate_bytes = k * 2 * width * (words_in * 4 + hidden // GROUP * 2)
     down_bytes = k * hidden * (words_w * 4 + width // GROUP * 2)
     copy = ceilings["copy_Bps"]
-    info = {**environment(False), "command": " ".join(sys.argv), "copy_GBps": copy / 1e9,
-            "gate_up_floor_us": gate_bytes / copy * 1e6, "down_floor_us": down_bytes / copy * 1e6, "rows": []}  # fmt: skip
+    info = {**environment(False), "command": " ".join(sys.argv), "copy_GBps": copy / 1e9, "rows": [],
+            "gate_up_floor_us": gate_bytes / copy * 1e6, "down_floor_us": down_bytes / copy * 1e6}  # fmt: skip
     print(f"copy {copy / 1e9:.0f} GB/s; floors: gate/up {info['gate_up_floor_us']:.1f} us, down "
           f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
+    split = "gate_up_split"
     shapes = [("gate_up", {"WARPS": 8, "ROWS": 4}), ("gate_up", {"WARPS": 4, "ROWS": 4}),
-              ("gate_up_split", {"RPB": 1, "ROWS": 1}), ("gate_up_split", {"RPB": 2, "ROWS": 2}),
-              ("gate_up_split", {"RPB": 4, "ROWS": 4}), ("gate_up_split", {"RPB": 8, "ROWS": 8}),
-              ("gate_up_split", {"RPB": 2, "ROWS": 4, "WARPS": 4}), ("gate_up_split", {"RPB": 2, "ROWS": 1, "WARPS": 4})]  # fmt: skip
+              (split, {"RPB": 1, "ROWS": 1}), (split, {"RPB": 2, "ROWS": 2}), (split, {"RPB": 4, "ROWS": 4}),
+              (split, {"RPB": 8, "ROWS": 8}), (split, {"RPB": 2, "ROWS": 4, "WARPS": 4}),
+              (split, {"RPB": 2, "ROWS": 1, "WARPS": 4})]  # fmt: skip
     for form, overrides in shapes:
         compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
         row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[form]),
@@ -102,13 +103,10 @@ def main(argv=None) -> int:
             t = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
             row[name] = t / (VARIANTS if name == "sequence_us" else 1)
         # each kernel alone: the gate/up launch, and the down launch over the act it left
-        compiled_gate = compiled[form]
-        row["gate_us"] = statistics.median(graph_time_us(lambda: _gate(compiled_gate, form, defines, calls[0], ready,
-                                                                       act, k, width), device, False, flush="read")
-                                           for _ in range(args.repeats))  # fmt: skip
-        row["down_us"] = statistics.median(graph_time_us(lambda: _down(compiled["down"], defines, calls[0], ready, act,
-                                                                       out, hidden), device, False, flush="read")
-                                           for _ in range(args.repeats))  # fmt: skip
+        gate = lambda g=compiled[form], f=form, d=defines: _gate(g, f, d, calls[0], ready, act, k, width)  # noqa: E731
+        down = lambda g=compiled["down"], d=defines: _down(g, d, calls[0], ready, act, out, hidden)  # noqa: E731
+        for name, fn in (("gate_us", gate), ("down_us", down)):
+            row[name] = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
     (args.out_dir / "int4_token_probe.json").write_text(json.dumps(info, indent=1) + "\n")

@@ -249,9 +249,11 @@ def token_kernel_forms(fn, device, smoke: bool) -> dict:
         for form in ("cuda", "triton"):
             kernel.DEFAULT_TUNING = replace(default, token_kernel=form)
             out = fn()[0].float()
-            rows[form] = {"graph_us": graph_time_us(fn, device, smoke),
-                          "max_abs_diff": float((out - reference).abs().max()),
-                          "relative_diff": float((out - reference).norm() / reference.norm().clamp_min(1e-30))}
+            rows[form] = {
+                "graph_us": graph_time_us(fn, device, smoke),
+                "max_abs_diff": float((out - reference).abs().max()),
+                "relative_diff": float((out - reference).norm() / reference.norm().clamp_min(1e-30)),
+            }
             if not smoke:
                 prof = replay_profile(fn, device)
                 rows[form].update({k: prof[k] for k in ("kernels", "kernel_us", "idle_us", "back_to_back_us")})

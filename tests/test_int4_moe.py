@@ -367,7 +367,8 @@ def test_cuda_token_kernels_algorithm_matches_reference(k, width):
 
     hidden, group = 1024, 32
     assert token_cuda.fits(hidden, width, group, k) and not token_cuda.fits(hidden + 32, width, group, k)
-    tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in random_experts(12, hidden, width, group, 0)]
+    experts = random_experts(12, hidden, width, group, 0)
+    tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in experts]
     words, layout = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
     ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
     x = torch.randn(1, hidden).to(torch.bfloat16)

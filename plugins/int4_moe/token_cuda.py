@@ -251,8 +251,9 @@ def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
             _COMPILED[key] = {
-                name: torch.cuda._compile_kernel(source, name, compute_capability=f"{major}{minor}",
-                                                 nvcc_options=["-std=c++17", "--use_fast_math"])  # fmt: skip
+                name: torch.cuda._compile_kernel(
+                    source, name, compute_capability=f"{major}{minor}", nvcc_options=["-std=c++17", "--use_fast_math"]
+                )  # fmt: skip
                 for name in ("gate_up", "gate_up_split", "down")
             }
     return _COMPILED[key]
