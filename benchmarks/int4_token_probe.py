@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     print(f"copy {copy / 1e9:.0f} GB/s; floors: gate/up {info['gate_up_floor_us']:.1f} us, down "
           f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
     split = "gate_up_split"
-    shapes = [("gate_up", {"WARPS": 8, "ROWS": 4}), ("gate_up", {"WARPS": 4, "ROWS": 4}),
+    shapes = [("moe_token", {}), ("gate_up", {"WARPS": 8, "ROWS": 4}), ("gate_up", {"WARPS": 4, "ROWS": 4}),
               (split, {"RPB": 1, "ROWS": 1}), (split, {"RPB": 2, "ROWS": 2}), (split, {"RPB": 4, "ROWS": 4}),
               (split, {"RPB": 8, "ROWS": 8}), (split, {"RPB": 2, "ROWS": 4, "WARPS": 4}),
               (split, {"RPB": 2, "ROWS": 1, "WARPS": 4})]  # fmt: skip
@@ -85,6 +85,8 @@ def main(argv=None) -> int:
         compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
         row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[form]),
                "down_regs": attributes(compiled["down"])}  # fmt: skip
+        if form == "moe_token":
+            row["shared_bytes"] = token_cuda._defines(hidden, width, GROUP, k, ids0.dtype, device)["FUSED_SHARED_BYTES"]
 
         def both(c, form=form, overrides=overrides):
             token_cuda.launch(c[0], c[1], c[2], *ready, act, out, GROUP, gate_form=form, **overrides)
@@ -105,7 +107,7 @@ def main(argv=None) -> int:
         # each kernel alone: the gate/up launch, and the down launch over the act it left
         gate = lambda g=compiled[form], f=form, d=defines: _gate(g, f, d, calls[0], ready, act, k, width)  # noqa: E731
         down = lambda g=compiled["down"], d=defines: _down(g, d, calls[0], ready, act, out, hidden)  # noqa: E731
-        for name, fn in (("gate_us", gate), ("down_us", down)):
+        for name, fn in (("gate_us", gate), ("down_us", down)) if form != "moe_token" else ():
             row[name] = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
         info["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -32,6 +32,8 @@ LANES = 32
 WARPS = 8  # warps a block, both kernels
 DOWN_ROWS = 4  # output rows a down warp computes
 RPB = 2  # gate/up row pairs a `gate_up_split` block computes
+FUSED_WARPS = 16  # warps a `moe_token` block (one block a SM; up to 128 registers a thread)
+P1_WARPS = 16  # of which compute gate and up (a (pair, row) each)
 
 SOURCE = r"""
 typedef unsigned short bf16;
@@ -162,6 +164,163 @@ gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const ui
     }
 }
 
+// ---- the whole MoE of one token in one launch (`moe_token`) ----------------------------------------------------
+__device__ __forceinline__ void copy16(void* dst_shared, const void* src_global) {
+    const unsigned dst = (unsigned)__cvta_generic_to_shared(dst_shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global));
+}
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// every block of the grid (all resident: one a SM) waits here for the others: a count and a generation, left at
+// (0, generation + 1) for the next launch
+__device__ __forceinline__ void grid_sync(unsigned* barrier) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile unsigned* generation = barrier + 1;
+        const unsigned seen = *generation;
+        __threadfence();
+        if (atomicAdd(barrier, 1u) == gridDim.x - 1) {
+            barrier[0] = 0;
+            __threadfence();
+            atomicAdd(barrier + 1, 1u);
+        } else {
+            while (*generation == seen) __nanosleep(20);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+#define U_IN (WORDS_IN / 4)           // 16-byte chunks of a gate or up row
+#define S_IN (HIDDEN / GROUP)         // scales of a gate or up row
+#define U_W (WORDS_W / 4)             // 16-byte chunks of one expert's down row
+#define S_W (WIDTH / GROUP)           // scales of one expert's down row
+
+// Block b of gridDim.x (one a SM), FUSED_WARPS warps. Each warp first issues cp.async copies of everything it will
+// multiply: its (pair, row) of gate and of up with their scales (warps < P1_WARPS), and its down rows (up to
+// DOWN_SLOTS, every chosen expert's slice of each, with scales); so a whole launch's bytes are in flight at once.
+// Phase 1: gate and up of its row as `gate_up` sums them, silu(gate) * up in bfloat16 into act. A grid-wide wait.
+// Phase 2: its down rows as `down` sums them, into out.
+extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1)
+moe_token(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float* __restrict__ weights,
+          const uint4* __restrict__ gate_p, const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p,
+          const bf16* __restrict__ up_s, const uint4* __restrict__ down_p, const bf16* __restrict__ down_s,
+          bf16* act, bf16* __restrict__ out, unsigned* barrier, int gp_e, int gp_r, int gs_e, int gs_r, int dp_e,
+          int dp_r, int ds_e, int ds_r) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float* xs = (float*)smem;
+    uint4* rows1 = (uint4*)(smem + HIDDEN * 4) + warp * 2 * U_IN;  // [gate, up][U_IN] (warps < P1_WARPS)
+    bf16* scales1 = (bf16*)((uint4*)(smem + HIDDEN * 4) + P1_WARPS * 2 * U_IN) + warp * 2 * S_IN;
+    unsigned char* base2 = smem + HIDDEN * 4 + P1_WARPS * 2 * (U_IN * 16 + S_IN * 2);
+    uint4* rows2 = (uint4*)base2 + warp * DOWN_SLOTS * TOP_K * U_W;  // [slot][pair][U_W]
+    bf16* scales2 = (bf16*)((uint4*)base2 + FUSED_WARPS * DOWN_SLOTS * TOP_K * U_W) + warp * DOWN_SLOTS * TOP_K * S_W;
+
+    const int task1 = blockIdx.x * P1_WARPS + warp;  // (pair, row) of gate and up; every one has a warp (`fits`)
+    const bool phase1 = warp < P1_WARPS && task1 < TOP_K * WIDTH;
+    if (phase1) {
+        const int pair = task1 / WIDTH, row = task1 % WIDTH;
+        const long long e = (long long)ids[pair];
+        const uint4* g = gate_p + (e * gp_e + (long long)row * gp_r) / 4;
+        const uint4* u = up_p + (e * gp_e + (long long)row * gp_r) / 4;
+        for (int i = lane; i < U_IN; i += 32) { copy16(rows1 + i, g + i); copy16(rows1 + U_IN + i, u + i); }
+        const uint4* gs = (const uint4*)(gate_s + e * gs_e + (long long)row * gs_r);
+        const uint4* us = (const uint4*)(up_s + e * gs_e + (long long)row * gs_r);
+        for (int i = lane; i < S_IN * 2 / 16; i += 32) {
+            copy16((uint4*)scales1 + i, gs + i);
+            copy16((uint4*)(scales1 + S_IN) + i, us + i);
+        }
+    }
+    copy_commit();
+    const int rows_total = gridDim.x * FUSED_WARPS;
+    const int first2 = blockIdx.x * FUSED_WARPS + warp;  // the warp's down rows: first2 + slot * rows_total
+#pragma unroll
+    for (int slot = 0; slot < DOWN_SLOTS; ++slot) {
+        const int h = first2 + slot * rows_total;
+        if (h < HIDDEN) {
+            for (int i = lane; i < TOP_K * U_W; i += 32) {
+                const long long e = (long long)ids[i / U_W];
+                copy16(rows2 + slot * TOP_K * U_W + i, down_p + (e * dp_e + (long long)h * dp_r) / 4 + i % U_W);
+            }
+            for (int i = lane; i < TOP_K * S_W * 2 / 16; i += 32) {
+                const int pair = i / (S_W * 2 / 16), k = i % (S_W * 2 / 16);
+                const long long e = (long long)ids[pair];
+                copy16((uint4*)(scales2 + (slot * TOP_K + pair) * S_W) + k,
+                       (const uint4*)(down_s + e * ds_e + (long long)h * ds_r) + k);
+            }
+        }
+    }
+    copy_commit();
+    for (int i = threadIdx.x; i < HIDDEN / 2; i += 32 * FUSED_WARPS) {
+        const unsigned two = __ldg((const unsigned*)x + i);
+        xs[2 * i] = __uint_as_float(two << 16);
+        xs[2 * i + 1] = __uint_as_float(two & 0xFFFF0000u);
+    }
+    __syncthreads();
+    if (phase1) {
+        copy_wait<1>();  // this warp's gate and up rows (its down rows may still be on their way)
+        __syncwarp();
+        const int pair = task1 / WIDTH, row = task1 % WIDTH;
+        float acc_g = 0.0f, acc_u = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int w = 4 * (lane + 32 * c);
+            const uint4 gw = rows1[lane + 32 * c], uw = rows1[U_IN + lane + 32 * c];
+#define GATE_UP(J) {                                                                                                \
+            const int input = J * WORDS_IN + w;                                                                      \
+            const float4 xv = *(const float4*)(xs + input);                                                          \
+            acc_g = fmaf(from_bf16(scales1[input / GROUP]), nibble_dot<J>(gw, xv), acc_g);                            \
+            acc_u = fmaf(from_bf16(scales1[S_IN + input / GROUP]), nibble_dot<J>(uw, xv), acc_u); }
+            FOR_NIBBLES(GATE_UP)
+#undef GATE_UP
+        }
+        acc_g = warp_sum(acc_g);
+        acc_u = warp_sum(acc_u);
+        if (lane == 0) {
+            act[pair * WIDTH + row] = to_bf16(acc_g / (1.0f + __expf(-acc_g)) * acc_u);
+            __threadfence();
+        }
+    }
+    grid_sync(barrier);
+    copy_wait<0>();
+    __syncwarp();
+    const int pair = lane / LANES_PER_PAIR, part = lane % LANES_PER_PAIR;
+    const int w0 = part * WORDS_PER_LANE;
+    float a[8][WORDS_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int i = 0; i < WORDS_PER_LANE; i += 4) {
+            const uint2 two = __ldcg((const uint2*)(act + pair * WIDTH + j * WORDS_W + w0 + i));
+            a[j][i] = __uint_as_float(two.x << 16);
+            a[j][i + 1] = __uint_as_float(two.x & 0xFFFF0000u);
+            a[j][i + 2] = __uint_as_float(two.y << 16);
+            a[j][i + 3] = __uint_as_float(two.y & 0xFFFF0000u);
+        }
+    const float weight = weights[pair];
+#pragma unroll
+    for (int slot = 0; slot < DOWN_SLOTS; ++slot) {
+        const int h = first2 + slot * rows_total;
+        if (h >= HIDDEN) break;
+        const uint4* q = rows2 + (slot * TOP_K + pair) * U_W + part * CHUNKS_PER_LANE;
+        const bf16* sc = scales2 + (slot * TOP_K + pair) * S_W;
+        float acc = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CHUNKS_PER_LANE; ++c) {
+            const uint4 qc = q[c];
+#define DOWN(J) {                                                                                                   \
+            const float4 av = make_float4(a[J][4 * c], a[J][4 * c + 1], a[J][4 * c + 2], a[J][4 * c + 3]);           \
+            acc = fmaf(from_bf16(sc[(J * WORDS_W + w0 + 4 * c) / GROUP]), nibble_dot<J>(qc, av), acc); }
+            FOR_NIBBLES(DOWN)
+#undef DOWN
+        }
+        acc = warp_sum(acc * weight);
+        if (lane == 0) out[h] = to_bf16(acc);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __restrict__ weights,
      const uint4* __restrict__ down_p, const bf16* __restrict__ down_s, bf16* __restrict__ out, int p_stride_e,
@@ -223,10 +382,14 @@ def fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
     return words_w % (4 * (LANES // top_k)) == 0 and width % RPB == 0 and hidden <= 12288  # x in 48 KB of shared
 
 
-def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype) -> dict[str, str]:
+def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
+             device: torch.device | None = None) -> dict[str, str]:  # fmt: skip
     words_in, words_w = hidden // 8, width // 8
     per_pair = LANES // top_k
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device is not None else 1
+    slots, shared = fused_layout(hidden, width, group_size, top_k, sms)
     return {
+        "FUSED_WARPS": FUSED_WARPS, "P1_WARPS": P1_WARPS, "DOWN_SLOTS": slots, "FUSED_SHARED_BYTES": shared,
         "HIDDEN": hidden, "WIDTH": width, "GROUP": group_size, "TOP_K": top_k, "WARPS": WARPS, "ROWS": DOWN_ROWS,
         "WORDS_IN": words_in, "WORDS_W": words_w, "CHUNKS": words_in // (4 * LANES), "LANES_PER_PAIR": per_pair,
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
@@ -236,8 +399,44 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
     }  # fmt: skip
 
 
+def fused_layout(hidden: int, width: int, group_size: int, top_k: int, sms: int) -> tuple[int, int]:
+    """(down rows a `moe_token` warp holds, shared bytes a block) on a GPU of `sms` SMs (a block each)."""
+    slots = -(-hidden // (sms * FUSED_WARPS))
+    per_in = 2 * (hidden // 8 * 4 + hidden // group_size * 2)
+    per_w = top_k * (width // 8 * 4 + width // group_size * 2)
+    return slots, hidden * 4 + P1_WARPS * per_in + FUSED_WARPS * slots * per_w
+
+
+def fused_fits(hidden: int, width: int, group_size: int, top_k: int, device: torch.device) -> bool:
+    """Whether `moe_token` runs here: every (pair, row) of gate and up has a warp, the scales come in whole 16-byte
+    pieces, and a block's copies fit its shared memory (one block a SM, all resident: the grid-wide wait needs it)."""
+    props = torch.cuda.get_device_properties(device)
+    if top_k * width > props.multi_processor_count * P1_WARPS or (hidden // group_size * 2) % 16:
+        return False
+    if (width // group_size * 2) % 16:
+        return False
+    _, shared = fused_layout(hidden, width, group_size, top_k, props.multi_processor_count)
+    return fits(hidden, width, group_size, top_k) and shared <= props.shared_memory_per_block_optin
+
+
+_BARRIERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _barrier(device: torch.device) -> torch.Tensor:
+    """The grid-wide wait's (count, generation), zeros once a device; each launch leaves the count at zero again.
+    Inside a CUDA-graph capture before any call: the graph's own (allocated for it, never handed out)."""
+    have = _BARRIERS.get(device)
+    if have is not None:
+        return have
+    fresh = torch.zeros(2, dtype=torch.int32, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return fresh
+    _BARRIERS[device] = fresh
+    return fresh
+
+
 _COMPILED: dict[tuple, dict] = {}
-GATE_FORM = "gate_up_split"  # or "gate_up" (a warp a row pair, x staged in shared memory)
+GATE_FORM = "moe_token"  # one launch where `fused_fits`; else "gate_up_split" or "gate_up", then "down"
 
 
 def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
@@ -246,7 +445,7 @@ def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_
     replace launch constants (WARPS, ROWS, RPB: `benchmarks/int4_token_probe.py` times them)."""
     key = (device, hidden, width, group_size, top_k, ids_dtype, tuple(sorted(overrides.items())))
     if key not in _COMPILED:
-        defines = {**_defines(hidden, width, group_size, top_k, ids_dtype), **overrides}
+        defines = {**_defines(hidden, width, group_size, top_k, ids_dtype, device), **overrides}
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
@@ -254,8 +453,9 @@ def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_
                 name: torch.cuda._compile_kernel(
                     source, name, compute_capability=f"{major}{minor}", nvcc_options=["-std=c++17", "--use_fast_math"]
                 )  # fmt: skip
-                for name in ("gate_up", "gate_up_split", "down")
+                for name in ("gate_up", "gate_up_split", "down", "moe_token")
             }
+            _COMPILED[key]["moe_token"].set_shared_memory_config(defines["FUSED_SHARED_BYTES"])
     return _COMPILED[key]
 
 
@@ -265,7 +465,16 @@ def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_p
     prepares them)."""
     hidden, width, top_k = x.shape[1], gate_packed.shape[1], ids.numel()
     compiled = kernels(x.device, hidden, width, group_size, top_k, ids.dtype, **overrides)
-    defines = {**_defines(hidden, width, group_size, top_k, ids.dtype), **overrides}
+    defines = {**_defines(hidden, width, group_size, top_k, ids.dtype, x.device), **overrides}
+    if gate_form == "moe_token":
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        args = [x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, out,
+                _barrier(x.device), gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0),
+                gate_scale.stride(1), down_packed.stride(0), down_packed.stride(1), down_scale.stride(0),
+                down_scale.stride(1)]  # fmt: skip
+        compiled[gate_form](grid=(sms, 1, 1), block=(LANES * FUSED_WARPS, 1, 1),
+                            shared_mem=defines["FUSED_SHARED_BYTES"], args=args)  # fmt: skip
+        return
     gate_args = [x, ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
                  gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
     if gate_form == "gate_up_split":
@@ -297,8 +506,10 @@ def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_pa
     weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty((top_k, width), dtype=torch.bfloat16, device=x.device)
     out = torch.empty_like(x)
+    form = GATE_FORM if GATE_FORM != "moe_token" or fused_fits(hidden, width, group_size, top_k, x.device) else (
+        "gate_up_split")  # fmt: skip
     launch(x.contiguous(), ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act,
-           out, group_size)  # fmt: skip
+           out, group_size, gate_form=form)  # fmt: skip
     return out
 
 
@@ -321,8 +532,11 @@ def _to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 def algorithm(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-              group_size: int) -> torch.Tensor:  # fmt: skip
-    """The kernels' computation in torch, lane by lane (CPU; float32 sums, bfloat16 act and output)."""
+              group_size: int, form: str = GATE_FORM) -> torch.Tensor:  # fmt: skip
+    """The kernels' computation in torch, lane by lane (CPU; float32 sums, bfloat16 act and output). form: how gate
+    and up are summed: "gate_up_split" (each chunk's lanes, then the chunks in order) or "moe_token" / "gate_up" (each
+    lane over its chunks, then the lanes)."""
+    split = form == "gate_up_split"
     hidden, width, top_k = x.shape[1], gate_packed.shape[1], expert_ids.shape[-1]
     words_in, words_w = hidden // 8, width // 8
     ids, weights = expert_ids.reshape(-1).long(), expert_weights.reshape(-1).float()
@@ -333,17 +547,17 @@ def algorithm(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed,
         e = int(ids[pair])
         sums = []
         for packed, scale in ((gate_packed, gate_scale), (up_packed, up_scale)):
-            total = torch.zeros(width)
-            for c in range(chunks):  # `gate_up_split`: warp c, then the warps' sums in chunk order
+            total, acc = torch.zeros(width), torch.zeros(width, LANES)
+            for c in range(chunks):  # split: warp c, then the warps' sums in chunk order
                 w = 4 * (lanes + LANES * c)  # [lanes]: each lane's first word of chunk c
                 words = packed[e][:, w[:, None] + torch.arange(4)]  # [rows, lanes, 4]
-                acc = torch.zeros(width, LANES)
                 for j in range(8):
                     inputs = j * words_in + w[:, None] + torch.arange(4)  # [lanes, 4]
                     dot = (_nibbles(words)[:, :, j] * xs[inputs]).sum(-1)  # [rows, lanes]
                     acc = acc + scale[e][:, (j * words_in + w) // group_size].float() * dot
-                total = total + _butterfly(acc)
-            sums.append(total)
+                if split:
+                    total, acc = total + _butterfly(acc), torch.zeros(width, LANES)
+            sums.append(total if split else _butterfly(acc))
         g, u = sums
         act[pair] = _to_bf16(g / (1.0 + torch.exp(-g)) * u)
     per_pair = LANES // top_k
