@@ -38,6 +38,9 @@ P1_WARPS = 16  # of which compute gate and up (a (pair, row) each)
 SOURCE = r"""
 typedef unsigned short bf16;
 typedef IDS_T id_t;
+#ifndef ABLATE
+#define ABLATE 0  // the probe's switches (benchmarks/int4_token_probe.py): 1 no math, 2 no grid-wide wait, 4 no down
+#endif
 
 __device__ __forceinline__ float from_bf16(bf16 h) { return __int_as_float(((unsigned)h) << 16); }
 
@@ -235,6 +238,7 @@ moe_token(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float*
     }
     copy_commit();
     const int rows_total = gridDim.x * FUSED_WARPS;
+    if (ABLATE & 4) { copy_wait<0>(); return; }
     const int first2 = blockIdx.x * FUSED_WARPS + warp;  // the warp's down rows: first2 + slot * rows_total
 #pragma unroll
     for (int slot = 0; slot < DOWN_SLOTS; ++slot) {
@@ -268,6 +272,7 @@ moe_token(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float*
         for (int c = 0; c < CHUNKS; ++c) {
             const int w = 4 * (lane + 32 * c);
             const uint4 gw = rows1[lane + 32 * c], uw = rows1[U_IN + lane + 32 * c];
+            if (ABLATE & 1) { acc_g += __uint_as_float(gw.x ^ uw.y); continue; }
 #define GATE_UP(J) {                                                                                                \
             const int input = J * WORDS_IN + w;                                                                      \
             const float4 xv = *(const float4*)(xs + input);                                                          \
@@ -283,7 +288,7 @@ moe_token(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float*
             __threadfence();
         }
     }
-    grid_sync(barrier);
+    if (!(ABLATE & 2)) grid_sync(barrier);
     copy_wait<0>();
     __syncwarp();
     const int pair = lane / LANES_PER_PAIR, part = lane % LANES_PER_PAIR;
@@ -310,6 +315,7 @@ moe_token(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float*
 #pragma unroll
         for (int c = 0; c < CHUNKS_PER_LANE; ++c) {
             const uint4 qc = q[c];
+            if (ABLATE & 1) { acc += __uint_as_float(qc.x ^ qc.w); continue; }
 #define DOWN(J) {                                                                                                   \
             const float4 av = make_float4(a[J][4 * c], a[J][4 * c + 1], a[J][4 * c + 2], a[J][4 * c + 3]);           \
             acc = fmaf(from_bf16(sc[(J * WORDS_W + w0 + 4 * c) / GROUP]), nibble_dot<J>(qc, av), acc); }
