@@ -78,9 +78,9 @@ def main(argv=None) -> int:
           f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
     split = "gate_up_split"
     fused = "moe_token"
-    shapes = [(fused, {}), (fused, {"ABLATE": 1}), (fused, {"ABLATE": 2}), (fused, {"ABLATE": 3}),
-              (fused, {"ABLATE": 4}), ("gate_up", {"WARPS": 8, "ROWS": 4}), (split, {"RPB": 1, "ROWS": 1}),
-              (split, {"RPB": 4, "ROWS": 4}), (split, {"RPB": 8, "ROWS": 8})]  # fmt: skip
+    shapes = [(fused, {}), (fused, {"ABLATE": 1}), (fused, {"ABLATE": 3}), ("gate_up", {"WARPS": 8, "ROWS": 4}),
+              (split, {"RPB": 1, "ROWS": 1}), (split, {"RPB": 2, "ROWS": 2}), (split, {"RPB": 4, "ROWS": 4}),
+              (split, {"RPB": 8, "ROWS": 8}), (split, {"RPB": 4, "ROWS": 2})]  # fmt: skip
     for form, overrides in shapes:
         compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
         row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[form]),
@@ -131,7 +131,7 @@ def kernel_time_us(fn, calls: int = 20) -> float:
             torch.cuda._sleep(20000)
             fn()
         torch.cuda.synchronize()
-    names = ("moe_token", "gate_up", "down")
+    names = ("moe_token", "gate_up", "gate_up_split", "down")
     times = [e.device_time for e in prof.events() if e.device_time > 0 and e.name in names]
     per_call = len(times) // calls
     sums = [sum(times[i * per_call : (i + 1) * per_call]) for i in range(calls)]

@@ -67,6 +67,21 @@ __device__ __forceinline__ float nibble_dot(uint4 w, float4 x) {
     return fmaf(unpack<J>(w.w << 8, w.w, w.w >> 12), x.w, s);
 }
 
+// the same sum with one add fewer a weight: each nibble read as 2^(23 - P) + value (exact), the four products summed
+// (exact below P = 8; at P = 8 rounded at 2^-7 of x), then (2^(23 - P) + 8) times the four inputs' sum taken off once
+template <int J>
+__device__ __forceinline__ float nibble_dot_biased(uint4 w, float4 x, float x_sum) {
+    constexpr int P = J == 0 || J == 2 || J == 5 ? 8 : (J == 1 || J == 3 || J == 6 ? 12 : 16);
+    constexpr float BIAS = (float)((1 << (23 - P)) + 8);
+#define RAW(W) __uint_as_float((((J < 2 ? (W) << 8 : (J < 5 ? (W) : (W) >> 12))) & (0xFu << P)) | ((150u - P) << 23))
+    float s = RAW(w.x) * x.x;
+    s = fmaf(RAW(w.y), x.y, s);
+    s = fmaf(RAW(w.z), x.z, s);
+    s = fmaf(RAW(w.w), x.w, s);
+#undef RAW
+    return fmaf(-BIAS, x_sum, s);
+}
+
 // sum of j's products for J = 0 .. 7, the loops unrolled (a template argument for each nibble)
 #define FOR_NIBBLES(BODY) BODY(0) BODY(1) BODY(2) BODY(3) BODY(4) BODY(5) BODY(6) BODY(7)
 
@@ -137,25 +152,29 @@ gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const ui
         u[r] = __ldg(up_p + p_off);
     }
     float4 xv[8];
+    float x_sum[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const uint2 two = __ldg((const uint2*)(x + j * WORDS_IN + w));
         xv[j] = make_float4(__uint_as_float(two.x << 16), __uint_as_float(two.x & 0xFFFF0000u),
                             __uint_as_float(two.y << 16), __uint_as_float(two.y & 0xFFFF0000u));
+        x_sum[j] = (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
     }
 #pragma unroll
     for (int r = 0; r < RPB; ++r) {
         const long long s_off = e * s_stride_e + (long long)(row0 + r) * s_stride_r;
-        float acc_g = 0.0f, acc_u = 0.0f;
+        float acc_g[2] = {0.0f, 0.0f}, acc_u[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
 #define GATE_UP(J) {                                                                                                \
         const int group = (J * WORDS_IN + w) / GROUP;                                                                \
-        acc_g = fmaf(from_bf16(__ldg(gate_s + s_off + group)), nibble_dot<J>(g[r], xv[J]), acc_g);                    \
-        acc_u = fmaf(from_bf16(__ldg(up_s + s_off + group)), nibble_dot<J>(u[r], xv[J]), acc_u); }
+        acc_g[J & 1] = fmaf(from_bf16(__ldg(gate_s + s_off + group)), nibble_dot_biased<J>(g[r], xv[J], x_sum[J]),   \
+                            acc_g[J & 1]);                                                                           \
+        acc_u[J & 1] = fmaf(from_bf16(__ldg(up_s + s_off + group)), nibble_dot_biased<J>(u[r], xv[J], x_sum[J]),     \
+                            acc_u[J & 1]); }
         FOR_NIBBLES(GATE_UP)
 #undef GATE_UP
-        acc_g = warp_sum(acc_g);
-        acc_u = warp_sum(acc_u);
-        if (lane == 0) { part[r][c][0] = acc_g; part[r][c][1] = acc_u; }
+        const float sum_g = warp_sum(acc_g[0] + acc_g[1]);
+        const float sum_u = warp_sum(acc_u[0] + acc_u[1]);
+        if (lane == 0) { part[r][c][0] = sum_g; part[r][c][1] = sum_u; }
     }
     __syncthreads();
     if (threadIdx.x < RPB) {
@@ -354,24 +373,38 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
             a[j][i + 2] = __uint_as_float(two.y << 16);
             a[j][i + 3] = __uint_as_float(two.y & 0xFFFF0000u);
         }
+    float a_sum[8][CHUNKS_PER_LANE];  // each (nibble, chunk)'s four inputs summed, for `nibble_dot_biased`
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int c = 0; c < CHUNKS_PER_LANE; ++c)
+            a_sum[j][c] = (a[j][4 * c] + a[j][4 * c + 1]) + (a[j][4 * c + 2] + a[j][4 * c + 3]);
     const float weight = weights[pair];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = row0 + r;
         const long long s_off = e * s_stride_e + (long long)min(row, HIDDEN - 1) * s_stride_r;
-        float acc = 0.0f;
+        float acc[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
+#define DOT(J, C) nibble_dot_biased<J>(q[r][C], make_float4(a[J][4 * C], a[J][4 * C + 1], a[J][4 * C + 2],         \
+                                                            a[J][4 * C + 3]), a_sum[J][C])
+#if ONE_GROUP  // the lane's words of a row lie in one group for each nibble: one scale a nibble
+#define DOWN(J) {                                                                                                   \
+            float t = DOT(J, 0);                                                                                     \
+            _Pragma("unroll") for (int c = 1; c < CHUNKS_PER_LANE; ++c) t += DOT(J, c);                              \
+            acc[J & 1] = fmaf(from_bf16(__ldg(down_s + s_off + (J * WORDS_W + w0) / GROUP)), t, acc[J & 1]); }
+        FOR_NIBBLES(DOWN)
+#else
 #pragma unroll
         for (int c = 0; c < CHUNKS_PER_LANE; ++c) {
-#define DOWN(J) {                                                                                               \
-                const float4 av = make_float4(a[J][4 * c], a[J][4 * c + 1], a[J][4 * c + 2], a[J][4 * c + 3]);       \
-                const float s = from_bf16(__ldg(down_s + s_off + (ONE_GROUP ? (J * WORDS_W + w0) / GROUP              \
-                                                                             : (J * WORDS_W + w0 + 4 * c) / GROUP)));  \
-                acc = fmaf(s, nibble_dot<J>(q[r][c], av), acc); }
+#define DOWN(J) acc[J & 1] = fmaf(from_bf16(__ldg(down_s + s_off + (J * WORDS_W + w0 + 4 * c) / GROUP)), DOT(J, c),  \
+                                  acc[J & 1]);
             FOR_NIBBLES(DOWN)
-#undef DOWN
         }
-        acc = warp_sum(acc * weight);
-        if (lane == 0 && row < HIDDEN) out[row] = to_bf16(acc);
+#endif
+#undef DOWN
+#undef DOT
+        const float sum = warp_sum((acc[0] + acc[1]) * weight);
+        if (lane == 0 && row < HIDDEN) out[row] = to_bf16(sum);
     }
 }
 """
