@@ -1,25 +1,30 @@
-"""One token's W4A16 MoE in CUDA C (a decode's routed experts): two kernels compiled at first use by NVRTC.
+"""One token's W4A16 MoE in CUDA C (a decode's routed experts), compiled at first use by NVRTC: two launches.
 
-A decode step's token chooses k distinct experts, so each chosen expert's packed words are read exactly once and the
-work is a GEMV: the time is the time to stream the bytes. The Triton forms issue their loads a tile at a time and
-read one token's gate and up words at no better than 2.6x the copy rate (BENCHMARKS.md, section 8); here every lane
-issues all of its row's 16-byte loads before its first multiply, so each SM keeps about 100 KB in flight.
+A decode step's token chooses k distinct experts, so each chosen expert's packed words are read exactly once: a GEMV
+whose floor is the time to stream the bytes. Measured (`benchmarks/int4_token_probe.py`, BENCHMARKS.md section 8),
+the time goes to the multiplies on the CUDA cores more than to the loads: the one-launch form below takes 33.9 us of
+kernel time on one H100 and 14.7 us with its math left out. So the forms here issue a row's 16-byte loads before its
+first multiply and spend as few instructions a weight as they can (a lop3 and an fma, the bias taken off a four-input
+sum at a time: `nibble_dot_biased`), over many warps.
 
 Layout: the "rows" words (`kernel.repack_rows`: nibble j of word w holds input j * words + w), scales bfloat16,
 x bfloat16, routing weights float32, expert ids int32 or int64 (the router's, read as they come).
 
-1. `gate_up` (block: 8 warps; warp: one (pair, row) of gate and the same row of up). The token's x is staged in
-   shared memory as float32 after the warp's loads are issued. Lane l reads 16-byte chunks l, l + 32, ... of each
-   row (words 4c .. 4c + 3 of chunk c). Nibble j of those four words holds inputs j * words + 4c .. + 3, all in
-   one group (group | 4, 4 | words), so a lane sums four products (value - 8, exact in float32 by the exponent bias
-   trick: `_unpack`) and adds them times the group's scale. The warp's lanes are summed by a butterfly (a fixed
-   order); lane 0 writes silu(gate) * up of the row, rounded to bfloat16, into act [k, width].
+1. `gate_up_split` (what runs: `GATE_FORM`; block: one warp a 16-byte chunk c of a row, RPB (pair, row)s of gate and
+   of up). Lane l reads chunk l + 32 c of each row (words 4 (l + 32 c) .. + 3). Nibble j of those four words holds
+   inputs j * words + 4 (l + 32 c) .. + 3, all in one group (group | 4, 4 | words): the lane sums four products and
+   adds them times the group's scale; its x slice stays in registers for the block's rows. Each warp's lanes are
+   summed by a butterfly (a fixed order), the warps in chunk order; silu(gate) * up of each row, rounded to bfloat16,
+   goes into act [k, width]. (`gate_up`: a warp a row pair over all its chunks, x staged in shared memory.)
 2. `down` (block: 8 warps; warp: ROWS output rows). Lane l takes expert l / (32 / k) and a slice of its act
    (words of that slice, every nibble: 8 x slice-words inputs), held in registers for all of the warp's rows; per
    row it loads its slice's words (16 bytes at a time) and the slice's scales, sums, multiplies by its pair's
    routing weight; the butterfly sums experts and slices; lane 0 writes the row in bfloat16.
+3. `moe_token` (measured, not run by default): the whole MoE in one launch, one block a SM: every warp copies all it
+   will multiply into shared memory by cp.async first (the launch's bytes in flight at once), gate and up, a
+   grid-wide wait, down. Its 16 warps a SM leave the math too little parallelism.
 
-`algorithm` is the same computation in torch, lane by lane (the same chunks, nibbles, groups and butterfly), so the
+`algorithm` is the same computation in torch, lane by lane (the same chunks, nibbles, groups and butterflies), so the
 kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py); a GPU test checks the
 compiled kernels themselves.
 """
@@ -30,8 +35,8 @@ import torch
 
 LANES = 32
 WARPS = 8  # warps a block, both kernels
-DOWN_ROWS = 4  # output rows a down warp computes
-RPB = 2  # gate/up row pairs a `gate_up_split` block computes
+DOWN_ROWS = 2  # output rows a down warp computes
+RPB = 4  # gate/up row pairs a `gate_up_split` block computes (the best of `benchmarks/int4_token_probe.py`'s shapes)
 FUSED_WARPS = 16  # warps a `moe_token` block (one block a SM; up to 128 registers a thread)
 P1_WARPS = 16  # of which compute gate and up (a (pair, row) each)
 
@@ -475,7 +480,10 @@ def _barrier(device: torch.device) -> torch.Tensor:
 
 
 _COMPILED: dict[tuple, dict] = {}
-GATE_FORM = "moe_token"  # one launch where `fused_fits`; else "gate_up_split" or "gate_up", then "down"
+# the gate/up form `int4_moe_token` launches before `down`: "gate_up_split" (the fastest measured, BENCHMARKS.md
+# section 8), "gate_up", or "moe_token" (the whole MoE in one launch where `fused_fits`; slower: its math runs on 16
+# warps a SM)
+GATE_FORM = "gate_up_split"
 
 
 def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
