@@ -167,7 +167,7 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
         forms["token_triton_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=triton_token,
                                                          layout=layout)  # fmt: skip
     if layout == "rows":
-        tensor_cores = replace(tuning, gemv_tokens=0)
+        tensor_cores = replace(tuning, gemv_tokens=0, token_kernel="triton")
         forms["rows_tensor_cores_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tensor_cores,
                                                               layout=layout)  # fmt: skip
     return {
@@ -281,7 +281,8 @@ def main(argv=None) -> int:
                                      layout=layout).float()  # fmt: skip
                 error = max(error, float((fast - want).norm() / want.norm()))
             if layout == "rows":  # the tensor-core form too, where the CUDA-core one ran above
-                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=replace(tuning, gemv_tokens=0),
+                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP,
+                                     tuning=replace(tuning, gemv_tokens=0, token_kernel="triton"),
                                      layout=layout).float()  # fmt: skip
                 error = max(error, float((fast - want).norm() / want.norm()))
             if error > 1e-2:
