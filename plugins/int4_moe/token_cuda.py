@@ -74,11 +74,20 @@ __device__ __forceinline__ float nibble_dot(uint4 w, float4 x) {
 
 // the same sum with one add fewer a weight: each nibble read as 2^(23 - P) + value (exact), the four products summed
 // (exact below P = 8; at P = 8 rounded at 2^-7 of x), then (2^(23 - P) + 8) times the four inputs' sum taken off once
+// (src & (0xF << P)) | exponent bits in one lop3: the mask an immediate, the exponent a register (a lop3 takes one
+// immediate; written in C, the compiler spends a second lop3 on the other constant)
+template <int P>
+__device__ __forceinline__ float raw_at(unsigned src) {
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(src), "n"(0xFu << P), "r"((150u - P) << 23));
+    return __uint_as_float(r);
+}
+
 template <int J>
 __device__ __forceinline__ float nibble_dot_biased(uint4 w, float4 x, float x_sum) {
     constexpr int P = J == 0 || J == 2 || J == 5 ? 8 : (J == 1 || J == 3 || J == 6 ? 12 : 16);
     constexpr float BIAS = (float)((1 << (23 - P)) + 8);
-#define RAW(W) __uint_as_float((((J < 2 ? (W) << 8 : (J < 5 ? (W) : (W) >> 12))) & (0xFu << P)) | ((150u - P) << 23))
+#define RAW(W) raw_at<P>(J < 2 ? (W) << 8 : (J < 5 ? (W) : (W) >> 12))
     float s = RAW(w.x) * x.x;
     s = fmaf(RAW(w.y), x.y, s);
     s = fmaf(RAW(w.z), x.z, s);
@@ -169,14 +178,23 @@ gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const ui
     for (int r = 0; r < RPB; ++r) {
         const long long s_off = e * s_stride_e + (long long)(row0 + r) * s_stride_r;
         float acc_g[2] = {0.0f, 0.0f}, acc_u[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
+#if WORDS_IN % GROUP == 0  // nibble J's group is J * (WORDS_IN / GROUP) + w / GROUP: one address, constant offsets
+        const bf16* gs = gate_s + s_off + w / GROUP;
+        const bf16* us = up_s + s_off + w / GROUP;
+#define GROUP_OF(J) (J * (WORDS_IN / GROUP))
+#else
+        const bf16* gs = gate_s + s_off;
+        const bf16* us = up_s + s_off;
+#define GROUP_OF(J) ((J * WORDS_IN + w) / GROUP)
+#endif
 #define GATE_UP(J) {                                                                                                \
-        const int group = (J * WORDS_IN + w) / GROUP;                                                                \
-        acc_g[J & 1] = fmaf(from_bf16(__ldg(gate_s + s_off + group)), nibble_dot_biased<J>(g[r], xv[J], x_sum[J]),   \
+        acc_g[J & 1] = fmaf(from_bf16(__ldg(gs + GROUP_OF(J))), nibble_dot_biased<J>(g[r], xv[J], x_sum[J]),         \
                             acc_g[J & 1]);                                                                           \
-        acc_u[J & 1] = fmaf(from_bf16(__ldg(up_s + s_off + group)), nibble_dot_biased<J>(u[r], xv[J], x_sum[J]),     \
+        acc_u[J & 1] = fmaf(from_bf16(__ldg(us + GROUP_OF(J))), nibble_dot_biased<J>(u[r], xv[J], x_sum[J]),         \
                             acc_u[J & 1]); }
         FOR_NIBBLES(GATE_UP)
 #undef GATE_UP
+#undef GROUP_OF
         const float sum_g = warp_sum(acc_g[0] + acc_g[1]);
         const float sum_u = warp_sum(acc_u[0] + acc_u[1]);
         if (lane == 0) { part[r][c][0] = sum_g; part[r][c][1] = sum_u; }
@@ -392,11 +410,12 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
         float acc[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
 #define DOT(J, C) nibble_dot_biased<J>(q[r][C], make_float4(a[J][4 * C], a[J][4 * C + 1], a[J][4 * C + 2],         \
                                                             a[J][4 * C + 3]), a_sum[J][C])
-#if ONE_GROUP  // the lane's words of a row lie in one group for each nibble: one scale a nibble
+#if ONE_GROUP  // the lane's words of a row lie in one group for each nibble: one scale a nibble, at constant offsets
+        const bf16* ds = down_s + s_off + w0 / GROUP;
 #define DOWN(J) {                                                                                                   \
             float t = DOT(J, 0);                                                                                     \
             _Pragma("unroll") for (int c = 1; c < CHUNKS_PER_LANE; ++c) t += DOT(J, c);                              \
-            acc[J & 1] = fmaf(from_bf16(__ldg(down_s + s_off + (J * WORDS_W + w0) / GROUP)), t, acc[J & 1]); }
+            acc[J & 1] = fmaf(from_bf16(__ldg(ds + J * (WORDS_W / GROUP))), t, acc[J & 1]); }
         FOR_NIBBLES(DOWN)
 #else
 #pragma unroll
