@@ -78,9 +78,9 @@ def main(argv=None) -> int:
           f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
     split = "gate_up_split"
     fused = "moe_token"
-    shapes = [(fused, {}), (fused, {"ABLATE": 1}), (fused, {"ABLATE": 3}), ("gate_up", {"WARPS": 8, "ROWS": 4}),
-              (split, {"RPB": 1, "ROWS": 1}), (split, {"RPB": 2, "ROWS": 2}), (split, {"RPB": 4, "ROWS": 4}),
-              (split, {"RPB": 8, "ROWS": 8}), (split, {"RPB": 4, "ROWS": 2})]  # fmt: skip
+    shapes = [(split, {"RPB": 4, "ROWS": 2}), (split, {"RPB": 2, "ROWS": 2}), (split, {"RPB": 8, "ROWS": 2}),
+              (split, {"RPB": 4, "ROWS": 1}), (split, {"RPB": 4, "ROWS": 4}), ("gate_up", {"WARPS": 8, "ROWS": 2}),
+              (fused, {}), (fused, {"ABLATE": 1})]  # fmt: skip
     for form, overrides in shapes:
         compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
         row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[form]),
