@@ -78,9 +78,8 @@ def main(argv=None) -> int:
           f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
     split = "gate_up_split"
     fused = "moe_token"
-    shapes = [(split, {"RPB": 4, "ROWS": 2}), (split, {"RPB": 2, "ROWS": 2}), (split, {"RPB": 8, "ROWS": 2}),
-              (split, {"RPB": 4, "ROWS": 1}), (split, {"RPB": 4, "ROWS": 4}), ("gate_up", {"WARPS": 8, "ROWS": 2}),
-              (fused, {}), (fused, {"ABLATE": 1})]  # fmt: skip
+    shapes = [(split, {"RPB": r, "ROWS": 2, "SPLIT_MIN_BLOCKS": b}) for r in (2, 4) for b in (1, 2, 4)]
+    shapes += [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), ("gate_up", {"WARPS": 8, "ROWS": 2}), (fused, {})]
     for form, overrides in shapes:
         compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
         row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[form]),

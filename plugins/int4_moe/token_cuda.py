@@ -43,6 +43,9 @@ P1_WARPS = 16  # of which compute gate and up (a (pair, row) each)
 SOURCE = r"""
 typedef unsigned short bf16;
 typedef IDS_T id_t;
+#ifndef SPLIT_MIN_BLOCKS
+#define SPLIT_MIN_BLOCKS 1  // `gate_up_split`'s blocks an SM the compiler keeps registers for (1: up to 255 a thread)
+#endif
 #ifndef ABLATE
 #define ABLATE 0  // the probe's switches (benchmarks/int4_token_probe.py): 1 no math, 2 no grid-wide wait, 4 no down
 #endif
@@ -148,7 +151,7 @@ gate_up(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint4* _
 // gate and up with the K dimension split over the block's warps: warp c reads chunk c (16 bytes a lane) of each of
 // the block's RPB row pairs, its x slice held in registers for all of them; the warps' sums meet in shared memory and
 // are added in chunk order.
-extern "C" __global__ void __launch_bounds__(32 * CHUNKS)
+extern "C" __global__ void __launch_bounds__(32 * CHUNKS, SPLIT_MIN_BLOCKS)
 gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint4* __restrict__ gate_p,
               const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
               bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
@@ -174,27 +177,31 @@ gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const ui
                             __uint_as_float(two.y << 16), __uint_as_float(two.y & 0xFFFF0000u));
         x_sum[j] = (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
     }
+    // every scale the lane multiplies by, loaded with the words before any math (a second round trip to DRAM
+    // otherwise waits behind the first multiplies)
+    bf16 sg[RPB][8], su[RPB][8];
 #pragma unroll
     for (int r = 0; r < RPB; ++r) {
         const long long s_off = e * s_stride_e + (long long)(row0 + r) * s_stride_r;
-        float acc_g[2] = {0.0f, 0.0f}, acc_u[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
-#if WORDS_IN % GROUP == 0  // nibble J's group is J * (WORDS_IN / GROUP) + w / GROUP: one address, constant offsets
-        const bf16* gs = gate_s + s_off + w / GROUP;
-        const bf16* us = up_s + s_off + w / GROUP;
-#define GROUP_OF(J) (J * (WORDS_IN / GROUP))
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#if WORDS_IN % GROUP == 0  // nibble j's group is j * (WORDS_IN / GROUP) + w / GROUP: one address, constant offsets
+            const long long at = s_off + w / GROUP + j * (WORDS_IN / GROUP);
 #else
-        const bf16* gs = gate_s + s_off;
-        const bf16* us = up_s + s_off;
-#define GROUP_OF(J) ((J * WORDS_IN + w) / GROUP)
+            const long long at = s_off + (j * WORDS_IN + w) / GROUP;
 #endif
+            sg[r][j] = __ldg(gate_s + at);
+            su[r][j] = __ldg(up_s + at);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPB; ++r) {
+        float acc_g[2] = {0.0f, 0.0f}, acc_u[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
 #define GATE_UP(J) {                                                                                                \
-        acc_g[J & 1] = fmaf(from_bf16(__ldg(gs + GROUP_OF(J))), nibble_dot_biased<J>(g[r], xv[J], x_sum[J]),         \
-                            acc_g[J & 1]);                                                                           \
-        acc_u[J & 1] = fmaf(from_bf16(__ldg(us + GROUP_OF(J))), nibble_dot_biased<J>(u[r], xv[J], x_sum[J]),         \
-                            acc_u[J & 1]); }
+        acc_g[J & 1] = fmaf(from_bf16(sg[r][J]), nibble_dot_biased<J>(g[r], xv[J], x_sum[J]), acc_g[J & 1]);          \
+        acc_u[J & 1] = fmaf(from_bf16(su[r][J]), nibble_dot_biased<J>(u[r], xv[J], x_sum[J]), acc_u[J & 1]); }
         FOR_NIBBLES(GATE_UP)
 #undef GATE_UP
-#undef GROUP_OF
         const float sum_g = warp_sum(acc_g[0] + acc_g[1]);
         const float sum_u = warp_sum(acc_u[0] + acc_u[1]);
         if (lane == 0) { part[r][c][0] = sum_g; part[r][c][1] = sum_u; }
@@ -403,6 +410,15 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
         for (int c = 0; c < CHUNKS_PER_LANE; ++c)
             a_sum[j][c] = (a[j][4 * c] + a[j][4 * c + 1]) + (a[j][4 * c + 2] + a[j][4 * c + 3]);
     const float weight = weights[pair];
+#if ONE_GROUP
+    bf16 sd[ROWS][8];  // the rows' scales, loaded before any math (as gate_up_split's)
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            sd[r][j] = __ldg(down_s + e * s_stride_e + (long long)min(row0 + r, HIDDEN - 1) * s_stride_r + w0 / GROUP
+                             + j * (WORDS_W / GROUP));
+#endif
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = row0 + r;
@@ -410,12 +426,11 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
         float acc[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
 #define DOT(J, C) nibble_dot_biased<J>(q[r][C], make_float4(a[J][4 * C], a[J][4 * C + 1], a[J][4 * C + 2],         \
                                                             a[J][4 * C + 3]), a_sum[J][C])
-#if ONE_GROUP  // the lane's words of a row lie in one group for each nibble: one scale a nibble, at constant offsets
-        const bf16* ds = down_s + s_off + w0 / GROUP;
+#if ONE_GROUP  // the lane's words of a row lie in one group for each nibble: one scale a nibble (`sd`)
 #define DOWN(J) {                                                                                                   \
             float t = DOT(J, 0);                                                                                     \
             _Pragma("unroll") for (int c = 1; c < CHUNKS_PER_LANE; ++c) t += DOT(J, c);                              \
-            acc[J & 1] = fmaf(from_bf16(__ldg(ds + J * (WORDS_W / GROUP))), t, acc[J & 1]); }
+            acc[J & 1] = fmaf(from_bf16(sd[r][J]), t, acc[J & 1]); }
         FOR_NIBBLES(DOWN)
 #else
 #pragma unroll
