@@ -35,8 +35,10 @@ import torch
 
 LANES = 32
 WARPS = 8  # warps a block, both kernels
-DOWN_ROWS = 2  # output rows a down warp computes
-RPB = 4  # gate/up row pairs a `gate_up_split` block computes (the best of `benchmarks/int4_token_probe.py`'s shapes)
+# the best of `benchmarks/int4_token_probe.py`'s shapes on one H100 (BENCHMARKS.md, section 8)
+DOWN_ROWS = 4  # output rows a down warp computes
+RPB = 4  # gate/up row pairs a `gate_up_split` block computes
+SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps registers for (128 a thread)
 FUSED_WARPS = 16  # warps a `moe_token` block (one block a SM; up to 128 registers a thread)
 P1_WARPS = 16  # of which compute gate and up (a (pair, row) each)
 
@@ -471,7 +473,7 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "HIDDEN": hidden, "WIDTH": width, "GROUP": group_size, "TOP_K": top_k, "WARPS": WARPS, "ROWS": DOWN_ROWS,
         "WORDS_IN": words_in, "WORDS_W": words_w, "CHUNKS": words_in // (4 * LANES), "LANES_PER_PAIR": per_pair,
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
-        "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB,
+        "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB, "SPLIT_MIN_BLOCKS": SPLIT_MIN_BLOCKS,
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
