@@ -77,13 +77,13 @@ def main(argv=None) -> int:
     print(f"copy {copy / 1e9:.0f} GB/s; floors: gate/up {info['gate_up_floor_us']:.1f} us, down "
           f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
     split = "gate_up_split"
-    fused = "moe_token"
-    shapes = [(split, {"RPB": r, "ROWS": 2, "SPLIT_MIN_BLOCKS": b}) for r in (2, 4) for b in (1, 2, 4)]
-    shapes += [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), ("gate_up", {"WARPS": 8, "ROWS": 2}), (fused, {})]
+    shapes = [("mma", {}), ("mma", {"KSPLIT": 7}), ("mma", {"KSPLIT": 28}), ("mma", {"KSPLIT": 4})]
+    shapes += [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), (split, {"RPB": 4, "ROWS": 2})]
     for form, overrides in shapes:
         compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
-        row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[form]),
-               "down_regs": attributes(compiled["down"])}  # fmt: skip
+        mma = form == "mma"
+        row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled["gate_up_mma" if mma else form]),
+               "down_regs": attributes(compiled["down_mma" if mma else "down"])}  # fmt: skip
         if form == "moe_token":
             row["shared_bytes"] = token_cuda._defines(hidden, width, GROUP, k, ids0.dtype, device)["FUSED_SHARED_BYTES"]
 
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         # each kernel alone: the gate/up launch, and the down launch over the act it left
         gate = lambda g=compiled[form], f=form, d=defines: _gate(g, f, d, calls[0], ready, act, k, width)  # noqa: E731
         down = lambda g=compiled["down"], d=defines: _down(g, d, calls[0], ready, act, out, hidden)  # noqa: E731
-        for name, fn in (("gate_us", gate), ("down_us", down)) if form != "moe_token" else ():
+        for name, fn in (("gate_us", gate), ("down_us", down)) if form not in ("moe_token", "mma") else ():
             row[name] = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
@@ -130,7 +130,7 @@ def kernel_time_us(fn, calls: int = 20) -> float:
             torch.cuda._sleep(20000)
             fn()
         torch.cuda.synchronize()
-    names = ("moe_token", "gate_up", "gate_up_split", "down")
+    names = ("moe_token", "gate_up", "gate_up_split", "down", "gate_up_mma", "down_mma")
     times = [e.device_time for e in prof.events() if e.device_time > 0 and e.name in names]
     per_call = len(times) // calls
     sums = [sum(times[i * per_call : (i + 1) * per_call]) for i in range(calls)]

@@ -383,6 +383,31 @@ def test_cuda_token_kernels_algorithm_matches_reference(k, width):
                                     tensors[5], group).float(), want) > 0.5  # fmt: skip
 
 
+def test_cuda_token_tensor_core_algorithm_matches_reference():
+    """The tensor-core token kernels' computation (`token_cuda.algorithm_mma`: each warp's A and B fragments made as
+    `gate_up_mma` and `down_mma` make them, multiplied by the m16n8k16 layout) against the reference: one 16-word
+    step a warp in gate/up (8 warps a block at hidden 1024), two in down. A fragment wrongly placed shows: the
+    same words read in the checkpoint's order miss by far."""
+    from plugins.int4_moe import token_cuda
+    from plugins.int4_moe.kernel import Int4MoEKernel
+
+    hidden, width, group, k = 1024, 256, 32, 8
+    assert token_cuda.mma_fits(hidden, width, group, k) and not token_cuda.mma_fits(hidden, width, 8, k)
+    experts = random_experts(12, hidden, width, group, 0)
+    tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in experts]
+    words, _ = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
+    ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
+    x = torch.randn(1, hidden).to(torch.bfloat16)
+    ids, weights = random_routing(1, 12, k, seed=3)
+    want = int4_moe(x.float(), ids, weights, *(t.float() if t.is_floating_point() else t for t in tensors), group)
+    for ksplit in (None, 2):
+        got = token_cuda.algorithm_mma(x, ids, weights, *ready, group, ksplit=ksplit)
+        assert got.dtype == torch.bfloat16 and got.shape == (1, hidden)
+        assert rel(got.float(), want) < 1e-2, ksplit
+    checkpoint_order = token_cuda.algorithm_mma(x, ids, weights, *tensors, group)
+    assert rel(checkpoint_order.float(), want) > 0.5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NVRTC compiles the kernels)")
 def test_cuda_token_kernels_on_a_gpu():
     """The compiled kernels against the reference and against their algorithm, at Kimi K2.x's per-rank TP-8
@@ -410,7 +435,8 @@ def test_cuda_token_kernels_on_a_gpu():
         # every form: the gate/up launch (a warp a row pair, or a warp a chunk) then down, and the one launch
         act = torch.empty(8, width, dtype=torch.bfloat16, device="cuda")
         fused = token_cuda.fused_fits(hidden, width, group, 8, torch.device("cuda"))
-        for form in ("gate_up", "gate_up_split") + (("moe_token",) if fused else ()):
+        mma = ("mma",) if token_cuda.mma_fits(hidden, width, group, 8) else ()
+        for form in ("gate_up", "gate_up_split") + (("moe_token",) if fused else ()) + mma:
             out = torch.full((1, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
             token_cuda.launch(x.cuda(), ids.reshape(-1).to(id_dtype).cuda(), weights.reshape(-1).float().cuda(),
                               *(t.cuda() for t in ready), act, out, group, gate_form=form)  # fmt: skip

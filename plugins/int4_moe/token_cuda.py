@@ -24,6 +24,11 @@ x bfloat16, routing weights float32, expert ids int32 or int64 (the router's, re
    will multiply into shared memory by cp.async first (the launch's bytes in flight at once), gate and up, a
    grid-wide wait, down. Its 16 warps a SM leave the math too little parallelism.
 
+4. `gate_up_mma` and `down_mma` (`launch(..., gate_form="mma")`): the multiplies on tensor cores (mma.sync
+   m16n8k16, bfloat16 fragments made from the words by one lop3 and two bfloat16 fmas a pair of weights, float32
+   sums), about half the split form's instructions a weight (sm_90 SASS). Their computation is checked on the CPU
+   fragment by fragment (`algorithm_mma`); not yet run on a GPU, so not the default.
+
 `algorithm` is the same computation in torch, lane by lane (the same chunks, nibbles, groups and butterflies), so the
 kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py); a GPU test checks the
 compiled kernels themselves.
@@ -378,6 +383,164 @@ moe_token(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float*
     }
 }
 
+// ---- tensor cores: `gate_up_mma` and `down_mma` (mma.sync m16n8k16, bfloat16 in, float32 sums) -----------------
+// A warp multiplies 16 weight rows (the MMA's M side) by x broadcast to the 8 columns (N). Thread (g = lane / 4,
+// t = lane % 4) loads 16 bytes (words base + 4t .. + 3) of row g and of row g + 8 for each 16-word step at base. One
+// lop3 turns nibbles J and J + 4 of a word into the bfloat16 pair (128 + n_J, 128 + n_(J+4)); two bfloat16 fmas
+// make (n - 8) * scale, rounded once to bfloat16 (the reference's own weight). The pair is the A fragment's two
+// elements at k = 2t, 2t + 1 (words 2q of the thread's four) or 2t + 8, 2t + 9 (word 2q + 1): so MMA (J, q) of a step
+// multiplies inputs J * words + w and (J + 4) * words + w, w = base + 4t + 2q + {0, 1}, and its B fragment is x at
+// those inputs, paired the same way in shared memory (`xp`). The float32 sums of every step stay in the MMA's C.
+__device__ __forceinline__ unsigned nibble_pair(unsigned shifted) {  // bfloat16 (128 + bits 0-3, 128 + bits 16-19)
+    unsigned r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(shifted), "n"(0x000F000F), "r"(0x43004300u));
+    return r;
+}
+__device__ __forceinline__ unsigned bf16x2_fma(unsigned a, unsigned b, unsigned c) {
+    unsigned r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+// the bfloat16 pair (n_lo - 8) * s_lo, (n_hi - 8) * s_hi: 128 + n - 136 is exact, the product rounded once
+__device__ __forceinline__ unsigned scaled_pair(unsigned shifted, unsigned scales) {
+    const unsigned centred = bf16x2_fma(nibble_pair(shifted), 0x3F803F80u, 0xC308C308u);  // * 1 - 136
+    return bf16x2_fma(centred, scales, 0x80008000u);                                    // * s + (-0)
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// one 16-word step of rows g (words `lo`) and g + 8 (`hi`) against the paired inputs `pairs` (J * words + w at
+// J * words + w), scales (J, J + 4) of row g in `s_lo[J]`, of row g + 8 in `s_hi[J]`
+template <int WORDS>
+__device__ __forceinline__ void mma_step(float (&c)[4], uint4 lo, uint4 hi, const unsigned* s_lo,
+                                         const unsigned* s_hi, const unsigned* pairs, int w) {
+    const unsigned lw[4] = {lo.x, lo.y, lo.z, lo.w}, hw[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const uint2 b = *(const uint2*)(pairs + j * WORDS + w + 2 * q);
+            mma_bf16(c, scaled_pair(lw[2 * q] >> (4 * j), s_lo[j]), scaled_pair(hw[2 * q] >> (4 * j), s_hi[j]),
+                     scaled_pair(lw[2 * q + 1] >> (4 * j), s_lo[j]), scaled_pair(hw[2 * q + 1] >> (4 * j), s_hi[j]),
+                     b.x, b.y);
+        }
+    }
+}
+
+#define KSTEPS (WORDS_IN / 16)
+#define STEPS_PER_WARP (KSTEPS / KSPLIT)
+static_assert(KSTEPS % KSPLIT == 0 && (STEPS_PER_WARP * 16) % GROUP == 0, "KSPLIT: whole groups a warp");
+
+// block: KSPLIT warps over the 16-word steps of 8 rows of gate (the MMA's rows 0-7) and the same 8 rows of up
+// (rows 8-15) of one pair; the warps' sums added in warp order; silu(gate) * up in bfloat16 into act
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
+gate_up_mma(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint4* __restrict__ gate_p,
+            const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
+            bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
+    __shared__ __align__(16) unsigned xp[4 * WORDS_IN];  // (x[J * words + w], x[(J + 4) * words + w]) at J * words + w
+    __shared__ float part[KSPLIT][8][2];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int pair = blockIdx.x / (WIDTH / 8), row = (blockIdx.x % (WIDTH / 8)) * 8 + g;
+    const long long e = (long long)ids[pair];
+    const long long p_off = (e * p_stride_e + (long long)row * p_stride_r) / 4 + t;
+    const long long s_off = e * s_stride_e + (long long)row * s_stride_r;
+    const int step0 = warp * STEPS_PER_WARP;
+    uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < STEPS_PER_WARP; ++i) {
+        gw[i] = __ldg(gate_p + p_off + 4 * (step0 + i));
+        uw[i] = __ldg(up_p + p_off + 4 * (step0 + i));
+    }
+    // the scales of the warp's groups (GROUP / 16 steps a group; a warp's first step starts a group: `mma_fits`),
+    // nibbles J and J + 4 paired as the weights are
+    constexpr int STEPS_PER_GROUP = GROUP / 16, GROUPS = (STEPS_PER_WARP + STEPS_PER_GROUP - 1) / STEPS_PER_GROUP;
+    constexpr int FAR = 4 * WORDS_IN / GROUP;  // nibble J + 4's group, 4 * words inputs on
+    unsigned sg[GROUPS][4], su[GROUPS][4];
+#pragma unroll
+    for (int k = 0; k < GROUPS; ++k)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const long long at = s_off + j * (WORDS_IN / GROUP) + (16 * step0) / GROUP + k;
+            sg[k][j] = (unsigned)__ldg(gate_s + at) | ((unsigned)__ldg(gate_s + at + FAR) << 16);
+            su[k][j] = (unsigned)__ldg(up_s + at) | ((unsigned)__ldg(up_s + at + FAR) << 16);
+        }
+    // x paired: two neighbouring words' inputs of nibbles J and J + 4 at once
+    for (int i = threadIdx.x; i < 2 * WORDS_IN; i += 32 * KSPLIT) {
+        const unsigned lo = __ldg((const unsigned*)x + i), hi = __ldg((const unsigned*)x + i + 2 * WORDS_IN);
+        *(uint2*)(xp + 2 * i) = make_uint2(__byte_perm(lo, hi, 0x5410), __byte_perm(lo, hi, 0x7632));
+    }
+    __syncthreads();
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < STEPS_PER_WARP; ++i)
+        mma_step<WORDS_IN>(c, gw[i], uw[i], sg[i / STEPS_PER_GROUP], su[i / STEPS_PER_GROUP], xp,
+                           16 * (step0 + i) + 4 * t);
+    if (t == 0) { part[warp][g][0] = c[0]; part[warp][g][1] = c[2]; }  // column 0: rows g (gate) and g + 8 (up)
+    __syncthreads();
+    if (threadIdx.x < 8) {
+        float sum_g = 0.0f, sum_u = 0.0f;
+#pragma unroll
+        for (int k = 0; k < KSPLIT; ++k) { sum_g += part[k][threadIdx.x][0]; sum_u += part[k][threadIdx.x][1]; }
+        act[pair * WIDTH + (blockIdx.x % (WIDTH / 8)) * 8 + threadIdx.x] =
+            to_bf16(sum_g / (1.0f + __expf(-sum_g)) * sum_u);
+    }
+}
+
+// block: TOP_K warps, warp p multiplies 16 output rows of down by pair p's act (its steps of 16 words), times the
+// pair's routing weight; the pairs' sums added in pair order, each row written in bfloat16
+extern "C" __global__ void __launch_bounds__(32 * TOP_K)
+down_mma(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __restrict__ weights,
+         const uint4* __restrict__ down_p, const bf16* __restrict__ down_s, bf16* __restrict__ out, int p_stride_e,
+         int p_stride_r, int s_stride_e, int s_stride_r) {
+    __shared__ __align__(16) unsigned ap[TOP_K][4 * WORDS_W];  // act paired as x is in `gate_up_mma`, a pair each
+    __shared__ float part[TOP_K][16];
+    const int lane = threadIdx.x & 31, p = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int h0 = blockIdx.x * 16;  // 16 | HIDDEN
+    const long long e = (long long)ids[p];
+    const long long lo_off = (e * p_stride_e + (long long)(h0 + g) * p_stride_r) / 4 + t;
+    const long long hi_off = lo_off + (8LL * p_stride_r) / 4;
+    const long long s_lo = e * s_stride_e + (long long)(h0 + g) * s_stride_r, s_hi = s_lo + 8LL * s_stride_r;
+    uint4 dl[WORDS_W / 16], dh[WORDS_W / 16];
+    unsigned sl[WORDS_W / 16][4], sh[WORDS_W / 16][4];
+#pragma unroll
+    for (int i = 0; i < WORDS_W / 16; ++i) {
+        dl[i] = __ldg(down_p + lo_off + 4 * i);
+        dh[i] = __ldg(down_p + hi_off + 4 * i);
+    }
+#pragma unroll
+    for (int i = 0; i < WORDS_W / 16; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int at = (j * WORDS_W + 16 * i) / GROUP;
+            constexpr int FAR = 4 * WORDS_W / GROUP;
+            sl[i][j] = (unsigned)__ldg(down_s + s_lo + at) | ((unsigned)__ldg(down_s + s_lo + at + FAR) << 16);
+            sh[i][j] = (unsigned)__ldg(down_s + s_hi + at) | ((unsigned)__ldg(down_s + s_hi + at + FAR) << 16);
+        }
+    for (int i = threadIdx.x; i < TOP_K * 2 * WORDS_W; i += 32 * TOP_K) {
+        const int q = i / (2 * WORDS_W), k = i % (2 * WORDS_W);
+        const unsigned* pair = (const unsigned*)(act + q * WIDTH);
+        const unsigned lo = pair[k], hi = pair[k + 2 * WORDS_W];
+        *(uint2*)(&ap[q][2 * k]) = make_uint2(__byte_perm(lo, hi, 0x5410), __byte_perm(lo, hi, 0x7632));
+    }
+    __syncthreads();
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < WORDS_W / 16; ++i) mma_step<WORDS_W>(c, dl[i], dh[i], sl[i], sh[i], ap[p], 16 * i + 4 * t);
+    const float weight = weights[p];
+    if (t == 0) { part[p][g] = c[0] * weight; part[p][g + 8] = c[2] * weight; }
+    __syncthreads();
+    if (threadIdx.x < 16) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < TOP_K; ++k) sum += part[k][threadIdx.x];
+        out[h0 + threadIdx.x] = to_bf16(sum);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __restrict__ weights,
      const uint4* __restrict__ down_p, const bf16* __restrict__ down_s, bf16* __restrict__ out, int p_stride_e,
@@ -474,6 +637,7 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "WORDS_IN": words_in, "WORDS_W": words_w, "CHUNKS": words_in // (4 * LANES), "LANES_PER_PAIR": per_pair,
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
         "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB, "SPLIT_MIN_BLOCKS": SPLIT_MIN_BLOCKS,
+        "KSPLIT": mma_ksplit(hidden, group_size),
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
@@ -536,7 +700,7 @@ def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_
                 name: torch.cuda._compile_kernel(
                     source, name, compute_capability=f"{major}{minor}", nvcc_options=["-std=c++17", "--use_fast_math"]
                 )  # fmt: skip
-                for name in ("gate_up", "gate_up_split", "down", "moe_token")
+                for name in ("gate_up", "gate_up_split", "down", "moe_token", "gate_up_mma", "down_mma")
             }
             _COMPILED[key]["moe_token"].set_shared_memory_config(defines["FUSED_SHARED_BYTES"])
     return _COMPILED[key]
@@ -560,6 +724,14 @@ def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_p
         return
     gate_args = [x, ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
                  gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
+    if gate_form == "mma":  # the tensor-core pair of launches
+        compiled["gate_up_mma"](
+            grid=(top_k * width // 8, 1, 1), block=(LANES * defines["KSPLIT"], 1, 1), args=gate_args
+        )
+        compiled["down_mma"](grid=(hidden // 16, 1, 1), block=(LANES * top_k, 1, 1),
+                             args=[act, ids, weights, down_packed, down_scale, out, down_packed.stride(0),
+                                   down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)])  # fmt: skip
+        return
     if gate_form == "gate_up_split":
         compiled[gate_form](grid=(top_k * width // defines["RPB"], 1, 1), block=(LANES * defines["CHUNKS"], 1, 1),
                             args=gate_args)  # fmt: skip
@@ -658,3 +830,121 @@ def algorithm(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed,
                 lane_acc = lane_acc + down_scale[e][:, (j * words_w + w0 + 4 * c) // group_size].float() * dot
         acc[:, lane] = lane_acc * weights[pair]
     return _to_bf16(_butterfly(acc))[None]
+
+
+# ---- the tensor-core forms (`gate_up_mma`, `down_mma`) ------------------------------------------------------------
+
+
+def mma_ksplit(hidden: int, group_size: int) -> int:
+    """Warps a `gate_up_mma` block splits its rows' 16-word steps over: the most, up to 16, that divide them into
+    whole groups a warp (Kimi K2.x: 56 steps of 2 a group, 14 warps of 4)."""
+    steps, per_group = hidden // 8 // 16, max(1, group_size // 16)
+    return max([d for d in range(1, 17) if steps % d == 0 and (steps // d) % per_group == 0] or [1])
+
+
+def mma_fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
+    """The tensor-core forms' shapes: 16-word steps (each inside one group, whole groups a row), 8-row tiles of gate
+    and up, 16-row tiles of down, a warp a pair in down, x and act paired in 48 KB of shared memory."""
+    words_in, words_w = hidden // 8, width // 8
+    steps_per_warp = words_in // 16 // mma_ksplit(hidden, group_size) if words_in % 16 == 0 else 0
+    return (hidden % 16 == 0 and width % 16 == 0 and words_in % 16 == 0 and words_w % 16 == 0
+            and steps_per_warp * 16 % group_size == 0
+            and group_size % 16 == 0 and words_in % group_size == 0 and words_w % group_size == 0
+            and 1 <= top_k <= 32 and 16 * words_in <= 48 * 1024 and top_k * 16 * words_w <= 48 * 1024)  # fmt: skip
+
+
+def _fragment_maps():
+    """The m16n8k16 fragments' element positions (PTX ISA, `mma.m16n8k16` with .bf16): lane (g = lane / 4, t = lane
+    % 4), register r, half h of A -> (row g + 8 (r % 2), k 2t + h + 8 (r / 2)); of B -> (k 2t + h + 8 r, column g);
+    C element i -> (row g + 8 (i / 2), column 2t + i % 2)."""
+    lane = torch.arange(LANES)
+    g, t = lane // 4, lane % 4
+    reg, half = torch.arange(4)[None, :, None], torch.arange(2)[None, None, :]
+    a_row = (g[:, None, None] + 8 * (reg % 2)).expand(LANES, 4, 2)
+    a_k = 2 * t[:, None, None] + half + 8 * (reg // 2)
+    b_k = (2 * t[:, None, None] + half + 8 * torch.arange(2)[None, :, None]).expand(LANES, 2, 2)
+    b_n = g[:, None, None].expand(LANES, 2, 2)
+    c_row = g[:, None] + 8 * (torch.arange(4)[None, :] // 2)
+    c_col = 2 * t[:, None] + torch.arange(4)[None, :] % 2
+    return a_row, a_k, b_k, b_n, c_row, c_col
+
+
+def _mma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """One warp's m16n8k16 MMA from its fragments: a [..., 32, 4, 2], b [..., 32, 2, 2], c [..., 32, 4] float32."""
+    a_row, a_k, b_k, b_n, c_row, c_col = _fragment_maps()
+    lead = a.shape[:-3]
+    matrix_a = torch.zeros(*lead, 16, 16)
+    matrix_a[..., a_row, a_k] = a
+    matrix_b = torch.zeros(*b.shape[:-3], 16, 8)
+    matrix_b[..., b_k, b_n] = b
+    return c + (matrix_a @ matrix_b)[..., c_row, c_col]
+
+
+def _scaled_pairs(words: torch.Tensor, j: int, scale_lo: torch.Tensor, scale_hi: torch.Tensor) -> torch.Tensor:
+    """`scaled_pair` of words >> 4j: [..., 2] bfloat16 values (n_J - 8) * s_lo, (n_(J+4) - 8) * s_hi, as float32."""
+    lo = (((words >> (4 * j)) & 0xF) - 8).float() * scale_lo
+    hi = (((words >> (4 * j + 16)) & 0xF) - 8).float() * scale_hi
+    return torch.stack([lo, hi], dim=-1).to(torch.bfloat16).float()
+
+
+def _mma_rows(lo_words, hi_words, lo_scales, hi_scales, values, step: int, words: int, group_size: int,
+              c: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`mma_step` for a batch of warps: lo/hi_words [..., 16 rows g, words] (rows g and g + 8 of each warp's tile),
+    their scales [..., 16 rows, groups], values [8 * words] (the B side, paired as `xp`), c [..., 32, 4]."""
+    lane = torch.arange(LANES)
+    g, t = lane // 4, lane % 4
+    base = 16 * step
+    far = 4 * words // group_size
+    w4 = base + 4 * t[:, None] + torch.arange(4)  # [32, 4]: the thread's four words
+    lo_w = lo_words[..., g[:, None], w4]  # [..., 32, 4]
+    hi_w = hi_words[..., g[:, None], w4]
+    for j in range(4):
+        group = (j * words + base) // group_size
+        s_lo = lo_scales[..., g, group].float(), lo_scales[..., g, group + far].float()
+        s_hi = hi_scales[..., g, group].float(), hi_scales[..., g, group + far].float()
+        for q in range(2):
+            a = torch.stack([
+                _scaled_pairs(lo_w[..., 2 * q], j, *s_lo), _scaled_pairs(hi_w[..., 2 * q], j, *s_hi),
+                _scaled_pairs(lo_w[..., 2 * q + 1], j, *s_lo), _scaled_pairs(hi_w[..., 2 * q + 1], j, *s_hi),
+            ], dim=-2)  # fmt: skip
+            w = base + 4 * t + 2 * q  # [32]
+            pair = [torch.stack([values[j * words + v], values[(j + 4) * words + v]], -1) for v in (w, w + 1)]
+            b = torch.stack(pair, -2)  # [32, register, half]
+            c = _mma(a, b, c)
+    return c
+
+
+def algorithm_mma(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed,
+                  down_scale, group_size: int, ksplit: int | None = None) -> torch.Tensor:  # fmt: skip
+    """`gate_up_mma` and `down_mma` in torch, fragment by fragment (CPU): each warp's A and B fragments made as the
+    kernels make them, multiplied by the MMA's layout (`_fragment_maps`), float32 sums, bfloat16 act and output."""
+    hidden, width, top_k = x.shape[1], gate_packed.shape[1], expert_ids.shape[-1]
+    words_in, words_w = hidden // 8, width // 8
+    ksplit = ksplit or mma_ksplit(hidden, group_size)
+    per_warp = words_in // 16 // ksplit
+    ids, weights = expert_ids.reshape(-1).long(), expert_weights.reshape(-1).float()
+    xs = x[0].to(torch.bfloat16).float()
+    tiles = width // 8
+    gate_w = gate_packed[ids].reshape(top_k, tiles, 8, words_in)  # [pair, tile, row g, words]
+    up_w = up_packed[ids].reshape(top_k, tiles, 8, words_in)
+    gate_sc = gate_scale[ids].reshape(top_k, tiles, 8, -1)
+    up_sc = up_scale[ids].reshape(top_k, tiles, 8, -1)
+    sums = torch.zeros(top_k, tiles, 8, 2)
+    for warp in range(ksplit):  # the block's warps, then their sums in warp order
+        c = torch.zeros(top_k, tiles, LANES, 4)
+        for i in range(per_warp):
+            c = _mma_rows(gate_w, up_w, gate_sc, up_sc, xs, warp * per_warp + i, words_in, group_size, c)
+        sums = sums + torch.stack([c[..., 0::4, 0], c[..., 0::4, 2]], dim=-1)  # lanes t = 0: column 0
+    gate, up = sums[..., 0].reshape(top_k, width), sums[..., 1].reshape(top_k, width)
+    act = (gate / (1.0 + torch.exp(-gate)) * up).to(torch.bfloat16).float()
+    row_tiles = hidden // 16
+    out = torch.zeros(row_tiles, 16)
+    for p in range(top_k):  # warp p of every block, then the pairs in order
+        rows_w = down_packed[ids[p]].reshape(row_tiles, 2, 8, words_w)  # [tile, rows g / g + 8, g, words]
+        rows_s = down_scale[ids[p]].reshape(row_tiles, 2, 8, -1)
+        c = torch.zeros(row_tiles, LANES, 4)
+        for step in range(words_w // 16):
+            c = _mma_rows(rows_w[:, 0], rows_w[:, 1], rows_s[:, 0], rows_s[:, 1], act[p], step, words_w, group_size,
+                          c)  # fmt: skip
+        out = out + torch.cat([c[:, 0::4, 0], c[:, 0::4, 2]], dim=-1) * weights[p]
+    return out.reshape(1, hidden).to(torch.bfloat16)
