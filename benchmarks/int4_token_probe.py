@@ -4,7 +4,9 @@ dimensions on one GPU: each gate/up and down form timed alone and the pair in a 
     PYTHONPATH=. python3 benchmarks/int4_token_probe.py OUT_DIR [--repeats 3]
 
 Forms: `gate_up` (a warp a row pair, x staged in shared memory; WARPS warps a block), `gate_up_split` (a warp a
-16-byte chunk of RPB row pairs); `down` (ROWS output rows a warp, WARPS warps a block). Each is checked against the
+16-byte chunk of RPB row pairs; SPLIT_MIN_BLOCKS: blocks an SM the compiler keeps registers for); `down` (ROWS
+output rows a warp, WARPS warps a block); `moe_token` (the whole MoE in one launch; ABLATE leaves parts out, timing
+only); `mma` (`gate_up_mma` with KSPLIT warps over a row tile's 16-word steps, then `down_mma`: tensor cores). Each is checked against the
 torch reference through the pair of launches (relative error < 1e-2), then timed by CUDA-graph replay with the L2
 left clean (`benchmarks.common.graph_time_us(flush="read")`), and 8 calls over other experts back to back in one
 graph (a call's share: as inside a forward). The byte floor: the bytes each kernel reads at the copy rate of this
