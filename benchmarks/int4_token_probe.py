@@ -6,11 +6,11 @@ dimensions on one GPU: each gate/up and down form timed alone and the pair in a 
 Forms: `gate_up` (a warp a row pair, x staged in shared memory; WARPS warps a block), `gate_up_split` (a warp a
 16-byte chunk of RPB row pairs; SPLIT_MIN_BLOCKS: blocks an SM the compiler keeps registers for); `down` (ROWS
 output rows a warp, WARPS warps a block); `moe_token` (the whole MoE in one launch; ABLATE leaves parts out, timing
-only); `mma` (`gate_up_mma` with KSPLIT warps over a row tile's 16-word steps, then `down_mma`: tensor cores). Each is checked against the
-torch reference through the pair of launches (relative error < 1e-2), then timed by CUDA-graph replay with the L2
-left clean (`benchmarks.common.graph_time_us(flush="read")`), and 8 calls over other experts back to back in one
-graph (a call's share: as inside a forward). The byte floor: the bytes each kernel reads at the copy rate of this
-run. Writes OUT_DIR/int4_token_probe.json.
+only); `mma` (`gate_up_mma` with KSPLIT warps over a row tile's 16-word steps, then `down_mma`: tensor cores).
+Each is checked against the torch reference through the pair of launches (relative error < 1e-2), then timed by
+CUDA-graph replay with the L2 left clean (`benchmarks.common.graph_time_us(flush="read")`), and 8 calls over other
+experts back to back in one graph (a call's share: as inside a forward), and by the profiler (kernel time alone).
+The byte floor: the bytes each kernel reads at the copy rate of this run. Writes OUT_DIR/int4_token_probe.json.
 """
 
 from __future__ import annotations
@@ -96,9 +96,11 @@ def main(argv=None) -> int:
         row["relative_error"] = float((out.float() - want).norm() / want.norm())
         row["kernel_us"] = kernel_time_us(lambda: both(calls[0]))
         # ABLATE: timing only, what the form costs without a part (its output is not the MoE's)
-        if row["relative_error"] > 1e-2 and not overrides.get("ABLATE"):
+        if row["relative_error"] > 1e-2 and not overrides.get("ABLATE"):  # wrong: recorded, not timed
+            row["wrong"] = True
+            info["rows"].append(row)
             print(json.dumps(row), flush=True)
-            raise RuntimeError(f"{form} {overrides}: relative error {row['relative_error']:.2e}")
+            continue
         defines = {**token_cuda._defines(hidden, width, GROUP, k, ids0.dtype), **overrides}
         times = {
             "pair_us": lambda: both(calls[0]),
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
     (args.out_dir / "int4_token_probe.json").write_text(json.dumps(info, indent=1) + "\n")
-    return 0
+    return 1 if any(r.get("wrong") for r in info["rows"]) else 0
 
 
 def kernel_time_us(fn, calls: int = 20) -> float:

@@ -885,8 +885,10 @@ def int4_moe_cuda(
 
 
 def _token_cuda_fits(x, gate_scale, down_scale, expert_ids, group_size: int, width: int) -> bool:
-    """Whether `token_cuda` takes this call: one bfloat16 token on a CUDA device, bfloat16 scales, its dimensions."""
+    """Whether `token_cuda` takes this call: one bfloat16 token on an sm_80 or newer GPU, bfloat16 scales, its
+    dimensions."""
     return (x.is_cuda and x.dtype == gate_scale.dtype == down_scale.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0)  # its source holds sm_80 instructions
             and token_cuda.fits(x.shape[1], width, group_size, expert_ids.shape[-1]))  # fmt: skip
 
 
