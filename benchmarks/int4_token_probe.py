@@ -3,10 +3,10 @@ dimensions on one GPU: each gate/up and down form timed alone and the pair in a 
 
     PYTHONPATH=. python3 benchmarks/int4_token_probe.py OUT_DIR [--repeats 3]
 
-Forms: `gate_up` (a warp a row pair, x staged in shared memory; WARPS warps a block), `gate_up_split` (a warp a
-16-byte chunk of RPB row pairs; SPLIT_MIN_BLOCKS: blocks an SM the compiler keeps registers for); `down` (ROWS
-output rows a warp, WARPS warps a block); `moe_token` (the whole MoE in one launch; ABLATE leaves parts out, timing
-only); `mma` (`gate_up_mma` with KSPLIT warps over a row tile's 16-word steps, then `down_mma`: tensor cores).
+Forms: `split` (`gate_up_split`, a warp a 16-byte chunk of RPB row pairs, SPLIT_MIN_BLOCKS: blocks an SM the
+compiler keeps registers for; then `down`, ROWS output rows a warp, WARPS warps a block) and `mma` (`gate_up_mma` with
+KSPLIT warps over a row tile's 16-word steps, then `down_mma`: tensor cores). (Earlier runs of this script also timed
+a warp-a-row-pair form and a one-launch form, since removed: `results/int4_token_probe_h100*.json`.)
 Each is checked against the torch reference through the pair of launches (relative error < 1e-2), then timed by
 CUDA-graph replay with the L2 left clean (`benchmarks.common.graph_time_us(flush="read")`), and 8 calls over other
 experts back to back in one graph (a call's share: as inside a forward), and by the profiler (kernel time alone).
@@ -78,16 +78,15 @@ def main(argv=None) -> int:
             "gate_up_floor_us": gate_bytes / copy * 1e6, "down_floor_us": down_bytes / copy * 1e6}  # fmt: skip
     print(f"copy {copy / 1e9:.0f} GB/s; floors: gate/up {info['gate_up_floor_us']:.1f} us, down "
           f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
-    split = "gate_up_split"
+    split = "split"
     shapes = [("mma", {}), ("mma", {"KSPLIT": 7}), ("mma", {"KSPLIT": 28}), ("mma", {"KSPLIT": 4})]
     shapes += [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), (split, {"RPB": 4, "ROWS": 2})]
     for form, overrides in shapes:
         compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
         mma = form == "mma"
-        row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled["gate_up_mma" if mma else form]),
-               "down_regs": attributes(compiled["down_mma" if mma else "down"])}  # fmt: skip
-        if form == "moe_token":
-            row["shared_bytes"] = token_cuda._defines(hidden, width, GROUP, k, ids0.dtype, device)["FUSED_SHARED_BYTES"]
+        gate_name, down_name = ("gate_up_mma", "down_mma") if mma else ("gate_up_split", "down")
+        row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[gate_name]),
+               "down_regs": attributes(compiled[down_name])}  # fmt: skip
 
         def both(c, form=form, overrides=overrides):
             token_cuda.launch(c[0], c[1], c[2], *ready, act, out, GROUP, gate_form=form, **overrides)
@@ -95,8 +94,7 @@ def main(argv=None) -> int:
         both(calls[0])
         row["relative_error"] = float((out.float() - want).norm() / want.norm())
         row["kernel_us"] = kernel_time_us(lambda: both(calls[0]))
-        # ABLATE: timing only, what the form costs without a part (its output is not the MoE's)
-        if row["relative_error"] > 1e-2 and not overrides.get("ABLATE"):  # wrong: recorded, not timed
+        if row["relative_error"] > 1e-2:  # wrong: recorded, not timed
             row["wrong"] = True
             info["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -110,9 +108,9 @@ def main(argv=None) -> int:
             t = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
             row[name] = t / (VARIANTS if name == "sequence_us" else 1)
         # each kernel alone: the gate/up launch, and the down launch over the act it left
-        gate = lambda g=compiled[form], f=form, d=defines: _gate(g, f, d, calls[0], ready, act, k, width)  # noqa: E731
+        gate = lambda g=compiled["gate_up_split"], d=defines: _gate(g, d, calls[0], ready, act, k, width)  # noqa: E731
         down = lambda g=compiled["down"], d=defines: _down(g, d, calls[0], ready, act, out, hidden)  # noqa: E731
-        for name, fn in (("gate_us", gate), ("down_us", down)) if form not in ("moe_token", "mma") else ():
+        for name, fn in (("gate_us", gate), ("down_us", down)) if not mma else ():
             row[name] = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
@@ -134,21 +132,18 @@ def kernel_time_us(fn, calls: int = 20) -> float:
             torch.cuda._sleep(20000)
             fn()
         torch.cuda.synchronize()
-    names = ("moe_token", "gate_up", "gate_up_split", "down", "gate_up_mma", "down_mma")
+    names = ("gate_up_split", "down", "gate_up_mma", "down_mma")
     times = [e.device_time for e in prof.events() if e.device_time > 0 and e.name in names]
     per_call = len(times) // calls
     sums = [sum(times[i * per_call : (i + 1) * per_call]) for i in range(calls)]
     return statistics.median(sums) if sums else float("nan")
 
 
-def _gate(kernel, form, defines, call, ready, act, k, width):
+def _gate(kernel, defines, call, ready, act, k, width):
     x, ids, _ = call
     args = [x, ids, ready[0], ready[1], ready[2], ready[3], act, ready[0].stride(0), ready[0].stride(1),
             ready[1].stride(0), ready[1].stride(1)]  # fmt: skip
-    if form == "gate_up_split":
-        kernel(grid=(k * width // defines["RPB"], 1, 1), block=(32 * defines["CHUNKS"], 1, 1), args=args)
-    else:
-        kernel(grid=(k * width // defines["WARPS"], 1, 1), block=(32 * defines["WARPS"], 1, 1), args=args)
+    kernel(grid=(k * width // defines["RPB"], 1, 1), block=(32 * defines["CHUNKS"], 1, 1), args=args)
 
 
 def _down(kernel, defines, call, ready, act, out, hidden):

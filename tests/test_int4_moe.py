@@ -374,10 +374,9 @@ def test_cuda_token_kernels_algorithm_matches_reference(k, width):
     x = torch.randn(1, hidden).to(torch.bfloat16)
     ids, weights = random_routing(1, 12, k, seed=3)
     want = int4_moe(x.float(), ids, weights, *(t.float() if t.is_floating_point() else t for t in tensors), group)
-    for form in ("moe_token", "gate_up_split"):
-        got = token_cuda.algorithm(x, ids, weights, *ready, group, form=form)
-        assert got.dtype == torch.bfloat16 and got.shape == (1, hidden)
-        assert rel(got.float(), want) < 1e-2  # bfloat16 act and output (8 bits): about 4e-3
+    got = token_cuda.algorithm(x, ids, weights, *ready, group)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, hidden)
+    assert rel(got.float(), want) < 1e-2  # bfloat16 act and output (8 bits): about 4e-3
     # a mistaken chunk, nibble or group in the algorithm shows: the same words read in the checkpoint's order
     assert rel(token_cuda.algorithm(x, ids, weights, tensors[0], tensors[1], tensors[2], tensors[3], tensors[4],
                                     tensors[5], group).float(), want) > 0.5  # fmt: skip
@@ -411,8 +410,8 @@ def test_cuda_token_tensor_core_algorithm_matches_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NVRTC compiles the kernels)")
 def test_cuda_token_kernels_on_a_gpu():
     """The compiled kernels against the reference and against their algorithm, at Kimi K2.x's per-rank TP-8
-    dimensions (hidden 7168, width 256, top-8 of 384 experts, groups of 32) and int64 and int32 expert ids: the one
-    launch where it fits (`moe_token`), each input twice through the default form (the same bits)."""
+    dimensions (hidden 7168, width 256, top-8 of 384 experts, groups of 32) and int64 and int32 expert ids: each
+    input twice through the default form (the same bits), and through both forms ("split", "mma")."""
     from plugins.int4_moe import token_cuda
     from plugins.int4_moe.kernel import Int4MoEKernel
 
@@ -432,11 +431,10 @@ def test_cuda_token_kernels_on_a_gpu():
         again = token_cuda.int4_moe_token(x.cuda(), ids.to(id_dtype).cuda(), weights.cuda(), *(t.cuda() for t in ready),
                                           group).cpu()  # fmt: skip
         assert torch.equal(again, got)  # the same sums in the same order (the wait left ready for the next launch)
-        # every form: the gate/up launch (a warp a row pair, or a warp a chunk) then down, and the one launch
+        # the tensor-core form too
         act = torch.empty(8, width, dtype=torch.bfloat16, device="cuda")
-        fused = token_cuda.fused_fits(hidden, width, group, 8, torch.device("cuda"))
-        mma = ("mma",) if token_cuda.mma_fits(hidden, width, group, 8) else ()
-        for form in ("gate_up", "gate_up_split") + (("moe_token",) if fused else ()) + mma:
+        assert token_cuda.mma_fits(hidden, width, group, 8)
+        for form in ("split", "mma"):
             out = torch.full((1, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
             token_cuda.launch(x.cuda(), ids.reshape(-1).to(id_dtype).cuda(), weights.reshape(-1).float().cuda(),
                               *(t.cuda() for t in ready), act, out, group, gate_form=form)  # fmt: skip

@@ -2,36 +2,33 @@
 
 A decode step's token chooses k distinct experts, so each chosen expert's packed words are read exactly once: a GEMV
 whose floor is the time to stream the bytes. Measured (`benchmarks/int4_token_probe.py`, BENCHMARKS.md section 8),
-the time goes to the multiplies on the CUDA cores more than to the loads: the one-launch form below takes 33.9 us of
-kernel time on one H100 and 14.7 us with its math left out. So the forms here issue a row's 16-byte loads before its
-first multiply and spend as few instructions a weight as they can (a lop3 and an fma, the bias taken off a four-input
-sum at a time: `nibble_dot_biased`), over many warps.
+the time goes to the multiplies on the CUDA cores more than to the loads (a one-launch form, since removed: 33.9 us
+of kernel time on one H100, 14.7 us with its math left out). So the forms here issue a row's 16-byte loads and
+scales before its first multiply and spend as few instructions a weight as they can, over many warps.
 
 Layout: the "rows" words (`kernel.repack_rows`: nibble j of word w holds input j * words + w), scales bfloat16,
 x bfloat16, routing weights float32, expert ids int32 or int64 (the router's, read as they come).
 
-1. `gate_up_split` (what runs: `GATE_FORM`; block: one warp a 16-byte chunk c of a row, RPB (pair, row)s of gate and
-   of up). Lane l reads chunk l + 32 c of each row (words 4 (l + 32 c) .. + 3). Nibble j of those four words holds
-   inputs j * words + 4 (l + 32 c) .. + 3, all in one group (group | 4, 4 | words): the lane sums four products and
-   adds them times the group's scale; its x slice stays in registers for the block's rows. Each warp's lanes are
-   summed by a butterfly (a fixed order), the warps in chunk order; silu(gate) * up of each row, rounded to bfloat16,
-   goes into act [k, width]. (`gate_up`: a warp a row pair over all its chunks, x staged in shared memory.)
+"split" (what runs: `GATE_FORM`):
+1. `gate_up_split` (block: one warp a 16-byte chunk c of a row, RPB (pair, row)s of gate and of up). Lane l reads
+   chunk l + 32 c of each row (words 4 (l + 32 c) .. + 3). Nibble j of those four words holds inputs j * words +
+   4 (l + 32 c) .. + 3, all in one group (group | 4, 4 | words): the lane sums four products (one lop3 and one fma a
+   weight, the nibble's bias taken off the four inputs' sum: `nibble_dot_biased`) and adds them times the group's
+   scale; its x slice stays in registers for the block's rows. Each warp's lanes are summed by a butterfly (a fixed
+   order), the warps in chunk order; silu(gate) * up of each row, rounded to bfloat16, goes into act [k, width].
 2. `down` (block: 8 warps; warp: ROWS output rows). Lane l takes expert l / (32 / k) and a slice of its act
    (words of that slice, every nibble: 8 x slice-words inputs), held in registers for all of the warp's rows; per
    row it loads its slice's words (16 bytes at a time) and the slice's scales, sums, multiplies by its pair's
    routing weight; the butterfly sums experts and slices; lane 0 writes the row in bfloat16.
-3. `moe_token` (measured, not run by default): the whole MoE in one launch, one block a SM: every warp copies all it
-   will multiply into shared memory by cp.async first (the launch's bytes in flight at once), gate and up, a
-   grid-wide wait, down. Its 16 warps a SM leave the math too little parallelism.
 
-4. `gate_up_mma` and `down_mma` (`launch(..., gate_form="mma")`): the multiplies on tensor cores (mma.sync
-   m16n8k16, bfloat16 fragments made from the words by one lop3 and two bfloat16 fmas a pair of weights, float32
-   sums), about half the split form's instructions a weight (sm_90 SASS). Their computation is checked on the CPU
-   fragment by fragment (`algorithm_mma`); not yet run on a GPU, so not the default.
+"mma" (`launch(..., gate_form="mma")`): `gate_up_mma` and `down_mma`, the multiplies on tensor cores (mma.sync
+m16n8k16, bfloat16 fragments made from the words by one lop3 and two bfloat16 fmas a pair of weights, float32 sums),
+fewer instructions a weight than the split form (sm_90 SASS). Their computation is checked on the CPU fragment by
+fragment (`algorithm_mma`); not yet run on a GPU, so not the default.
 
-`algorithm` is the same computation in torch, lane by lane (the same chunks, nibbles, groups and butterflies), so the
-kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py); a GPU test checks the
-compiled kernels themselves.
+`algorithm` is the split form's computation in torch, lane by lane (the same chunks, nibbles, groups and
+butterflies), so the kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py);
+a GPU test checks the compiled kernels themselves.
 """
 
 from __future__ import annotations
@@ -44,8 +41,6 @@ WARPS = 8  # warps a block, both kernels
 DOWN_ROWS = 4  # output rows a down warp computes
 RPB = 4  # gate/up row pairs a `gate_up_split` block computes
 SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps registers for (128 a thread)
-FUSED_WARPS = 16  # warps a `moe_token` block (one block a SM; up to 128 registers a thread)
-P1_WARPS = 16  # of which compute gate and up (a (pair, row) each)
 
 SOURCE = r"""
 typedef unsigned short bf16;
@@ -53,33 +48,12 @@ typedef IDS_T id_t;
 #ifndef SPLIT_MIN_BLOCKS
 #define SPLIT_MIN_BLOCKS 1  // `gate_up_split`'s blocks an SM the compiler keeps registers for (1: up to 255 a thread)
 #endif
-#ifndef ABLATE
-#define ABLATE 0  // the probe's switches (benchmarks/int4_token_probe.py): 1 no math, 2 no grid-wide wait, 4 no down
-#endif
 
 __device__ __forceinline__ float from_bf16(bf16 h) { return __int_as_float(((unsigned)h) << 16); }
 
 __device__ __forceinline__ bf16 to_bf16(float f) {  // round to nearest even (finite values)
     unsigned u = __float_as_uint(f);
     return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// nibble J of a word as (value - 8), exactly: the nibble sits at bit P (8, 12 or 16) of the word, of the word << 8
-// (`lo`) or of the word >> 12 (`hi`); or-ed under the exponent of 2^(23 - P) it reads as 2^(23 - P) + value. Two
-// shifts a word (shared by its eight nibbles), then one lop3 and one add a nibble.
-template <int J>
-__device__ __forceinline__ float unpack(unsigned lo, unsigned word, unsigned hi) {
-    constexpr int P = J == 0 || J == 2 || J == 5 ? 8 : (J == 1 || J == 3 || J == 6 ? 12 : 16);
-    const unsigned src = J < 2 ? lo : (J < 5 ? word : hi);
-    return __uint_as_float((src & (0xFu << P)) | ((150u - P) << 23)) - (float)((1 << (23 - P)) + 8);
-}
-
-template <int J>
-__device__ __forceinline__ float nibble_dot(uint4 w, float4 x) {
-    float s = unpack<J>(w.x << 8, w.x, w.x >> 12) * x.x;
-    s = fmaf(unpack<J>(w.y << 8, w.y, w.y >> 12), x.y, s);
-    s = fmaf(unpack<J>(w.z << 8, w.z, w.z >> 12), x.z, s);
-    return fmaf(unpack<J>(w.w << 8, w.w, w.w >> 12), x.w, s);
 }
 
 // the same sum with one add fewer a weight: each nibble read as 2^(23 - P) + value (exact), the four products summed
@@ -113,46 +87,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
     return v;
-}
-
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
-gate_up(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint4* __restrict__ gate_p,
-        const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
-        bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
-    __shared__ __align__(16) float xs[HIDDEN];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int row_id = blockIdx.x * WARPS + warp;  // < TOP_K * WIDTH (the grid is exact)
-    const int pair = row_id / WIDTH, row = row_id % WIDTH;
-    const long long e = (long long)ids[pair];
-    const long long p_off = (e * p_stride_e + (long long)row * p_stride_r) / 4;  // in 16-byte chunks
-    const long long s_off = e * s_stride_e + (long long)row * s_stride_r;
-    uint4 g[CHUNKS], u[CHUNKS];
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        g[c] = __ldg(gate_p + p_off + lane + 32 * c);
-        u[c] = __ldg(up_p + p_off + lane + 32 * c);
-    }
-    for (int i = threadIdx.x; i < HIDDEN / 2; i += 32 * WARPS) {
-        unsigned two = __ldg((const unsigned*)x + i);
-        xs[2 * i] = __uint_as_float(two << 16);
-        xs[2 * i + 1] = __uint_as_float(two & 0xFFFF0000u);
-    }
-    __syncthreads();
-    float acc_g = 0.0f, acc_u = 0.0f;
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        const int w = 4 * (lane + 32 * c);
-#define GATE_UP(J) {                                                                                            \
-            const int input = J * WORDS_IN + w;                                                                      \
-            const float4 xv = *(const float4*)(xs + input);                                                          \
-            acc_g = fmaf(from_bf16(__ldg(gate_s + s_off + input / GROUP)), nibble_dot<J>(g[c], xv), acc_g);          \
-            acc_u = fmaf(from_bf16(__ldg(up_s + s_off + input / GROUP)), nibble_dot<J>(u[c], xv), acc_u); }
-        FOR_NIBBLES(GATE_UP)
-#undef GATE_UP
-    }
-    acc_g = warp_sum(acc_g);
-    acc_u = warp_sum(acc_u);
-    if (lane == 0) act[pair * WIDTH + row] = to_bf16(acc_g / (1.0f + __expf(-acc_g)) * acc_u);
 }
 
 // gate and up with the K dimension split over the block's warps: warp c reads chunk c (16 bytes a lane) of each of
@@ -220,166 +154,6 @@ gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const ui
 #pragma unroll
         for (int k = 0; k < CHUNKS; ++k) { sg += part[r][k][0]; su += part[r][k][1]; }
         act[pair * WIDTH + row0 + r] = to_bf16(sg / (1.0f + __expf(-sg)) * su);
-    }
-}
-
-// ---- the whole MoE of one token in one launch (`moe_token`) ----------------------------------------------------
-__device__ __forceinline__ void copy16(void* dst_shared, const void* src_global) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(dst_shared);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src_global));
-}
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// every block of the grid (all resident: one a SM) waits here for the others: a count and a generation, left at
-// (0, generation + 1) for the next launch
-__device__ __forceinline__ void grid_sync(unsigned* barrier) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        volatile unsigned* generation = barrier + 1;
-        const unsigned seen = *generation;
-        __threadfence();
-        if (atomicAdd(barrier, 1u) == gridDim.x - 1) {
-            barrier[0] = 0;
-            __threadfence();
-            atomicAdd(barrier + 1, 1u);
-        } else {
-            while (*generation == seen) __nanosleep(20);
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-#define U_IN (WORDS_IN / 4)           // 16-byte chunks of a gate or up row
-#define S_IN (HIDDEN / GROUP)         // scales of a gate or up row
-#define U_W (WORDS_W / 4)             // 16-byte chunks of one expert's down row
-#define S_W (WIDTH / GROUP)           // scales of one expert's down row
-
-// Block b of gridDim.x (one a SM), FUSED_WARPS warps. Each warp first issues cp.async copies of everything it will
-// multiply: its (pair, row) of gate and of up with their scales (warps < P1_WARPS), and its down rows (up to
-// DOWN_SLOTS, every chosen expert's slice of each, with scales); so a whole launch's bytes are in flight at once.
-// Phase 1: gate and up of its row as `gate_up` sums them, silu(gate) * up in bfloat16 into act. A grid-wide wait.
-// Phase 2: its down rows as `down` sums them, into out.
-extern "C" __global__ void __launch_bounds__(32 * FUSED_WARPS, 1)
-moe_token(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float* __restrict__ weights,
-          const uint4* __restrict__ gate_p, const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p,
-          const bf16* __restrict__ up_s, const uint4* __restrict__ down_p, const bf16* __restrict__ down_s,
-          bf16* act, bf16* __restrict__ out, unsigned* barrier, int gp_e, int gp_r, int gs_e, int gs_r, int dp_e,
-          int dp_r, int ds_e, int ds_r) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float* xs = (float*)smem;
-    uint4* rows1 = (uint4*)(smem + HIDDEN * 4) + warp * 2 * U_IN;  // [gate, up][U_IN] (warps < P1_WARPS)
-    bf16* scales1 = (bf16*)((uint4*)(smem + HIDDEN * 4) + P1_WARPS * 2 * U_IN) + warp * 2 * S_IN;
-    unsigned char* base2 = smem + HIDDEN * 4 + P1_WARPS * 2 * (U_IN * 16 + S_IN * 2);
-    uint4* rows2 = (uint4*)base2 + warp * DOWN_SLOTS * TOP_K * U_W;  // [slot][pair][U_W]
-    bf16* scales2 = (bf16*)((uint4*)base2 + FUSED_WARPS * DOWN_SLOTS * TOP_K * U_W) + warp * DOWN_SLOTS * TOP_K * S_W;
-
-    const int task1 = blockIdx.x * P1_WARPS + warp;  // (pair, row) of gate and up; every one has a warp (`fits`)
-    const bool phase1 = warp < P1_WARPS && task1 < TOP_K * WIDTH;
-    if (phase1) {
-        const int pair = task1 / WIDTH, row = task1 % WIDTH;
-        const long long e = (long long)ids[pair];
-        const uint4* g = gate_p + (e * gp_e + (long long)row * gp_r) / 4;
-        const uint4* u = up_p + (e * gp_e + (long long)row * gp_r) / 4;
-        for (int i = lane; i < U_IN; i += 32) { copy16(rows1 + i, g + i); copy16(rows1 + U_IN + i, u + i); }
-        const uint4* gs = (const uint4*)(gate_s + e * gs_e + (long long)row * gs_r);
-        const uint4* us = (const uint4*)(up_s + e * gs_e + (long long)row * gs_r);
-        for (int i = lane; i < S_IN * 2 / 16; i += 32) {
-            copy16((uint4*)scales1 + i, gs + i);
-            copy16((uint4*)(scales1 + S_IN) + i, us + i);
-        }
-    }
-    copy_commit();
-    const int rows_total = gridDim.x * FUSED_WARPS;
-    if (ABLATE & 4) { copy_wait<0>(); return; }
-    const int first2 = blockIdx.x * FUSED_WARPS + warp;  // the warp's down rows: first2 + slot * rows_total
-#pragma unroll
-    for (int slot = 0; slot < DOWN_SLOTS; ++slot) {
-        const int h = first2 + slot * rows_total;
-        if (h < HIDDEN) {
-            for (int i = lane; i < TOP_K * U_W; i += 32) {
-                const long long e = (long long)ids[i / U_W];
-                copy16(rows2 + slot * TOP_K * U_W + i, down_p + (e * dp_e + (long long)h * dp_r) / 4 + i % U_W);
-            }
-            for (int i = lane; i < TOP_K * S_W * 2 / 16; i += 32) {
-                const int pair = i / (S_W * 2 / 16), k = i % (S_W * 2 / 16);
-                const long long e = (long long)ids[pair];
-                copy16((uint4*)(scales2 + (slot * TOP_K + pair) * S_W) + k,
-                       (const uint4*)(down_s + e * ds_e + (long long)h * ds_r) + k);
-            }
-        }
-    }
-    copy_commit();
-    for (int i = threadIdx.x; i < HIDDEN / 2; i += 32 * FUSED_WARPS) {
-        const unsigned two = __ldg((const unsigned*)x + i);
-        xs[2 * i] = __uint_as_float(two << 16);
-        xs[2 * i + 1] = __uint_as_float(two & 0xFFFF0000u);
-    }
-    __syncthreads();
-    if (phase1) {
-        copy_wait<1>();  // this warp's gate and up rows (its down rows may still be on their way)
-        __syncwarp();
-        const int pair = task1 / WIDTH, row = task1 % WIDTH;
-        float acc_g = 0.0f, acc_u = 0.0f;
-#pragma unroll
-        for (int c = 0; c < CHUNKS; ++c) {
-            const int w = 4 * (lane + 32 * c);
-            const uint4 gw = rows1[lane + 32 * c], uw = rows1[U_IN + lane + 32 * c];
-            if (ABLATE & 1) { acc_g += __uint_as_float(gw.x ^ uw.y); continue; }
-#define GATE_UP(J) {                                                                                                \
-            const int input = J * WORDS_IN + w;                                                                      \
-            const float4 xv = *(const float4*)(xs + input);                                                          \
-            acc_g = fmaf(from_bf16(scales1[input / GROUP]), nibble_dot<J>(gw, xv), acc_g);                            \
-            acc_u = fmaf(from_bf16(scales1[S_IN + input / GROUP]), nibble_dot<J>(uw, xv), acc_u); }
-            FOR_NIBBLES(GATE_UP)
-#undef GATE_UP
-        }
-        acc_g = warp_sum(acc_g);
-        acc_u = warp_sum(acc_u);
-        if (lane == 0) {
-            act[pair * WIDTH + row] = to_bf16(acc_g / (1.0f + __expf(-acc_g)) * acc_u);
-            __threadfence();
-        }
-    }
-    if (!(ABLATE & 2)) grid_sync(barrier);
-    copy_wait<0>();
-    __syncwarp();
-    const int pair = lane / LANES_PER_PAIR, part = lane % LANES_PER_PAIR;
-    const int w0 = part * WORDS_PER_LANE;
-    float a[8][WORDS_PER_LANE];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int i = 0; i < WORDS_PER_LANE; i += 4) {
-            const uint2 two = __ldcg((const uint2*)(act + pair * WIDTH + j * WORDS_W + w0 + i));
-            a[j][i] = __uint_as_float(two.x << 16);
-            a[j][i + 1] = __uint_as_float(two.x & 0xFFFF0000u);
-            a[j][i + 2] = __uint_as_float(two.y << 16);
-            a[j][i + 3] = __uint_as_float(two.y & 0xFFFF0000u);
-        }
-    const float weight = weights[pair];
-#pragma unroll
-    for (int slot = 0; slot < DOWN_SLOTS; ++slot) {
-        const int h = first2 + slot * rows_total;
-        if (h >= HIDDEN) break;
-        const uint4* q = rows2 + (slot * TOP_K + pair) * U_W + part * CHUNKS_PER_LANE;
-        const bf16* sc = scales2 + (slot * TOP_K + pair) * S_W;
-        float acc = 0.0f;
-#pragma unroll
-        for (int c = 0; c < CHUNKS_PER_LANE; ++c) {
-            const uint4 qc = q[c];
-            if (ABLATE & 1) { acc += __uint_as_float(qc.x ^ qc.w); continue; }
-#define DOWN(J) {                                                                                                   \
-            const float4 av = make_float4(a[J][4 * c], a[J][4 * c + 1], a[J][4 * c + 2], a[J][4 * c + 3]);           \
-            acc = fmaf(from_bf16(sc[(J * WORDS_W + w0 + 4 * c) / GROUP]), nibble_dot<J>(qc, av), acc); }
-            FOR_NIBBLES(DOWN)
-#undef DOWN
-        }
-        acc = warp_sum(acc * weight);
-        if (lane == 0) out[h] = to_bf16(acc);
     }
 }
 
@@ -625,14 +399,10 @@ def fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
     return words_w % (4 * (LANES // top_k)) == 0 and width % RPB == 0 and hidden <= 12288  # x in 48 KB of shared
 
 
-def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
-             device: torch.device | None = None) -> dict[str, str]:  # fmt: skip
+def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype) -> dict[str, str]:
     words_in, words_w = hidden // 8, width // 8
     per_pair = LANES // top_k
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device is not None else 1
-    slots, shared = fused_layout(hidden, width, group_size, top_k, sms)
     return {
-        "FUSED_WARPS": FUSED_WARPS, "P1_WARPS": P1_WARPS, "DOWN_SLOTS": slots, "FUSED_SHARED_BYTES": shared,
         "HIDDEN": hidden, "WIDTH": width, "GROUP": group_size, "TOP_K": top_k, "WARPS": WARPS, "ROWS": DOWN_ROWS,
         "WORDS_IN": words_in, "WORDS_W": words_w, "CHUNKS": words_in // (4 * LANES), "LANES_PER_PAIR": per_pair,
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
@@ -643,56 +413,20 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
     }  # fmt: skip
 
 
-def fused_layout(hidden: int, width: int, group_size: int, top_k: int, sms: int) -> tuple[int, int]:
-    """(down rows a `moe_token` warp holds, shared bytes a block) on a GPU of `sms` SMs (a block each)."""
-    slots = -(-hidden // (sms * FUSED_WARPS))
-    per_in = 2 * (hidden // 8 * 4 + hidden // group_size * 2)
-    per_w = top_k * (width // 8 * 4 + width // group_size * 2)
-    return slots, hidden * 4 + P1_WARPS * per_in + FUSED_WARPS * slots * per_w
-
-
-def fused_fits(hidden: int, width: int, group_size: int, top_k: int, device: torch.device) -> bool:
-    """Whether `moe_token` runs here: every (pair, row) of gate and up has a warp, the scales come in whole 16-byte
-    pieces, and a block's copies fit its shared memory (one block a SM, all resident: the grid-wide wait needs it)."""
-    props = torch.cuda.get_device_properties(device)
-    if top_k * width > props.multi_processor_count * P1_WARPS or (hidden // group_size * 2) % 16:
-        return False
-    if (width // group_size * 2) % 16:
-        return False
-    _, shared = fused_layout(hidden, width, group_size, top_k, props.multi_processor_count)
-    return fits(hidden, width, group_size, top_k) and shared <= props.shared_memory_per_block_optin
-
-
-_BARRIERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _barrier(device: torch.device) -> torch.Tensor:
-    """The grid-wide wait's (count, generation), zeros once a device; each launch leaves the count at zero again.
-    Inside a CUDA-graph capture before any call: the graph's own (allocated for it, never handed out)."""
-    have = _BARRIERS.get(device)
-    if have is not None:
-        return have
-    fresh = torch.zeros(2, dtype=torch.int32, device=device)
-    if torch.cuda.is_current_stream_capturing():
-        return fresh
-    _BARRIERS[device] = fresh
-    return fresh
-
-
 _COMPILED: dict[tuple, dict] = {}
-# the gate/up form `int4_moe_token` launches before `down`: "gate_up_split" (the fastest measured, BENCHMARKS.md
-# section 8), "gate_up", or "moe_token" (the whole MoE in one launch where `fused_fits`; slower: its math runs on 16
-# warps a SM)
-GATE_FORM = "gate_up_split"
+# what `int4_moe_token` launches: "split" (`gate_up_split` then `down`: the fastest measured, BENCHMARKS.md section 8)
+# or "mma" (`gate_up_mma` then `down_mma`)
+GATE_FORM = "split"
 
 
 def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
             **overrides) -> dict:  # fmt: skip
     """{name: kernel} compiled for these dimensions on this device's architecture, once a process; `overrides`
-    replace launch constants (WARPS, ROWS, RPB: `benchmarks/int4_token_probe.py` times them)."""
+    replace launch constants (WARPS, ROWS, RPB, SPLIT_MIN_BLOCKS, KSPLIT: `benchmarks/int4_token_probe.py` times
+    them)."""
     key = (device, hidden, width, group_size, top_k, ids_dtype, tuple(sorted(overrides.items())))
     if key not in _COMPILED:
-        defines = {**_defines(hidden, width, group_size, top_k, ids_dtype, device), **overrides}
+        defines = {**_defines(hidden, width, group_size, top_k, ids_dtype), **overrides}
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
@@ -700,9 +434,8 @@ def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_
                 name: torch.cuda._compile_kernel(
                     source, name, compute_capability=f"{major}{minor}", nvcc_options=["-std=c++17", "--use_fast_math"]
                 )  # fmt: skip
-                for name in ("gate_up", "gate_up_split", "down", "moe_token", "gate_up_mma", "down_mma")
+                for name in ("gate_up_split", "down", "gate_up_mma", "down_mma")
             }
-            _COMPILED[key]["moe_token"].set_shared_memory_config(defines["FUSED_SHARED_BYTES"])
     return _COMPILED[key]
 
 
@@ -712,16 +445,7 @@ def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_p
     prepares them)."""
     hidden, width, top_k = x.shape[1], gate_packed.shape[1], ids.numel()
     compiled = kernels(x.device, hidden, width, group_size, top_k, ids.dtype, **overrides)
-    defines = {**_defines(hidden, width, group_size, top_k, ids.dtype, x.device), **overrides}
-    if gate_form == "moe_token":
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        args = [x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, out,
-                _barrier(x.device), gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0),
-                gate_scale.stride(1), down_packed.stride(0), down_packed.stride(1), down_scale.stride(0),
-                down_scale.stride(1)]  # fmt: skip
-        compiled[gate_form](grid=(sms, 1, 1), block=(LANES * FUSED_WARPS, 1, 1),
-                            shared_mem=defines["FUSED_SHARED_BYTES"], args=args)  # fmt: skip
-        return
+    defines = {**_defines(hidden, width, group_size, top_k, ids.dtype), **overrides}
     gate_args = [x, ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
                  gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
     if gate_form == "mma":  # the tensor-core pair of launches
@@ -732,12 +456,10 @@ def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_p
                              args=[act, ids, weights, down_packed, down_scale, out, down_packed.stride(0),
                                    down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)])  # fmt: skip
         return
-    if gate_form == "gate_up_split":
-        compiled[gate_form](grid=(top_k * width // defines["RPB"], 1, 1), block=(LANES * defines["CHUNKS"], 1, 1),
-                            args=gate_args)  # fmt: skip
-    else:
-        compiled[gate_form](grid=(top_k * width // defines["WARPS"], 1, 1), block=(LANES * defines["WARPS"], 1, 1),
-                            args=gate_args)  # fmt: skip
+    if gate_form != "split":
+        raise ValueError(f"gate_form: expected 'split' or 'mma', got {gate_form!r}")
+    compiled["gate_up_split"](grid=(top_k * width // defines["RPB"], 1, 1), block=(LANES * defines["CHUNKS"], 1, 1),
+                              args=gate_args)  # fmt: skip
     rows = defines["WARPS"] * defines["ROWS"]
     compiled["down"](grid=(-(-hidden // rows), 1, 1), block=(LANES * defines["WARPS"], 1, 1),
                      args=[act, ids, weights, down_packed, down_scale, out, down_packed.stride(0),
@@ -761,15 +483,13 @@ def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_pa
     weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty((top_k, width), dtype=torch.bfloat16, device=x.device)
     out = torch.empty_like(x)
-    form = GATE_FORM if GATE_FORM != "moe_token" or fused_fits(hidden, width, group_size, top_k, x.device) else (
-        "gate_up_split")  # fmt: skip
     launch(x.contiguous(), ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act,
-           out, group_size, gate_form=form)  # fmt: skip
+           out, group_size)  # fmt: skip
     return out
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """[..., 4] int32 words -> [..., 8 nibbles j, 4 words] float32 (value - 8), as `unpack` reads them."""
+    """[..., 4] int32 words -> [..., 8 nibbles j, 4 words] float32 (value - 8), as `nibble_dot_biased` sums them."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     return (((words.unsqueeze(-2) >> shifts[:, None]) & 0xF) - 8).to(torch.float32)
 
@@ -787,11 +507,9 @@ def _to_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 def algorithm(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-              group_size: int, form: str = GATE_FORM) -> torch.Tensor:  # fmt: skip
-    """The kernels' computation in torch, lane by lane (CPU; float32 sums, bfloat16 act and output). form: how gate
-    and up are summed: "gate_up_split" (each chunk's lanes, then the chunks in order) or "moe_token" / "gate_up" (each
-    lane over its chunks, then the lanes)."""
-    split = form == "gate_up_split"
+              group_size: int) -> torch.Tensor:  # fmt: skip
+    """The split form's computation in torch, lane by lane (CPU; float32 sums, bfloat16 act and output): gate and up
+    summed over each chunk's lanes, then the chunks in order."""
     hidden, width, top_k = x.shape[1], gate_packed.shape[1], expert_ids.shape[-1]
     words_in, words_w = hidden // 8, width // 8
     ids, weights = expert_ids.reshape(-1).long(), expert_weights.reshape(-1).float()
@@ -802,17 +520,17 @@ def algorithm(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed,
         e = int(ids[pair])
         sums = []
         for packed, scale in ((gate_packed, gate_scale), (up_packed, up_scale)):
-            total, acc = torch.zeros(width), torch.zeros(width, LANES)
-            for c in range(chunks):  # split: warp c, then the warps' sums in chunk order
+            total = torch.zeros(width)
+            for c in range(chunks):  # warp c, then the warps' sums in chunk order
+                acc = torch.zeros(width, LANES)
                 w = 4 * (lanes + LANES * c)  # [lanes]: each lane's first word of chunk c
                 words = packed[e][:, w[:, None] + torch.arange(4)]  # [rows, lanes, 4]
                 for j in range(8):
                     inputs = j * words_in + w[:, None] + torch.arange(4)  # [lanes, 4]
                     dot = (_nibbles(words)[:, :, j] * xs[inputs]).sum(-1)  # [rows, lanes]
                     acc = acc + scale[e][:, (j * words_in + w) // group_size].float() * dot
-                if split:
-                    total, acc = total + _butterfly(acc), torch.zeros(width, LANES)
-            sums.append(total if split else _butterfly(acc))
+                total = total + _butterfly(acc)
+            sums.append(total)
         g, u = sums
         act[pair] = _to_bf16(g / (1.0 + torch.exp(-g)) * u)
     per_pair = LANES // top_k
