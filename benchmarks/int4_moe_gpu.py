@@ -136,12 +136,6 @@ def dequantize_then_grouped(x, ids, weights, tensors):
     return _grouped_mlp(x, ids, weights, order, offsets, dense)
 
 
-def prepared(tensors):
-    """The experts as the rank factory's GPU op runs them (`Int4MoEKernel.prepare_experts`) and the layout's name."""
-    words, layout = Int4MoEKernel.prepare_experts(tensors[0].clone(), tensors[2].clone(), tensors[4].clone(), GROUP)
-    return [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]], layout
-
-
 def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke: bool, repeats: int,
                tuning: Tuning, ready, layout: str) -> dict:  # fmt: skip
     """Median time of each form (microseconds). int4_kernel_us: the experts as the rank factory runs them (`ready`
@@ -257,7 +251,7 @@ def main(argv=None) -> int:
     ceilings = measure_ceilings(smoke)
     expert_bytes = packed_expert_bytes(hidden, width)
     fixed_bytes = 3 * hidden * width * 2 + experts * hidden * 2  # shared expert + router, bf16
-    ready, layout = prepared(tensors)
+    ready, layout = Int4MoEKernel.prepared(tensors, GROUP)
     tuning, sweep = DEFAULT_TUNING, []
     if args.sweep or args.sweep_pipeline:
         tuning, sweep = sweep_tunings(tensors, config, device, dtype, smoke, args.sweep_pipeline)

@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment, graph_time_us, measure_ceilings  # noqa: E402
-from benchmarks.int4_moe_gpu import GROUP, make_weights, prepared, rank_config, routing  # noqa: E402
+from benchmarks.int4_moe_gpu import GROUP, make_weights, rank_config, routing  # noqa: E402
 from plugins.int4_moe import token_cuda  # noqa: E402
+from plugins.int4_moe.kernel import Int4MoEKernel  # noqa: E402
 from plugins.int4_moe.reference import int4_moe  # noqa: E402
 
 VARIANTS = 8
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     config = rank_config(False)
     gen = torch.Generator().manual_seed(0)
     tensors, _, _, width = make_weights(config, device, dtype, gen)
-    ready, layout = prepared(tensors)
+    ready, layout = Int4MoEKernel.prepared(tensors, GROUP)
     assert layout == "rows"
     hidden, experts, k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
     calls = []

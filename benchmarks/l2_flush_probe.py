@@ -59,14 +59,14 @@ def load_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]
 
 
 def int4_forms(device, smoke: bool, variants: int) -> list[tuple[str, int, list]]:
-    from benchmarks.int4_moe_gpu import GROUP, make_weights, packed_expert_bytes, prepared, rank_config, routing
-    from plugins.int4_moe.kernel import DEFAULT_TUNING, int4_moe_cuda
+    from benchmarks.int4_moe_gpu import GROUP, make_weights, packed_expert_bytes, rank_config, routing
+    from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel, int4_moe_cuda
 
     config = rank_config(smoke)
     dtype = torch.float32 if smoke else torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     tensors, _, _, width = make_weights(config, device, dtype, gen)
-    ready, layout = prepared(tensors)
+    ready, layout = Int4MoEKernel.prepared(tensors, GROUP)
     hidden, experts, k = config.hidden_size, config.n_routed_experts, config.num_experts_per_tok
     expert_bytes = packed_expert_bytes(hidden, width)
     forms = []

@@ -52,6 +52,24 @@ def random_routing(tokens: int, experts: int, k: int, seed: int, everyone: int |
     return ids, weights / weights.sum(-1, keepdim=True)
 
 
+def bf16_experts(count: int, hidden: int, width: int, group: int):
+    """`random_experts` with bfloat16 scales, as Kimi K2.x ships them, and the op's arguments as the GPU kernel runs
+    them (`Int4MoEKernel.prepared`: the rows layout's words): (experts, prepared)."""
+    from plugins.int4_moe.kernel import Int4MoEKernel
+
+    experts = [
+        t.to(torch.bfloat16) if t.is_floating_point() else t for t in random_experts(count, hidden, width, group, 0)
+    ]
+    ready, layout = Int4MoEKernel.prepared(experts, group)
+    assert layout == "rows"
+    return experts, ready
+
+
+def float32_reference(x, ids, weights, experts, group: int) -> torch.Tensor:
+    """The reference in float32 on the same (bfloat16-exact) token and experts."""
+    return int4_moe(x.float(), ids, weights, *(t.float() if t.is_floating_point() else t for t in experts), group)
+
+
 def rel(a, b) -> float:
     a, b = torch.as_tensor(np.asarray(a)).double(), torch.as_tensor(np.asarray(b)).double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -205,9 +223,8 @@ def test_w4a16_rows_layout_matches_reference_under_the_interpreter():
         for i, tokens in enumerate((1, 33, 128)):
             experts = 64 if tokens == 1 else 24
             tensors = random_experts(experts, 128, 128, 32, seed=i)
-            words, layout = Int4MoEKernel.prepare_experts(*(tensors[i].clone() for i in (0, 2, 4)), 32)
+            ready, layout = Int4MoEKernel.prepared(tensors, 32)
             assert layout == "rows"
-            ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
             x = torch.randn(tokens, 128)
             ids, weights = random_routing(tokens, experts, 4, seed=i, everyone=7 if tokens >= 8 else None)
             kernel._split_k = lambda programs, hidden, block_k, device, per_sm, cap=8, s=1 + i % 2: s
@@ -335,9 +352,8 @@ def test_w4a16_cuda_core_form_matches_reference_under_the_interpreter():
         for i, (tokens, k, hidden, width, group, everyone, scale_dtype) in enumerate(cases):
             tensors = [t.to(scale_dtype) if t.is_floating_point() else t
                        for t in random_experts(16, hidden, width, group, seed=i)]
-            words, layout = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
+            ready, layout = Int4MoEKernel.prepared(tensors, group)
             assert layout == "rows" and kernel.gemv_fits(hidden, width, group)
-            ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
             x = torch.randn(tokens, hidden)
             ids, weights = random_routing(tokens, 16, k, seed=i, everyone=everyone)
             out = torch.full((tokens, hidden), float("nan"))
@@ -363,17 +379,13 @@ def test_cuda_token_kernels_algorithm_matches_reference(k, width):
     and scales as Kimi K2.x runs them; two lanes a pair (k = 8: four; k = 4: eight lanes, one chunk each). The
     compiled kernels are checked against the same reference on a GPU (`test_cuda_token_kernels_on_a_gpu`)."""
     from plugins.int4_moe import token_cuda
-    from plugins.int4_moe.kernel import Int4MoEKernel
 
     hidden, group = 1024, 32
     assert token_cuda.fits(hidden, width, group, k) and not token_cuda.fits(hidden + 32, width, group, k)
-    experts = random_experts(12, hidden, width, group, 0)
-    tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in experts]
-    words, layout = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
-    ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
+    tensors, ready = bf16_experts(12, hidden, width, group)
     x = torch.randn(1, hidden).to(torch.bfloat16)
     ids, weights = random_routing(1, 12, k, seed=3)
-    want = int4_moe(x.float(), ids, weights, *(t.float() if t.is_floating_point() else t for t in tensors), group)
+    want = float32_reference(x, ids, weights, tensors, group)
     got = token_cuda.algorithm(x, ids, weights, *ready, group)
     assert got.dtype == torch.bfloat16 and got.shape == (1, hidden)
     assert rel(got.float(), want) < 1e-2  # bfloat16 act and output (8 bits): about 4e-3
@@ -388,17 +400,13 @@ def test_cuda_token_tensor_core_algorithm_matches_reference():
     step a warp in gate/up (8 warps a block at hidden 1024), two in down. A fragment wrongly placed shows: the
     same words read in the checkpoint's order miss by far."""
     from plugins.int4_moe import token_cuda
-    from plugins.int4_moe.kernel import Int4MoEKernel
 
     hidden, width, group, k = 1024, 256, 32, 8
     assert token_cuda.mma_fits(hidden, width, group, k) and not token_cuda.mma_fits(hidden, width, 8, k)
-    experts = random_experts(12, hidden, width, group, 0)
-    tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t for t in experts]
-    words, _ = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
-    ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
+    tensors, ready = bf16_experts(12, hidden, width, group)
     x = torch.randn(1, hidden).to(torch.bfloat16)
     ids, weights = random_routing(1, 12, k, seed=3)
-    want = int4_moe(x.float(), ids, weights, *(t.float() if t.is_floating_point() else t for t in tensors), group)
+    want = float32_reference(x, ids, weights, tensors, group)
     for ksplit in (None, 2):
         got = token_cuda.algorithm_mma(x, ids, weights, *ready, group, ksplit=ksplit)
         assert got.dtype == torch.bfloat16 and got.shape == (1, hidden)
@@ -413,24 +421,20 @@ def test_cuda_token_kernels_on_a_gpu():
     dimensions (hidden 7168, width 256, top-8 of 384 experts, groups of 32) and int64 and int32 expert ids: each
     input twice through the default form (the same bits), and through both forms ("split", "mma")."""
     from plugins.int4_moe import token_cuda
-    from plugins.int4_moe.kernel import Int4MoEKernel
 
     hidden, width, group, experts = 7168, 256, 32, 24
-    tensors = [t.to(torch.bfloat16) if t.is_floating_point() else t
-               for t in random_experts(experts, hidden, width, group, 0)]  # fmt: skip
-    words, _ = Int4MoEKernel.prepare_experts(*(tensors[j].clone() for j in (0, 2, 4)), group)
-    ready = [words[0], tensors[1], words[1], tensors[3], words[2], tensors[5]]
+    tensors, ready = bf16_experts(experts, hidden, width, group)
     for seed, id_dtype in ((1, torch.int64), (2, torch.int32)):
         x = torch.randn(1, hidden).to(torch.bfloat16)
         ids, weights = random_routing(1, experts, 8, seed=seed)
-        want = int4_moe(x.float(), ids, weights, *(t.float() if t.is_floating_point() else t for t in tensors), group)
+        want = float32_reference(x, ids, weights, tensors, group)
         got = token_cuda.int4_moe_token(x.cuda(), ids.to(id_dtype).cuda(), weights.cuda(),
                                         *(t.cuda() for t in ready), group).cpu()  # fmt: skip
         assert rel(got.float(), want) < 1e-2
         assert rel(got.float(), token_cuda.algorithm(x, ids, weights, *ready, group).float()) < 1e-2
         again = token_cuda.int4_moe_token(x.cuda(), ids.to(id_dtype).cuda(), weights.cuda(), *(t.cuda() for t in ready),
                                           group).cpu()  # fmt: skip
-        assert torch.equal(again, got)  # the same sums in the same order (the wait left ready for the next launch)
+        assert torch.equal(again, got)  # the same sums in the same order
         # the tensor-core form too
         act = torch.empty(8, width, dtype=torch.bfloat16, device="cuda")
         assert token_cuda.mma_fits(hidden, width, group, 8)

@@ -1058,3 +1058,10 @@ class Int4MoEKernel:
         if not rows_layout_fits(hidden, width, group_size):
             return (gate, up, down), "compressed-tensors"
         return tuple(repack_rows(t, in_place=True) for t in (gate, up, down)), "rows"
+
+    @staticmethod
+    def prepared(experts, group_size: int) -> tuple[list[torch.Tensor], str]:
+        """The op's six expert arguments (gate, up, down: packed words then scales each, the checkpoint's) as this
+        kernel runs them, its words reordered on copies (`experts` unchanged), and the layout's name."""
+        words, layout = Int4MoEKernel.prepare_experts(*(experts[i].clone() for i in (0, 2, 4)), group_size)
+        return [words[0], experts[1], words[1], experts[3], words[2], experts[5]], layout
