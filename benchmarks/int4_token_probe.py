@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     shapes = [("mma", {}), ("mma", {"KSPLIT": 7}), ("mma", {"KSPLIT": 28}), ("mma", {"KSPLIT": 4})]
     shapes += [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), (split, {"RPB": 4, "ROWS": 2})]
     for form, overrides in shapes:
-        compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
+        defines, compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
         mma = form == "mma"
         gate_name, down_name = ("gate_up_mma", "down_mma") if mma else ("gate_up_split", "down")
         row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[gate_name]),
@@ -100,7 +100,6 @@ def main(argv=None) -> int:
             info["rows"].append(row)
             print(json.dumps(row), flush=True)
             continue
-        defines = {**token_cuda._defines(hidden, width, GROUP, k, ids0.dtype), **overrides}
         times = {
             "pair_us": lambda: both(calls[0]),
             "sequence_us": lambda: [both(c) for c in calls],

@@ -45,9 +45,6 @@ SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps register
 SOURCE = r"""
 typedef unsigned short bf16;
 typedef IDS_T id_t;
-#ifndef SPLIT_MIN_BLOCKS
-#define SPLIT_MIN_BLOCKS 1  // `gate_up_split`'s blocks an SM the compiler keeps registers for (1: up to 255 a thread)
-#endif
 
 __device__ __forceinline__ float from_bf16(bf16 h) { return __int_as_float(((unsigned)h) << 16); }
 
@@ -56,8 +53,6 @@ __device__ __forceinline__ bf16 to_bf16(float f) {  // round to nearest even (fi
     return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// the same sum with one add fewer a weight: each nibble read as 2^(23 - P) + value (exact), the four products summed
-// (exact below P = 8; at P = 8 rounded at 2^-7 of x), then (2^(23 - P) + 8) times the four inputs' sum taken off once
 // (src & (0xF << P)) | exponent bits in one lop3: the mask an immediate, the exponent a register (a lop3 takes one
 // immediate; written in C, the compiler spends a second lop3 on the other constant)
 template <int P>
@@ -67,6 +62,10 @@ __device__ __forceinline__ float raw_at(unsigned src) {
     return __uint_as_float(r);
 }
 
+// sum over the four words of (nibble J - 8) * x, with one add a weight fewer than unpacking each: the nibble, at bit
+// P (8, 12 or 16) of the word, of the word << 8 or of the word >> 12, read as 2^(23 - P) + value (exact), the four
+// products summed (exact below P = 8; at P = 8 rounded at 2^-7 of x), then (2^(23 - P) + 8) times the four inputs'
+// sum `x_sum` taken off once
 template <int J>
 __device__ __forceinline__ float nibble_dot_biased(uint4 w, float4 x, float x_sum) {
     constexpr int P = J == 0 || J == 2 || J == 5 ? 8 : (J == 1 || J == 3 || J == 6 ? 12 : 16);
@@ -150,10 +149,10 @@ gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const ui
     __syncthreads();
     if (threadIdx.x < RPB) {
         const int r = threadIdx.x;
-        float sg = 0.0f, su = 0.0f;
+        float gate = 0.0f, up = 0.0f;
 #pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) { sg += part[r][k][0]; su += part[r][k][1]; }
-        act[pair * WIDTH + row0 + r] = to_bf16(sg / (1.0f + __expf(-sg)) * su);
+        for (int k = 0; k < CHUNKS; ++k) { gate += part[r][k][0]; up += part[r][k][1]; }
+        act[pair * WIDTH + row0 + r] = to_bf16(gate / (1.0f + __expf(-gate)) * up);
     }
 }
 
@@ -413,29 +412,35 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
     }  # fmt: skip
 
 
-_COMPILED: dict[tuple, dict] = {}
+_COMPILED: dict[tuple, tuple[dict, dict]] = {}  # (constants, {name: kernel}) a key
 # what `int4_moe_token` launches: "split" (`gate_up_split` then `down`: the fastest measured, BENCHMARKS.md section 8)
 # or "mma" (`gate_up_mma` then `down_mma`)
 GATE_FORM = "split"
 
 
 def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
-            **overrides) -> dict:  # fmt: skip
-    """{name: kernel} compiled for these dimensions on this device's architecture, once a process; `overrides`
-    replace launch constants (WARPS, ROWS, RPB, SPLIT_MIN_BLOCKS, KSPLIT: `benchmarks/int4_token_probe.py` times
-    them)."""
+            **overrides) -> tuple[dict, dict]:  # fmt: skip
+    """(the constants they were compiled with, {name: kernel}) for these dimensions on this device's architecture,
+    compiled once a process; `overrides` replace launch constants (WARPS, ROWS, RPB, SPLIT_MIN_BLOCKS, KSPLIT:
+    `benchmarks/int4_token_probe.py` times them)."""
     key = (device, hidden, width, group_size, top_k, ids_dtype, tuple(sorted(overrides.items())))
     if key not in _COMPILED:
         defines = {**_defines(hidden, width, group_size, top_k, ids_dtype), **overrides}
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
-            _COMPILED[key] = {
-                name: torch.cuda._compile_kernel(
-                    source, name, compute_capability=f"{major}{minor}", nvcc_options=["-std=c++17", "--use_fast_math"]
-                )  # fmt: skip
-                for name in ("gate_up_split", "down", "gate_up_mma", "down_mma")
-            }
+            _COMPILED[key] = (
+                defines,
+                {
+                    name: torch.cuda._compile_kernel(
+                        source,
+                        name,
+                        compute_capability=f"{major}{minor}",
+                        nvcc_options=["-std=c++17", "--use_fast_math"],
+                    )  # fmt: skip
+                    for name in ("gate_up_split", "down", "gate_up_mma", "down_mma")
+                },
+            )
     return _COMPILED[key]
 
 
@@ -444,8 +449,7 @@ def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_p
     """The two launches into `act` [k, width] and `out` [1, hidden] (ids and weights flat, as `int4_moe_token`
     prepares them)."""
     hidden, width, top_k = x.shape[1], gate_packed.shape[1], ids.numel()
-    compiled = kernels(x.device, hidden, width, group_size, top_k, ids.dtype, **overrides)
-    defines = {**_defines(hidden, width, group_size, top_k, ids.dtype), **overrides}
+    defines, compiled = kernels(x.device, hidden, width, group_size, top_k, ids.dtype, **overrides)
     gate_args = [x, ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
                  gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
     if gate_form == "mma":  # the tensor-core pair of launches
