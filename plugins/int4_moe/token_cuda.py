@@ -395,7 +395,9 @@ def fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
         return False
     if top_k < 1 or LANES % top_k:
         return False
-    return words_w % (4 * (LANES // top_k)) == 0 and width % RPB == 0 and hidden <= 12288  # x in 48 KB of shared
+    # hidden up to 12288: the sizes the forms were written for (a gate/up block is 32 * CHUNKS threads, x held in
+    # registers; the tensor-core form's paired x, 2 * hidden bytes of shared memory, has its own bound: `mma_fits`)
+    return words_w % (4 * (LANES // top_k)) == 0 and width % RPB == 0 and hidden <= 12288
 
 
 def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype) -> dict[str, str]:
