@@ -139,9 +139,9 @@ def dequantize_then_grouped(x, ids, weights, tensors):
 def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke: bool, repeats: int,
                tuning: Tuning, ready, layout: str) -> dict:  # fmt: skip
     """Median time of each form (microseconds). int4_kernel_us: the experts as the rank factory runs them (`ready`
-    in `layout`); tiles_kernel_us: in the checkpoint's layout, as the TensorRT plugin runs them; in the rows layout
-    also rows_tensor_cores_us: the tensor-core form alone, at every T (the kernel takes the CUDA-core form up to
-    `tuning.gemv_tokens` tokens)."""
+    in `layout`: in the rows layout the CUDA C forms where they take the shape, one token and blocks up to
+    `tuning.block_tokens`); tiles_kernel_us: in the checkpoint's layout, as the TensorRT plugin runs them; in the rows
+    layout also rows_tensor_cores_us: the Triton tensor-core form alone, at every T."""
 
     def layer():
         torch.sigmoid(F.linear(x.float(), router.float()))  # the router's cost (its choice is `ids`)
@@ -161,7 +161,7 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
         forms["token_triton_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=triton_token,
                                                          layout=layout)  # fmt: skip
     if layout == "rows":
-        tensor_cores = replace(tuning, gemv_tokens=0, token_kernel="triton")
+        tensor_cores = replace(tuning, gemv_tokens=0, token_kernel="triton", block_kernel="triton")
         forms["rows_tensor_cores_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tensor_cores,
                                                               layout=layout)  # fmt: skip
     return {
@@ -274,10 +274,9 @@ def main(argv=None) -> int:
                 fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=replace(tuning, token_kernel="triton"),
                                      layout=layout).float()  # fmt: skip
                 error = max(error, float((fast - want).norm() / want.norm()))
-            if layout == "rows":  # the tensor-core form too, where the CUDA-core one ran above
-                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP,
-                                     tuning=replace(tuning, gemv_tokens=0, token_kernel="triton"),
-                                     layout=layout).float()  # fmt: skip
+            if layout == "rows":  # the Triton tensor-core form too, where a CUDA C or CUDA-core one ran above
+                triton_cores = replace(tuning, gemv_tokens=0, token_kernel="triton", block_kernel="triton")
+                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=triton_cores, layout=layout).float()
                 error = max(error, float((fast - want).norm() / want.norm()))
             if error > 1e-2:
                 raise RuntimeError(f"{kind} T={tokens}: kernel relative error {error:.2e} > 1e-2")

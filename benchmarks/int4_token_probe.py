@@ -10,7 +10,9 @@ a warp-a-row-pair form and a one-launch form, since removed: `results/int4_token
 Each is checked against the torch reference through the pair of launches (relative error < 1e-2), then timed by
 CUDA-graph replay with the L2 left clean (`benchmarks.common.graph_time_us(flush="read")`), and 8 calls over other
 experts back to back in one graph (a call's share: as inside a forward), and by the profiler (kernel time alone).
-The byte floor: the bytes each kernel reads at the copy rate of this run. Writes OUT_DIR/int4_token_probe.json.
+The byte floor: the bytes each kernel reads at the copy rate of this run. Then the block form (`int4_moe_block`: 8
+and 33 tokens) at several launch shapes beside the Triton tensor-core form (`block_rows`). Writes
+OUT_DIR/int4_token_probe.json.
 """
 
 from __future__ import annotations
@@ -114,8 +116,46 @@ def main(argv=None) -> int:
             row[name] = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
+    info["block_rows"] = block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, args.repeats)
     (args.out_dir / "int4_token_probe.json").write_text(json.dumps(info, indent=1) + "\n")
-    return 1 if any(r.get("wrong") for r in info["rows"]) else 0
+    return 1 if any(r.get("wrong") for r in info["rows"] + info["block_rows"]) else 0
+
+
+def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: int) -> list[dict]:
+    """The block form (`token_cuda.int4_moe_block`, the routing launch included) at T = 8 and 33, random routing,
+    with KSPLIT gate/up warps and WARPS down warps a block, beside the Triton tensor-core form (`rows_triton`); each
+    checked against the reference, then timed by CUDA-graph replay with the L2 left clean."""
+    from dataclasses import replace
+
+    from plugins.int4_moe.kernel import DEFAULT_TUNING, int4_moe_cuda, route
+
+    rows = []
+    triton = replace(DEFAULT_TUNING, gemv_tokens=0, token_kernel="triton", block_kernel="triton")
+    for tokens in (8, 33):
+        ids, weights = routing("random", tokens, experts, k, gen)
+        ids, weights = ids.to(device), weights.to(device)
+        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+        want = int4_moe(x.float(), ids, weights, *[t if t.dtype == torch.int32 else t.float() for t in tensors],
+                        GROUP)  # fmt: skip
+        call = (x, ids, weights)
+        forms = {"rows_triton": lambda c=call: int4_moe_cuda(*c, *ready, GROUP, tuning=triton, layout="rows")}
+        for ksplit, warps in ((14, 8), (28, 8), (7, 8), (14, 4), (14, 16)):
+            shape = {"KSPLIT": ksplit, "WARPS": warps}
+            forms[f"block KSPLIT {ksplit} WARPS {warps}"] = lambda c=call, o=shape: token_cuda.int4_moe_block(
+                c[0], route(c[1], experts)[:5], c[2], *ready, GROUP, **o
+            )
+        for name, fn in forms.items():
+            got = fn().float()
+            row = {"tokens": tokens, "form": name, "distinct_experts": int(ids.unique().numel()),
+                   "relative_error": float((got - want).norm() / want.norm())}  # fmt: skip
+            if row["relative_error"] < 1e-2:
+                row["graph_us"] = statistics.median(graph_time_us(fn, device, False, flush="read")
+                                                    for _ in range(repeats))  # fmt: skip
+            else:
+                row["wrong"] = True
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 def kernel_time_us(fn, calls: int = 20) -> float:

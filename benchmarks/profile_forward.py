@@ -8,8 +8,9 @@ with the GPU's idle time between consecutive kernels (by the pair of kernels it 
         [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
         [--compare-overlap]   (also: each target forward on one stream, with the MoE's shared expert on a side
                                stream, and with MLA's latent row there too (`models/streams.py`); outputs compared)
-        [--compare-token-kernel]  (also: the one-token target forward with each form of the INT4 experts' one-token
-                               kernel, `Tuning.token_kernel`: CUDA C and Triton; outputs compared)
+        [--compare-int4-kernels]  (also: each target forward with each form of the INT4 experts' kernel it takes,
+                               CUDA C and Triton: `Tuning.token_kernel` at T = 1, `Tuning.block_kernel` at T = 8, 33;
+                               outputs compared)
 
 The modules are rank 0's, built by the rank factory (the forms the CLI runs). Writes OUT_DIR/profile_forward.json
 and prints the top kernels.
@@ -142,8 +143,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-capacities", action="store_true", help="the drafter against its cache's capacity")
     parser.add_argument("--compare-overlap", action="store_true", help="each target forward also on one stream, and "
                         "with only the MoE's branch on the side stream (GPU)")  # fmt: skip
-    parser.add_argument("--compare-token-kernel", action="store_true", help="the one-token forward with each form "
-                        "of the INT4 one-token kernel (kimi-rank-int4, GPU)")  # fmt: skip
+    parser.add_argument("--compare-int4-kernels", action="store_true", help="each target forward with each form "
+                        "of the INT4 experts' kernel it takes (kimi-rank-int4, GPU)")  # fmt: skip
     parser.add_argument("--cache-length", type=int, default=256, help="cached rows the target forwards attend to "
                         "(random latent rows; the capacity holds them): long context's share of attention")  # fmt: skip
     add_setup_args(parser)
@@ -210,8 +211,9 @@ def main(argv=None) -> int:
             if name.startswith("target") and not smoke:
                 print(f"  attention (TreeAttention kernels) {attention:.1f} us of {prof['kernel_us']:.1f} us in "
                       f"kernels at {length} cached rows", flush=True)  # fmt: skip
-            if name == "target T=1" and args.compare_token_kernel:
-                results["forwards"][name]["token_kernel"] = token_kernel_forms(fn, device, smoke)
+            if name.startswith("target") and args.compare_int4_kernels:
+                field = "token_kernel" if name == "target T=1" else "block_kernel"
+                results["forwards"][name][field] = int4_kernel_forms(fn, field, device, smoke)
             if name.startswith("target") and args.compare_overlap:
                 results["forwards"][name]["side_stream"] = side_stream_forms(target, fn, device, smoke)
 
@@ -234,10 +236,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def token_kernel_forms(fn, device, smoke: bool) -> dict:
-    """The one-token forward `fn` with each form of the INT4 experts' one-token kernel (`Tuning.token_kernel`, read
-    at each call, so each form is captured in its own graph): replay time, back-to-back time, kernels, and the
-    output's largest difference from the default form's (the two forms sum in different orders)."""
+def int4_kernel_forms(fn, field: str, device, smoke: bool) -> dict:
+    """The forward `fn` with each form ("cuda", "triton") of the INT4 experts' kernel `Tuning.<field>` names
+    (`token_kernel`: one token; `block_kernel`: more), read at each call, so each form is captured in its own graph:
+    replay time, back-to-back time, kernels, and the output's largest difference from the default form's (the forms
+    sum in different orders)."""
     from dataclasses import replace
 
     from plugins.int4_moe import kernel
@@ -247,7 +250,7 @@ def token_kernel_forms(fn, device, smoke: bool) -> dict:
     rows = {}
     try:
         for form in ("cuda", "triton"):
-            kernel.DEFAULT_TUNING = replace(default, token_kernel=form)
+            kernel.DEFAULT_TUNING = replace(default, **{field: form})
             out = fn()[0].float()
             rows[form] = {
                 "graph_us": graph_time_us(fn, device, smoke),
@@ -257,8 +260,7 @@ def token_kernel_forms(fn, device, smoke: bool) -> dict:
             if not smoke:
                 prof = replay_profile(fn, device)
                 rows[form].update({k: prof[k] for k in ("kernels", "kernel_us", "idle_us", "back_to_back_us")})
-            print(f"  INT4 one-token kernel {form}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[form].items()),
-                  flush=True)  # fmt: skip
+            print(f"  INT4 {field} {form}: " + ", ".join(f"{k} {v:.4g}" for k, v in rows[form].items()), flush=True)
     finally:
         kernel.DEFAULT_TUNING = default
     return rows

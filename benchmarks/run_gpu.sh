@@ -39,9 +39,10 @@
 #             temperature 1.0, device loop; budget 16, the best there, twice: the run-to-run noise)
 #   flush     benchmarks/l2_flush_probe.py: the floor-bound kernels (INT4 MoE, TreeAttention, a load and a copy) after
 #             the L2 was left dirty, clean or unflushed, and a call's time in a sequence over other data (as a forward)
-#   token     the INT4 experts' one-token CUDA C kernels (plugins/int4_moe/token_cuda.py): the GPU test against the
-#             reference and their algorithm, int4_moe_gpu.py at T = 1 and 33 (the Triton one-token form beside), and
-#             on a GPU that holds the whole rank (> 120 GB) the kimi-rank-int4 one-token forward with each form
+#   token     the INT4 experts' CUDA C kernels (plugins/int4_moe/token_cuda.py: one token, a block of tokens): the GPU
+#             tests against the reference and their algorithm, int4_token_probe.py's launch shapes, int4_moe_gpu.py at
+#             T = 1, 8, 16, 33 (the Triton forms beside), and on a GPU that holds the whole rank (> 120 GB) the
+#             kimi-rank-int4 forwards with each form
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
 #             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share)
 set -uo pipefail
@@ -230,18 +231,18 @@ if has long; then
 fi
 if has token; then
   {
-    python3 -m pytest -q -p no:cacheprovider tests/test_int4_moe.py -k "cuda_token" 2>&1 | tail -3
+    python3 -m pytest -q -p no:cacheprovider tests/test_int4_moe.py -k "cuda_token or cuda_block" 2>&1 | tail -3
     python3 benchmarks/int4_token_probe.py "$OUT"
-    python3 benchmarks/int4_moe_gpu.py "$OUT" --tokens 1,33 --repeats 5
+    python3 benchmarks/int4_moe_gpu.py "$OUT" --tokens 1,8,16,33 --repeats 5
   } > "$OUT/token.log" 2>&1; echo "token rc=$?"
   grep -E "passed|failed|error|Error" "$OUT/token.log" | head -5
-  grep '"tokens": 1,' "$OUT/token.log" | python3 -c 'import json,sys; [print({k: round(v, 1) if isinstance(v, float) else v for k, v in json.loads(l).items() if k.endswith("_us") or k in ("routing", "kernel_relative_error")}) for l in sys.stdin]'
+  grep '"routing"' "$OUT/token.log" | python3 -c 'import json,sys; [print({k: round(v, 1) if isinstance(v, float) else v for k, v in json.loads(l).items() if k.endswith("_us") or k in ("routing", "tokens", "kernel_relative_error")}) for l in sys.stdin]'
   MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   if [ "$MEM" -gt 120000 ]; then
     mkdir -p "$OUT/token_rank"
     limit 400 python3 benchmarks/profile_forward.py "$OUT/token_rank" --model kimi-rank-int4 --cache-length 1024 \
-      --compare-token-kernel > "$OUT/token_rank.log" 2>&1; echo "token rank rc=$?"
-    grep -E "^target T=1|INT4 one-token" "$OUT/token_rank.log"
+      --compare-int4-kernels > "$OUT/token_rank.log" 2>&1; echo "token rank rc=$?"
+    grep -E "^target T=|INT4 (token|block)_kernel" "$OUT/token_rank.log"
   fi
 fi
 if has kernel; then

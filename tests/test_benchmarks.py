@@ -36,13 +36,13 @@ def test_gpu_runtime_smoke(tmp_path):
                 assert r["mean_accept_length"] > 7, r
 
 
-def test_profile_forward_side_stream_and_token_kernel_forms_smoke(tmp_path):
+def test_profile_forward_side_stream_and_int4_kernel_forms_smoke(tmp_path):
     """`profile_forward.py --compare-overlap` finds every MoE layer's branch (the "moe" preset: all but the dense first
     layer), runs each form and records that its logits equal the factory's form (on the CPU the branches run in
     order whatever the setting; on a GPU the same check compares streams)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "benchmarks/profile_forward.py", str(tmp_path), "--smoke", "--model", "moe",
-                           "--compare-overlap", "--compare-token-kernel"], capture_output=True, text=True, env=env,
+                           "--compare-overlap", "--compare-int4-kernels"], capture_output=True, text=True, env=env,
                           cwd=ROOT,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -52,10 +52,12 @@ def test_profile_forward_side_stream_and_token_kernel_forms_smoke(tmp_path):
         forms = result["forwards"][f"target T={tokens}"]["side_stream"]
         assert [f["beside"] for f in forms.values()] == [0, moe_layers, moe_layers]  # no MLA form on the CPU
         assert all(f["equal_output"] and f["graph_us"] > 0 for f in forms.values())
-    # the one-token forward with each form of the INT4 one-token kernel (a CPU and the moe preset run neither: the
-    # same forward twice, so no difference)
-    tokens = result["forwards"]["target T=1"]["token_kernel"]
-    assert set(tokens) == {"cuda", "triton"} and all(f["max_abs_diff"] == 0 for f in tokens.values())
+    # each forward with each form of the INT4 kernel it takes (a CPU and the moe preset run neither: the same
+    # forward twice, so no difference)
+    for tokens in (1, 8, 33):
+        field = "token_kernel" if tokens == 1 else "block_kernel"
+        forms = result["forwards"][f"target T={tokens}"][field]
+        assert set(forms) == {"cuda", "triton"} and all(f["max_abs_diff"] == 0 for f in forms.values())
 
 
 def test_convert_memory_smoke(tmp_path):

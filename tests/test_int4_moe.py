@@ -415,6 +415,63 @@ def test_cuda_token_tensor_core_algorithm_matches_reference():
     assert rel(checkpoint_order.float(), want) > 0.5
 
 
+def test_cuda_block_algorithm_matches_reference():
+    """The block kernels' computation (`token_cuda.algorithm_mma_block`: the pairs sorted by expert, each chosen
+    expert's tiles times up to 8 of its pairs a pass, the MMA's C columns written to their pairs' rows) against the
+    reference, with experts no token chose and one chosen by every token (19 pairs: three passes of 8 columns, the
+    last one past its end). Each token's output equals the one-token tensor-core form's bit for bit (the same sums in
+    the same order), and the words in the checkpoint's order miss by far."""
+    from plugins.int4_moe import token_cuda
+
+    hidden, width, group, k, experts = 1024, 256, 32, 4, 64
+    assert token_cuda.block_fits(hidden, width, group, k) and not token_cuda.block_fits(hidden, width, 8, k)
+    tensors, ready = bf16_experts(experts, hidden, width, group)
+    for tokens, everyone in ((2, None), (19, 7)):
+        x = torch.randn(tokens, hidden).to(torch.bfloat16)
+        ids, weights = random_routing(tokens, experts, k, seed=tokens, everyone=everyone)
+        assert ids.unique().numel() < experts  # experts no token chose
+        want = float32_reference(x, ids, weights, tensors, group)
+        got = token_cuda.algorithm_mma_block(x, ids, weights, *ready, group)
+        assert got.dtype == torch.bfloat16 and got.shape == (tokens, hidden)
+        assert rel(got.float(), want) < 1e-2, tokens
+        alone = [token_cuda.algorithm_mma(x[i : i + 1], ids[i : i + 1], weights[i : i + 1], *ready, group)
+                 for i in range(tokens)]  # fmt: skip
+        assert torch.equal(torch.cat(alone), got)
+    assert rel(token_cuda.algorithm_mma_block(x, ids, weights, *tensors, group).float(), want) > 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NVRTC compiles the kernels)")
+def test_cuda_block_kernels_on_a_gpu():
+    """The compiled block kernels (through `int4_moe_cuda`, as the rank runs them) at Kimi K2.x's per-rank TP-8
+    dimensions against the reference and their algorithm, T in {2, 8, 33, 64}, random routing and one expert every
+    token chooses (33 and 64 pairs of one expert: five and eight passes of 8 columns), int64 and int32 expert ids;
+    each token's output against the one-token tensor-core form's; the same bits twice."""
+    from plugins.int4_moe import token_cuda
+    from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel
+
+    assert DEFAULT_TUNING.block_kernel == "cuda" and DEFAULT_TUNING.block_tokens >= 64
+    hidden, width, group, experts = 7168, 256, 32, 48
+    tensors, ready = bf16_experts(experts, hidden, width, group)
+    gpu = [t.cuda() for t in ready]
+    act = torch.empty(8, width, dtype=torch.bfloat16, device="cuda")
+    for tokens, everyone, id_dtype in ((2, None, torch.int64), (8, None, torch.int32), (33, 5, torch.int64),
+                                       (64, 9, torch.int32), (33, None, torch.int32)):  # fmt: skip
+        x = torch.randn(tokens, hidden).to(torch.bfloat16)
+        ids, weights = random_routing(tokens, experts, 8, seed=tokens, everyone=everyone)
+        want = float32_reference(x, ids, weights, tensors, group)
+        args = (x.cuda(), ids.to(id_dtype).cuda(), weights.cuda(), *gpu, group)
+        got = Int4MoEKernel()(*args, layout="rows").cpu()
+        assert rel(got.float(), want) < 1e-2, (tokens, everyone)
+        assert torch.equal(Int4MoEKernel()(*args, layout="rows").cpu(), got)
+        if tokens <= 8:  # the CPU algorithm is slow at Kimi's dimensions
+            assert torch.equal(token_cuda.algorithm_mma_block(x, ids, weights, *ready, group), got)
+        for i in (0, tokens - 1):  # a token alone through the one-token tensor-core form
+            out = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda")
+            token_cuda.launch(x[i : i + 1].cuda(), ids[i].to(id_dtype).cuda(), weights[i].float().cuda(), *gpu, act,
+                              out, group, gate_form="mma")  # fmt: skip
+            assert rel(out.cpu().float(), got[i : i + 1].float()) < 1e-3, (tokens, i)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NVRTC compiles the kernels)")
 def test_cuda_token_kernels_on_a_gpu():
     """The compiled kernels against the reference and against their algorithm, at Kimi K2.x's per-rank TP-8

@@ -81,6 +81,11 @@ class Tuning:
     # one bfloat16 token in the rows layout: "cuda" (`token_cuda`: CUDA C compiled by NVRTC at first use, every load
     # of a row issued before its first multiply) or "triton" (the CUDA-core form above)
     token_kernel: str = "cuda"
+    # 2 to `block_tokens` bfloat16 tokens in the rows layout (a draft block, a verify): "cuda" (`token_cuda`'s block
+    # form: each chosen expert's words loaded once into registers and multiplied by up to 8 of its tokens at a time on
+    # tensor cores) or "triton" (the tensor-core form above)
+    block_kernel: str = "cuda"
+    block_tokens: int = 64
 
 
 # the best of `--sweep`'s 72 shapes on one H200 at Kimi K2.x's per-rank TP-8 dimensions (BENCHMARKS.md, section 8)
@@ -869,6 +874,13 @@ def int4_moe_cuda(
             result = token_cuda.int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed,
                                                up_scale, down_packed, down_scale, group_size)  # fmt: skip
             return result if out is None else out.copy_(result)
+        block = layout == "rows" and 1 < tokens <= tuning.block_tokens and tuning.block_kernel == "cuda"
+        if (block and expert_ids.numel() <= ROUTE_MAX_PAIRS and _cuda_c_fits(x, gate_scale, down_scale)
+                and token_cuda.block_fits(hidden, width, group_size, expert_ids.shape[-1])):  # fmt: skip
+            routing = route(expert_ids, experts)[:5]
+            result = token_cuda.int4_moe_block(x, routing, expert_weights, gate_packed, gate_scale, up_packed,
+                                               up_scale, down_packed, down_scale, group_size)  # fmt: skip
+            return result if out is None else out.copy_(result)
         if (layout == "rows" and tokens <= tuning.gemv_tokens and expert_ids.numel() <= ROUTE_MAX_PAIRS
                 and gemv_fits(hidden, width, group_size)):  # fmt: skip
             result = _rows_cuda_cores(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale,
@@ -884,12 +896,17 @@ def int4_moe_cuda(
         return result.to(x.dtype) if out is None else out.copy_(result)
 
 
-def _token_cuda_fits(x, gate_scale, down_scale, expert_ids, group_size: int, width: int) -> bool:
-    """Whether `token_cuda` takes this call: one bfloat16 token on an sm_80 or newer GPU, bfloat16 scales, its
-    dimensions."""
+def _cuda_c_fits(x, gate_scale, down_scale) -> bool:
+    """Whether `token_cuda`'s kernels can run here: bfloat16 tokens and scales on an sm_80 or newer GPU (its source
+    holds sm_80 instructions)."""
     return (x.is_cuda and x.dtype == gate_scale.dtype == down_scale.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (8, 0)  # its source holds sm_80 instructions
-            and token_cuda.fits(x.shape[1], width, group_size, expert_ids.shape[-1]))  # fmt: skip
+            and torch.cuda.get_device_capability(x.device) >= (8, 0))  # fmt: skip
+
+
+def _token_cuda_fits(x, gate_scale, down_scale, expert_ids, group_size: int, width: int) -> bool:
+    """Whether `token_cuda` takes this call: one bfloat16 token (`_cuda_c_fits`), its dimensions."""
+    return _cuda_c_fits(x, gate_scale, down_scale) and token_cuda.fits(x.shape[1], width, group_size,
+                                                                        expert_ids.shape[-1])  # fmt: skip
 
 
 def _k_split(programs: int, total: int, block: int, device: torch.device, per_sm: int,

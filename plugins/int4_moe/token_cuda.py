@@ -186,17 +186,35 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], unsigned a0, unsigned a1
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+// the B side of `mma_step`: pairs(e) is the uint4 of bfloat16 pairs (input e + i, input e + i + 4 * words),
+// i = 0 .. 3 (e a multiple of 4). From shared memory where a block built the paired row (`xp`, `ap`):
+struct SharedPairs {
+    const unsigned* p;
+    __device__ __forceinline__ uint4 operator()(int e) const { return *(const uint4*)(p + e); }
+};
+// or straight from a bfloat16 row in global memory (a token's x, a pair's act: its column of the MMA's B), two 8-byte
+// loads paired in registers
+template <int WORDS>
+struct RowPairs {
+    const unsigned* row;  // the row read as bfloat16 pairs
+    __device__ __forceinline__ uint4 operator()(int e) const {
+        const uint2 lo = __ldg((const uint2*)(row + e / 2)), hi = __ldg((const uint2*)(row + e / 2 + 2 * WORDS));
+        return make_uint4(__byte_perm(lo.x, hi.x, 0x5410), __byte_perm(lo.x, hi.x, 0x7632),
+                          __byte_perm(lo.y, hi.y, 0x5410), __byte_perm(lo.y, hi.y, 0x7632));
+    }
+};
 // one 16-word step of rows g (words `lo`) and g + 8 (`hi`) against the paired inputs `pairs` (J * words + w at
 // J * words + w), scales (J, J + 4) of row g in `s_lo[J]`, of row g + 8 in `s_hi[J]`
-template <int WORDS>
+template <int WORDS, class Pairs>
 __device__ __forceinline__ void mma_step(float (&c)[4], uint4 lo, uint4 hi, const unsigned* s_lo,
-                                         const unsigned* s_hi, const unsigned* pairs, int w) {
+                                         const unsigned* s_hi, const Pairs& pairs, int w) {
     const unsigned lw[4] = {lo.x, lo.y, lo.z, lo.w}, hw[4] = {hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
+        const uint4 b4 = pairs(j * WORDS + w);
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
-            const uint2 b = *(const uint2*)(pairs + j * WORDS + w + 2 * q);
+            const uint2 b = q == 0 ? make_uint2(b4.x, b4.y) : make_uint2(b4.z, b4.w);
             mma_bf16(c, scaled_pair(lw[2 * q] >> (4 * j), s_lo[j]), scaled_pair(hw[2 * q] >> (4 * j), s_hi[j]),
                      scaled_pair(lw[2 * q + 1] >> (4 * j), s_lo[j]), scaled_pair(hw[2 * q + 1] >> (4 * j), s_hi[j]),
                      b.x, b.y);
@@ -207,6 +225,60 @@ __device__ __forceinline__ void mma_step(float (&c)[4], uint4 lo, uint4 hi, cons
 #define KSTEPS (WORDS_IN / 16)
 #define STEPS_PER_WARP (KSTEPS / KSPLIT)
 static_assert(KSTEPS % KSPLIT == 0 && (STEPS_PER_WARP * 16) % GROUP == 0, "KSPLIT: whole groups a warp");
+#define STEPS_PER_GROUP (GROUP / 16)
+#define MMA_GROUPS ((STEPS_PER_WARP + STEPS_PER_GROUP - 1) / STEPS_PER_GROUP)
+
+// a gate/up warp's loads, every one issued before any math: row `row` of gate and of up (the MMA's rows g and g + 8),
+// 16 bytes a step of its STEPS_PER_WARP steps from `step0`, and the scales of the warp's groups (GROUP / 16 steps a
+// group; a warp's first step starts a group: `mma_fits`), nibbles J and J + 4 paired as the weights are
+__device__ __forceinline__ void load_gate_up(uint4 (&gw)[STEPS_PER_WARP], uint4 (&uw)[STEPS_PER_WARP],
+                                             unsigned (&sg)[MMA_GROUPS][4], unsigned (&su)[MMA_GROUPS][4],
+                                             const uint4* __restrict__ gate_p, const bf16* __restrict__ gate_s,
+                                             const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
+                                             long long e, int row, int t, int step0, int p_stride_e, int p_stride_r,
+                                             int s_stride_e, int s_stride_r) {
+    const long long p_off = (e * p_stride_e + (long long)row * p_stride_r) / 4 + t;
+    const long long s_off = e * s_stride_e + (long long)row * s_stride_r;
+#pragma unroll
+    for (int i = 0; i < STEPS_PER_WARP; ++i) {
+        gw[i] = __ldg(gate_p + p_off + 4 * (step0 + i));
+        uw[i] = __ldg(up_p + p_off + 4 * (step0 + i));
+    }
+    constexpr int FAR = 4 * WORDS_IN / GROUP;  // nibble J + 4's group, 4 * words inputs on
+#pragma unroll
+    for (int k = 0; k < MMA_GROUPS; ++k)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const long long at = s_off + j * (WORDS_IN / GROUP) + (16 * step0) / GROUP + k;
+            sg[k][j] = (unsigned)__ldg(gate_s + at) | ((unsigned)__ldg(gate_s + at + FAR) << 16);
+            su[k][j] = (unsigned)__ldg(up_s + at) | ((unsigned)__ldg(up_s + at + FAR) << 16);
+        }
+}
+
+// a down warp's loads: rows h0 + g (`dl`) and h0 + g + 8 (`dh`) of expert e, all WORDS_W / 16 steps, and their scales
+__device__ __forceinline__ void load_down(uint4 (&dl)[WORDS_W / 16], uint4 (&dh)[WORDS_W / 16],
+                                          unsigned (&sl)[WORDS_W / 16][4], unsigned (&sh)[WORDS_W / 16][4],
+                                          const uint4* __restrict__ down_p, const bf16* __restrict__ down_s,
+                                          long long e, int h0, int g, int t, int p_stride_e, int p_stride_r,
+                                          int s_stride_e, int s_stride_r) {
+    const long long lo_off = (e * p_stride_e + (long long)(h0 + g) * p_stride_r) / 4 + t;
+    const long long hi_off = lo_off + (8LL * p_stride_r) / 4;
+    const long long s_lo = e * s_stride_e + (long long)(h0 + g) * s_stride_r, s_hi = s_lo + 8LL * s_stride_r;
+#pragma unroll
+    for (int i = 0; i < WORDS_W / 16; ++i) {
+        dl[i] = __ldg(down_p + lo_off + 4 * i);
+        dh[i] = __ldg(down_p + hi_off + 4 * i);
+    }
+#pragma unroll
+    for (int i = 0; i < WORDS_W / 16; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int at = (j * WORDS_W + 16 * i) / GROUP;
+            constexpr int FAR = 4 * WORDS_W / GROUP;
+            sl[i][j] = (unsigned)__ldg(down_s + s_lo + at) | ((unsigned)__ldg(down_s + s_lo + at + FAR) << 16);
+            sh[i][j] = (unsigned)__ldg(down_s + s_hi + at) | ((unsigned)__ldg(down_s + s_hi + at + FAR) << 16);
+        }
+}
 
 // block: KSPLIT warps over the 16-word steps of 8 rows of gate (the MMA's rows 0-7) and the same 8 rows of up
 // (rows 8-15) of one pair; the warps' sums added in warp order; silu(gate) * up in bfloat16 into act
@@ -219,28 +291,11 @@ gate_up_mma(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int pair = blockIdx.x / (WIDTH / 8), row = (blockIdx.x % (WIDTH / 8)) * 8 + g;
     const long long e = (long long)ids[pair];
-    const long long p_off = (e * p_stride_e + (long long)row * p_stride_r) / 4 + t;
-    const long long s_off = e * s_stride_e + (long long)row * s_stride_r;
     const int step0 = warp * STEPS_PER_WARP;
     uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
-#pragma unroll
-    for (int i = 0; i < STEPS_PER_WARP; ++i) {
-        gw[i] = __ldg(gate_p + p_off + 4 * (step0 + i));
-        uw[i] = __ldg(up_p + p_off + 4 * (step0 + i));
-    }
-    // the scales of the warp's groups (GROUP / 16 steps a group; a warp's first step starts a group: `mma_fits`),
-    // nibbles J and J + 4 paired as the weights are
-    constexpr int STEPS_PER_GROUP = GROUP / 16, GROUPS = (STEPS_PER_WARP + STEPS_PER_GROUP - 1) / STEPS_PER_GROUP;
-    constexpr int FAR = 4 * WORDS_IN / GROUP;  // nibble J + 4's group, 4 * words inputs on
-    unsigned sg[GROUPS][4], su[GROUPS][4];
-#pragma unroll
-    for (int k = 0; k < GROUPS; ++k)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const long long at = s_off + j * (WORDS_IN / GROUP) + (16 * step0) / GROUP + k;
-            sg[k][j] = (unsigned)__ldg(gate_s + at) | ((unsigned)__ldg(gate_s + at + FAR) << 16);
-            su[k][j] = (unsigned)__ldg(up_s + at) | ((unsigned)__ldg(up_s + at + FAR) << 16);
-        }
+    unsigned sg[MMA_GROUPS][4], su[MMA_GROUPS][4];
+    load_gate_up(gw, uw, sg, su, gate_p, gate_s, up_p, up_s, e, row, t, step0, p_stride_e, p_stride_r, s_stride_e,
+                 s_stride_r);
     // x paired: two neighbouring words' inputs of nibbles J and J + 4 at once
     for (int i = threadIdx.x; i < 2 * WORDS_IN; i += 32 * KSPLIT) {
         const unsigned lo = __ldg((const unsigned*)x + i), hi = __ldg((const unsigned*)x + i + 2 * WORDS_IN);
@@ -250,7 +305,7 @@ gate_up_mma(const bf16* __restrict__ x, const id_t* __restrict__ ids, const uint
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < STEPS_PER_WARP; ++i)
-        mma_step<WORDS_IN>(c, gw[i], uw[i], sg[i / STEPS_PER_GROUP], su[i / STEPS_PER_GROUP], xp,
+        mma_step<WORDS_IN>(c, gw[i], uw[i], sg[i / STEPS_PER_GROUP], su[i / STEPS_PER_GROUP], SharedPairs{xp},
                            16 * (step0 + i) + 4 * t);
     if (t == 0) { part[warp][g][0] = c[0]; part[warp][g][1] = c[2]; }  // column 0: rows g (gate) and g + 8 (up)
     __syncthreads();
@@ -274,25 +329,9 @@ down_mma(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float
     const int lane = threadIdx.x & 31, p = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int h0 = blockIdx.x * 16;  // 16 | HIDDEN
     const long long e = (long long)ids[p];
-    const long long lo_off = (e * p_stride_e + (long long)(h0 + g) * p_stride_r) / 4 + t;
-    const long long hi_off = lo_off + (8LL * p_stride_r) / 4;
-    const long long s_lo = e * s_stride_e + (long long)(h0 + g) * s_stride_r, s_hi = s_lo + 8LL * s_stride_r;
     uint4 dl[WORDS_W / 16], dh[WORDS_W / 16];
     unsigned sl[WORDS_W / 16][4], sh[WORDS_W / 16][4];
-#pragma unroll
-    for (int i = 0; i < WORDS_W / 16; ++i) {
-        dl[i] = __ldg(down_p + lo_off + 4 * i);
-        dh[i] = __ldg(down_p + hi_off + 4 * i);
-    }
-#pragma unroll
-    for (int i = 0; i < WORDS_W / 16; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int at = (j * WORDS_W + 16 * i) / GROUP;
-            constexpr int FAR = 4 * WORDS_W / GROUP;
-            sl[i][j] = (unsigned)__ldg(down_s + s_lo + at) | ((unsigned)__ldg(down_s + s_lo + at + FAR) << 16);
-            sh[i][j] = (unsigned)__ldg(down_s + s_hi + at) | ((unsigned)__ldg(down_s + s_hi + at + FAR) << 16);
-        }
+    load_down(dl, dh, sl, sh, down_p, down_s, e, h0, g, t, p_stride_e, p_stride_r, s_stride_e, s_stride_r);
     for (int i = threadIdx.x; i < TOP_K * 2 * WORDS_W; i += 32 * TOP_K) {
         const int q = i / (2 * WORDS_W), k = i % (2 * WORDS_W);
         const unsigned* pair = (const unsigned*)(act + q * WIDTH);
@@ -302,7 +341,8 @@ down_mma(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float
     __syncthreads();
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int i = 0; i < WORDS_W / 16; ++i) mma_step<WORDS_W>(c, dl[i], dh[i], sl[i], sh[i], ap[p], 16 * i + 4 * t);
+    for (int i = 0; i < WORDS_W / 16; ++i)
+        mma_step<WORDS_W>(c, dl[i], dh[i], sl[i], sh[i], SharedPairs{ap[p]}, 16 * i + 4 * t);
     const float weight = weights[p];
     if (t == 0) { part[p][g] = c[0] * weight; part[p][g + 8] = c[2] * weight; }
     __syncthreads();
@@ -312,6 +352,105 @@ down_mma(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float
         for (int k = 0; k < TOP_K; ++k) sum += part[k][threadIdx.x];
         out[h0 + threadIdx.x] = to_bf16(sum);
     }
+}
+
+// ---- a block of tokens (a verify's, a draft's): `gate_up_mma_tokens`, `down_mma_tokens`, `sum_pairs` -----------
+// The (token, expert) pairs sorted by expert (`kernel.route`: sorted pair p's token `token[p]`, its place in the
+// T x k order `order[p]`; expert e's pairs start[e] .. start[e] + count[e] - 1; slot -> expert or -1). A block takes
+// one chosen expert's tile, loads its words once, and multiplies them by up to 8 of the expert's pairs at a time:
+// the MMA's 8 columns, column n = g reading its own pair's row (`RowPairs`); more pairs, another 8 columns over the
+// same words. Each column's sums are those `gate_up_mma` / `down_mma` make for its token alone, in the same order.
+
+// block: as `gate_up_mma` over rows tile * 8 .. + 7 of the slot's expert; act [sorted pairs, WIDTH]
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
+gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, const int* __restrict__ slot_expert,
+                   const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
+                   const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
+                   bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
+    __shared__ float part[KSPLIT][2][8][8];  // warp, gate / up, row g, column
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int slot = blockIdx.x / (WIDTH / 8), tile = blockIdx.x % (WIDTH / 8);
+    const int expert = slot_expert[slot];
+    if (expert < 0) return;  // a slot no expert filled (the grid holds as many as the pairs could choose)
+    const int first = start[expert], pairs = count[expert];
+    const int step0 = warp * STEPS_PER_WARP;
+    uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
+    unsigned sg[MMA_GROUPS][4], su[MMA_GROUPS][4];
+    load_gate_up(gw, uw, sg, su, gate_p, gate_s, up_p, up_s, expert, tile * 8 + g, t, step0, p_stride_e, p_stride_r,
+                 s_stride_e, s_stride_r);
+    for (int m0 = 0; m0 < pairs; m0 += 8) {
+        const int column = min(m0 + g, pairs - 1);  // past the last pair: its row again, the sums not written
+        const RowPairs<WORDS_IN> b{(const unsigned*)(x + (long long)token[first + column] * HIDDEN)};
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < STEPS_PER_WARP; ++i)
+            mma_step<WORDS_IN>(c, gw[i], uw[i], sg[i / STEPS_PER_GROUP], su[i / STEPS_PER_GROUP], b,
+                               16 * (step0 + i) + 4 * t);
+        // c: (row g, columns 2t and 2t + 1) of gate, then of up (the MMA's rows g + 8)
+        part[warp][0][g][2 * t] = c[0];
+        part[warp][0][g][2 * t + 1] = c[1];
+        part[warp][1][g][2 * t] = c[2];
+        part[warp][1][g][2 * t + 1] = c[3];
+        __syncthreads();
+        for (int i = threadIdx.x; i < 64; i += 32 * KSPLIT) {
+            const int r = i >> 3, n = i & 7;
+            if (m0 + n < pairs) {
+                float sum_g = 0.0f, sum_u = 0.0f;
+#pragma unroll
+                for (int k = 0; k < KSPLIT; ++k) { sum_g += part[k][0][r][n]; sum_u += part[k][1][r][n]; }
+                act[(long long)(first + m0 + n) * WIDTH + tile * 8 + r] =
+                    to_bf16(sum_g / (1.0f + __expf(-sum_g)) * sum_u);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// block: WARPS warps of 16 output rows each (as a `down_mma` warp) of the slot's expert, every one of its pairs'
+// act, times the pair's routing weight, into the pair's own float32 row of `routed` [T x k, HIDDEN]
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+down_mma_tokens(const bf16* __restrict__ act, const long long* __restrict__ order, const float* __restrict__ weights,
+                const int* __restrict__ slot_expert, const int* __restrict__ start, const int* __restrict__ count,
+                const uint4* __restrict__ down_p, const bf16* __restrict__ down_s, float* __restrict__ routed,
+                int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
+    constexpr int TILES = (HIDDEN + 16 * WARPS - 1) / (16 * WARPS);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int slot = blockIdx.x / TILES, h0 = (blockIdx.x % TILES) * 16 * WARPS + 16 * warp;
+    const int expert = slot_expert[slot];
+    if (expert < 0 || h0 >= HIDDEN) return;  // 16 | HIDDEN: a warp's rows are all in or all out
+    const int first = start[expert], pairs = count[expert];
+    uint4 dl[WORDS_W / 16], dh[WORDS_W / 16];
+    unsigned sl[WORDS_W / 16][4], sh[WORDS_W / 16][4];
+    load_down(dl, dh, sl, sh, down_p, down_s, expert, h0, g, t, p_stride_e, p_stride_r, s_stride_e, s_stride_r);
+    for (int m0 = 0; m0 < pairs; m0 += 8) {
+        const int column = min(m0 + g, pairs - 1);
+        const RowPairs<WORDS_W> b{(const unsigned*)(act + (long long)(first + column) * WIDTH)};
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < WORDS_W / 16; ++i) mma_step<WORDS_W>(c, dl[i], dh[i], sl[i], sh[i], b, 16 * i + 4 * t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // c: rows h0 + g and h0 + g + 8 of columns 2t and 2t + 1
+            const int n = m0 + 2 * t + h;
+            if (n < pairs) {
+                const long long source = order[first + n];
+                const float weight = weights[source];
+                routed[source * HIDDEN + h0 + g] = c[h] * weight;
+                routed[source * HIDDEN + h0 + g + 8] = c[2 + h] * weight;
+            }
+        }
+    }
+}
+
+// out[token] = the sum of its k rows of `routed` in pair order, in bfloat16 (a thread an element)
+extern "C" __global__ void __launch_bounds__(256)
+sum_pairs(const float* __restrict__ routed, bf16* __restrict__ out, int elements) {
+    const int i = blockIdx.x * 256 + threadIdx.x;
+    if (i >= elements) return;
+    const long long base = (long long)(i / HIDDEN) * TOP_K * HIDDEN + i % HIDDEN;
+    float sum = 0.0f;
+#pragma unroll
+    for (int k = 0; k < TOP_K; ++k) sum += routed[base + (long long)k * HIDDEN];
+    out[i] = to_bf16(sum);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
@@ -420,12 +559,16 @@ _COMPILED: dict[tuple, tuple[dict, dict]] = {}  # (constants, {name: kernel}) a 
 GATE_FORM = "split"
 
 
+TOKEN_KERNELS = ("gate_up_split", "down", "gate_up_mma", "down_mma")  # one token's forms
+BLOCK_KERNELS = ("gate_up_mma_tokens", "down_mma_tokens", "sum_pairs")  # a block of tokens
+
+
 def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
-            **overrides) -> tuple[dict, dict]:  # fmt: skip
+            names: tuple[str, ...] = TOKEN_KERNELS, **overrides) -> tuple[dict, dict]:  # fmt: skip
     """(the constants they were compiled with, {name: kernel}) for these dimensions on this device's architecture,
     compiled once a process; `overrides` replace launch constants (WARPS, ROWS, RPB, SPLIT_MIN_BLOCKS, KSPLIT:
     `benchmarks/int4_token_probe.py` times them)."""
-    key = (device, hidden, width, group_size, top_k, ids_dtype, tuple(sorted(overrides.items())))
+    key = (device, hidden, width, group_size, top_k, ids_dtype, names, tuple(sorted(overrides.items())))
     if key not in _COMPILED:
         defines = {**_defines(hidden, width, group_size, top_k, ids_dtype), **overrides}
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
@@ -440,7 +583,7 @@ def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_
                         compute_capability=f"{major}{minor}",
                         nvcc_options=["-std=c++17", "--use_fast_math"],
                     )  # fmt: skip
-                    for name in ("gate_up_split", "down", "gate_up_mma", "down_mma")
+                    for name in names
                 },
             )
     return _COMPILED[key]
@@ -480,10 +623,7 @@ def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_pa
     if tokens != 1 or x.dtype != torch.bfloat16 or not fits(hidden, width, group_size, top_k):
         raise ValueError(f"the CUDA token kernels take one bfloat16 token at dimensions `fits` accepts: got x "
                          f"{tuple(x.shape)} {x.dtype}, width {width}, group {group_size}, k {top_k}")  # fmt: skip
-    for t in (gate_packed, up_packed, down_packed, gate_scale, up_scale, down_scale):
-        if t.stride(-1) != 1 or t.dtype not in (torch.int32, torch.bfloat16):
-            raise ValueError(f"the CUDA token kernels need rows of contiguous int32 words and bfloat16 scales: got "
-                             f"{t.dtype} with strides {t.stride()}")  # fmt: skip
+    _check_experts(gate_packed, up_packed, down_packed, gate_scale, up_scale, down_scale)
     ids = expert_ids.reshape(-1)
     ids = ids if ids.dtype in (torch.int32, torch.int64) and ids.is_contiguous() else ids.to(torch.int64).contiguous()
     weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
@@ -492,6 +632,66 @@ def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_pa
     launch(x.contiguous(), ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act,
            out, group_size)  # fmt: skip
     return out
+
+
+def block_fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
+    """The block form's shapes: the tensor-core forms' 16-word steps, 8-row gate/up and 16-row down tiles
+    (`mma_fits`, without its bound on shared memory: x and act come straight from global memory)."""
+    return _mma_shapes(hidden, width, group_size) and top_k >= 1
+
+
+def launch_block(x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed, up_scale,
+                 down_packed, down_scale, act, routed, out, group_size, **overrides) -> None:  # fmt: skip
+    """The block form's three launches: gate/up into `act` [pairs, width] (sorted order), down into `routed`
+    [T x k, hidden] float32, their sum into `out` [T, hidden]; the routing as `kernel.route` makes it. `overrides`:
+    KSPLIT (gate/up warps a block), WARPS (down warps a block)."""
+    tokens, hidden = x.shape
+    width, slots = gate_packed.shape[1], slot_expert.numel()
+    top_k = order.numel() // tokens
+    defines, compiled = kernels(x.device, hidden, width, group_size, top_k, torch.int32, BLOCK_KERNELS, **overrides)
+    compiled["gate_up_mma_tokens"](
+        grid=(slots * (width // 8), 1, 1), block=(LANES * defines["KSPLIT"], 1, 1),
+        args=[x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, act,
+              gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)],
+    )  # fmt: skip
+    tiles = -(-hidden // (16 * defines["WARPS"]))
+    compiled["down_mma_tokens"](
+        grid=(slots * tiles, 1, 1), block=(LANES * defines["WARPS"], 1, 1),
+        args=[act, order, weights, slot_expert, start, count, down_packed, down_scale, routed, down_packed.stride(0),
+              down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)],
+    )  # fmt: skip
+    elements = tokens * hidden
+    compiled["sum_pairs"](grid=(-(-elements // 256), 1, 1), block=(256, 1, 1), args=[routed, out, elements])
+
+
+def int4_moe_block(x, routing, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
+                   group_size: int, **overrides) -> torch.Tensor:  # fmt: skip
+    """`reference.int4_moe` for T bfloat16 tokens on a CUDA device, the words in the "rows" layout, `routing` the
+    (order, token, start, count, slot -> expert) of `kernel.route`: [T, hidden]. `overrides`: `launch_block`'s."""
+    order, token, start, count, slot_expert = routing
+    tokens, hidden = x.shape
+    width, pairs = gate_packed.shape[1], order.numel()
+    if x.dtype != torch.bfloat16 or pairs % tokens or not block_fits(hidden, width, group_size, pairs // tokens):
+        raise ValueError(f"the CUDA block kernels take bfloat16 tokens at dimensions `block_fits` accepts: got x "
+                         f"{tuple(x.shape)} {x.dtype}, width {width}, group {group_size}, {pairs} pairs")  # fmt: skip
+    _check_experts(gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale)
+    if order.dtype != torch.int64 or any(t.dtype != torch.int32 for t in (token, start, count, slot_expert)):
+        raise ValueError("the CUDA block kernels read the routing as `kernel.route` makes it: int64 order, int32 rest")
+    weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
+    act = torch.empty((pairs, width), dtype=torch.bfloat16, device=x.device)
+    routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    launch_block(x.contiguous(), order.contiguous(), token.contiguous(), start, count, slot_expert.contiguous(),
+                 weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, routed, out,
+                 group_size, **overrides)  # fmt: skip
+    return out
+
+
+def _check_experts(*tensors) -> None:
+    for t in tensors:
+        if t.stride(-1) != 1 or t.dtype not in (torch.int32, torch.bfloat16):
+            raise ValueError(f"the CUDA kernels need rows of contiguous int32 words and bfloat16 scales: got "
+                             f"{t.dtype} with strides {t.stride()}")  # fmt: skip
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
@@ -566,15 +766,21 @@ def mma_ksplit(hidden: int, group_size: int) -> int:
     return max([d for d in range(1, 17) if steps % d == 0 and (steps // d) % per_group == 0] or [1])
 
 
-def mma_fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
-    """The tensor-core forms' shapes: 16-word steps (each inside one group, whole groups a row), 8-row tiles of gate
-    and up, 16-row tiles of down, a warp a pair in down, x and act paired in 48 KB of shared memory."""
+def _mma_shapes(hidden: int, width: int, group_size: int) -> bool:
+    """16-word steps (each inside one group, whole groups a warp), 8-row tiles of gate and up, 16-row tiles of down."""
     words_in, words_w = hidden // 8, width // 8
     steps_per_warp = words_in // 16 // mma_ksplit(hidden, group_size) if words_in % 16 == 0 else 0
     return (hidden % 16 == 0 and width % 16 == 0 and words_in % 16 == 0 and words_w % 16 == 0
             and steps_per_warp * 16 % group_size == 0
-            and group_size % 16 == 0 and words_in % group_size == 0 and words_w % group_size == 0
-            and 1 <= top_k <= 32 and 16 * words_in <= 48 * 1024 and top_k * 16 * words_w <= 48 * 1024)  # fmt: skip
+            and group_size % 16 == 0 and words_in % group_size == 0 and words_w % group_size == 0)  # fmt: skip
+
+
+def mma_fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
+    """The tensor-core token forms' shapes (`_mma_shapes`), a warp a pair in down, x and act paired in 48 KB of
+    shared memory."""
+    words_in, words_w = hidden // 8, width // 8
+    return (_mma_shapes(hidden, width, group_size) and 1 <= top_k <= 32 and 16 * words_in <= 48 * 1024
+            and top_k * 16 * words_w <= 48 * 1024)  # fmt: skip
 
 
 def _fragment_maps():
@@ -613,8 +819,9 @@ def _scaled_pairs(words: torch.Tensor, j: int, scale_lo: torch.Tensor, scale_hi:
 
 def _mma_rows(lo_words, hi_words, lo_scales, hi_scales, values, step: int, words: int, group_size: int,
               c: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """`mma_step` for a batch of warps: lo/hi_words [..., 16 rows g, words] (rows g and g + 8 of each warp's tile),
-    their scales [..., 16 rows, groups], values [8 * words] (the B side, paired as `xp`), c [..., 32, 4]."""
+    """`mma_step` for a batch of warps: lo/hi_words [..., 8 rows g, words] (rows g and g + 8 of each warp's tile),
+    their scales [..., 8 rows, groups], values the B side: [8 * words] (one row for every column, paired as `xp`)
+    or [8 columns, 8 * words] (column g its own row: `RowPairs`), c [..., 32, 4]."""
     lane = torch.arange(LANES)
     g, t = lane // 4, lane % 4
     base = 16 * step
@@ -632,10 +839,16 @@ def _mma_rows(lo_words, hi_words, lo_scales, hi_scales, values, step: int, words
                 _scaled_pairs(lo_w[..., 2 * q + 1], j, *s_lo), _scaled_pairs(hi_w[..., 2 * q + 1], j, *s_hi),
             ], dim=-2)  # fmt: skip
             w = base + 4 * t + 2 * q  # [32]
-            pair = [torch.stack([values[j * words + v], values[(j + 4) * words + v]], -1) for v in (w, w + 1)]
+            pair = [torch.stack([_column(values, g, j * words + v), _column(values, g, (j + 4) * words + v)], -1)
+                    for v in (w, w + 1)]  # fmt: skip
             b = torch.stack(pair, -2)  # [32, register, half]
             c = _mma(a, b, c)
     return c
+
+
+def _column(values: torch.Tensor, g: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """The B values lane (g, t) reads at `inputs` [32]: one row for every column, or column g's own."""
+    return values[inputs] if values.dim() == 1 else values[g, inputs]
 
 
 def algorithm_mma(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed,
@@ -672,3 +885,71 @@ def algorithm_mma(x, expert_ids, expert_weights, gate_packed, gate_scale, up_pac
                           c)  # fmt: skip
         out = out + torch.cat([c[:, 0::4, 0], c[:, 0::4, 2]], dim=-1) * weights[p]
     return out.reshape(1, hidden).to(torch.bfloat16)
+
+
+def algorithm_mma_block(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed,
+                        down_scale, group_size: int, ksplit: int | None = None) -> torch.Tensor:  # fmt: skip
+    """`gate_up_mma_tokens`, `down_mma_tokens` and `sum_pairs` in torch, fragment by fragment (CPU), for T tokens:
+    the pairs sorted by expert, each chosen expert's tiles multiplied by up to 8 of its pairs at a time (the MMA's
+    columns, the last pair's row past its end), the C fragments' columns written to their pairs' rows."""
+    tokens, hidden = x.shape
+    width, top_k = gate_packed.shape[1], expert_ids.shape[-1]
+    words_in, words_w = hidden // 8, width // 8
+    ksplit = ksplit or mma_ksplit(hidden, group_size)
+    per_warp = words_in // 16 // ksplit
+    ids, weights = expert_ids.reshape(-1).long(), expert_weights.reshape(-1).float()
+    order = ids.argsort(stable=True)  # `kernel.route`'s order: by expert, then pair
+    token, counts = order // top_k, torch.bincount(ids, minlength=gate_packed.shape[0])
+    starts = counts.cumsum(0) - counts
+    xs = x.to(torch.bfloat16).float()
+    lane = torch.arange(LANES)
+    g, t = lane // 4, lane % 4
+    act = torch.zeros(ids.numel(), width)  # sorted order, bfloat16 values
+    tiles, row_tiles = width // 8, hidden // 16
+
+    def columns(first: int, count: int, m0: int) -> torch.Tensor:
+        return first + torch.clamp(m0 + torch.arange(8), max=count - 1)
+
+    chosen = [(int(e), int(starts[e]), int(counts[e])) for e in counts.nonzero().flatten()]
+    for e, first, count in chosen:
+        gate_w, up_w = gate_packed[e].reshape(tiles, 8, words_in), up_packed[e].reshape(tiles, 8, words_in)
+        gate_sc, up_sc = gate_scale[e].reshape(tiles, 8, -1), up_scale[e].reshape(tiles, 8, -1)
+        for m0 in range(0, count, 8):
+            values = xs[token[columns(first, count, m0)]]  # [8 columns, hidden]
+            sums = torch.zeros(tiles, 2, 8, 8)  # gate / up, row g, column
+            for warp in range(ksplit):  # the block's warps, then their sums in warp order
+                c = torch.zeros(tiles, LANES, 4)
+                for i in range(per_warp):
+                    c = _mma_rows(gate_w, up_w, gate_sc, up_sc, values, warp * per_warp + i, words_in, group_size, c)
+                part = torch.zeros(tiles, 2, 8, 8)
+                for r in range(4):  # c[r]: row g (gate) or g + 8 (up), column 2t + r % 2
+                    part[:, r // 2, g, 2 * t + r % 2] = c[:, :, r]
+                sums = sums + part
+            gate, up = sums[:, 0], sums[:, 1]  # [tile, row, column]
+            values = (gate / (1.0 + torch.exp(-gate)) * up).to(torch.bfloat16).float()
+            for n in range(min(8, count - m0)):
+                act[first + m0 + n] = values[:, :, n].reshape(width)
+    routed = torch.zeros(ids.numel(), hidden)
+    for e, first, count in chosen:
+        rows_w = down_packed[e].reshape(row_tiles, 2, 8, words_w)  # [tile, rows g / g + 8, g, words]
+        rows_s = down_scale[e].reshape(row_tiles, 2, 8, -1)
+        for m0 in range(0, count, 8):
+            values = act[columns(first, count, m0)]
+            c = torch.zeros(row_tiles, LANES, 4)
+            for step in range(words_w // 16):
+                c = _mma_rows(rows_w[:, 0], rows_w[:, 1], rows_s[:, 0], rows_s[:, 1], values, step, words_w,
+                              group_size, c)  # fmt: skip
+            for h in range(2):
+                for lane_t in range(4):
+                    n = m0 + 2 * lane_t + h
+                    if n >= count:
+                        continue
+                    source = int(order[first + n])
+                    lanes = lane[t == lane_t]  # g = 0 .. 7
+                    rows = torch.arange(row_tiles)[:, None] * 16 + g[lanes][None, :]
+                    routed[source, rows] = c[:, lanes, h] * weights[source]
+                    routed[source, rows + 8] = c[:, lanes, 2 + h] * weights[source]
+    out = torch.zeros(tokens, hidden)
+    for k in range(top_k):  # `sum_pairs`: the pairs in order
+        out = out + routed.view(tokens, top_k, hidden)[:, k]
+    return out.to(torch.bfloat16)
