@@ -231,7 +231,7 @@ if has long; then
 fi
 if has token; then
   {
-    python3 -m pytest -q -p no:cacheprovider tests/test_int4_moe.py -k "cuda_token or cuda_block" 2>&1 | tail -3
+    python3 -m pytest -q -p no:cacheprovider tests/test_int4_moe.py -k "cuda_token or cuda_block" --tb=short 2>&1 | tail -40
     python3 benchmarks/int4_token_probe.py "$OUT"
     python3 benchmarks/int4_moe_gpu.py "$OUT" --tokens 1,8,16,33 --repeats 5
   } > "$OUT/token.log" 2>&1; echo "token rc=$?"

@@ -463,8 +463,9 @@ def test_cuda_block_kernels_on_a_gpu():
         got = Int4MoEKernel()(*args, layout="rows").cpu()
         assert rel(got.float(), want) < 1e-2, (tokens, everyone)
         assert torch.equal(Int4MoEKernel()(*args, layout="rows").cpu(), got)
-        if tokens <= 8:  # the CPU algorithm is slow at Kimi's dimensions
-            assert torch.equal(token_cuda.algorithm_mma_block(x, ids, weights, *ready, group), got)
+        if tokens <= 8:  # the CPU algorithm is slow at Kimi's dimensions; the MMA's own order of its 16 products
+            want_algorithm = token_cuda.algorithm_mma_block(x, ids, weights, *ready, group, ksplit=28).float()
+            assert rel(got.float(), want_algorithm) < 1e-3, tokens
         for i in (0, tokens - 1):  # a token alone through the one-token tensor-core form
             out = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda")
             token_cuda.launch(x[i : i + 1].cuda(), ids[i].to(id_dtype).cuda(), weights[i].float().cuda(), *gpu, act,

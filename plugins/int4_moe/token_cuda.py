@@ -362,7 +362,7 @@ down_mma(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float
 // same words. Each column's sums are those `gate_up_mma` / `down_mma` make for its token alone, in the same order.
 
 // block: as `gate_up_mma` over rows tile * 8 .. + 7 of the slot's expert; act [sorted pairs, WIDTH]
-extern "C" __global__ void __launch_bounds__(32 * KSPLIT)
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT, BLOCK_MIN_BLOCKS)
 gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, const int* __restrict__ slot_expert,
                    const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
                    const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
@@ -547,7 +547,7 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "WORDS_IN": words_in, "WORDS_W": words_w, "CHUNKS": words_in // (4 * LANES), "LANES_PER_PAIR": per_pair,
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
         "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB, "SPLIT_MIN_BLOCKS": SPLIT_MIN_BLOCKS,
-        "KSPLIT": mma_ksplit(hidden, group_size),
+        "KSPLIT": mma_ksplit(hidden, group_size), "BLOCK_MIN_BLOCKS": 1,
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
@@ -644,11 +644,15 @@ def launch_block(x, order, token, start, count, slot_expert, weights, gate_packe
                  down_packed, down_scale, act, routed, out, group_size, **overrides) -> None:  # fmt: skip
     """The block form's three launches: gate/up into `act` [pairs, width] (sorted order), down into `routed`
     [T x k, hidden] float32, their sum into `out` [T, hidden]; the routing as `kernel.route` makes it. `overrides`:
-    KSPLIT (gate/up warps a block), WARPS (down warps a block)."""
+    KSPLIT (gate/up warps a block), BLOCK_MIN_BLOCKS (gate/up blocks an SM the compiler keeps registers for), WARPS
+    (down warps a block)."""
     tokens, hidden = x.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
     top_k = order.numel() // tokens
-    defines, compiled = kernels(x.device, hidden, width, group_size, top_k, torch.int32, BLOCK_KERNELS, **overrides)
+    # two 16-word steps a gate/up warp (Kimi K2.x: 28 warps, 72 registers a thread): measured faster than four
+    # (BENCHMARKS.md, section 8)
+    shape = {"KSPLIT": mma_ksplit(hidden, group_size, most=32), **overrides}
+    defines, compiled = kernels(x.device, hidden, width, group_size, top_k, torch.int32, BLOCK_KERNELS, **shape)
     compiled["gate_up_mma_tokens"](
         grid=(slots * (width // 8), 1, 1), block=(LANES * defines["KSPLIT"], 1, 1),
         args=[x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, act,
@@ -759,11 +763,12 @@ def algorithm(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed,
 # ---- the tensor-core forms (`gate_up_mma`, `down_mma`) ------------------------------------------------------------
 
 
-def mma_ksplit(hidden: int, group_size: int) -> int:
-    """Warps a `gate_up_mma` block splits its rows' 16-word steps over: the most, up to 16, that divide them into
-    whole groups a warp (Kimi K2.x: 56 steps of 2 a group, 14 warps of 4)."""
+def mma_ksplit(hidden: int, group_size: int, most: int = 16) -> int:
+    """Warps a `gate_up_mma` block splits its rows' 16-word steps over: the most, up to `most`, that divide them into
+    whole groups a warp (Kimi K2.x: 56 steps of 2 a group, 14 warps of 4; up to 32, `gate_up_mma_tokens`'s: 28 of
+    2)."""
     steps, per_group = hidden // 8 // 16, max(1, group_size // 16)
-    return max([d for d in range(1, 17) if steps % d == 0 and (steps // d) % per_group == 0] or [1])
+    return max([d for d in range(1, most + 1) if steps % d == 0 and (steps // d) % per_group == 0] or [1])
 
 
 def _mma_shapes(hidden: int, width: int, group_size: int) -> bool:
