@@ -10,7 +10,8 @@ Two weight layouts, the same packed bytes:
   tensor cores; no dequantized tile goes through shared memory. Launches: route; gate + up (program: slot, 64 rows,
   K split, as many splits as the experts chosen need: `_busy_splits`); act (the K splits' sums, silu(gate) * up in
   the model's dtype); down (slot, 256 rows).
-  For one bfloat16 token on a GPU, `token_cuda` (CUDA C compiled by NVRTC: `Tuning.token_kernel`), else (float32,
+  For one bfloat16 token on a GPU, `token_cuda` (CUDA C compiled by NVRTC: `Tuning.token_kernel`), and for 2 to
+  `Tuning.block_tokens` its block form (`Tuning.block_kernel`: the route launch, then CUDA C), else (float32,
   the interpreter) for one token (`Tuning.gemv_tokens`: a decode, whose experts are distinct) a CUDA-core form on the
   same words:
   gate + up (pair, 16 rows, K split; the last split to finish adds the splits and writes the act), down (token, 16

@@ -1,4 +1,5 @@
-"""One token's W4A16 MoE in CUDA C (a decode's routed experts), compiled at first use by NVRTC: two launches.
+"""W4A16 MoE in CUDA C compiled at first use by NVRTC: one token (a decode's routed experts, two launches) and a
+block of tokens (a draft block's, a verify's: `int4_moe_block`, below).
 
 A decode step's token chooses k distinct experts, so each chosen expert's packed words are read exactly once: a GEMV
 whose floor is the time to stream the bytes. Measured (`benchmarks/int4_token_probe.py`, BENCHMARKS.md section 8),
@@ -24,7 +25,12 @@ x bfloat16, routing weights float32, expert ids int32 or int64 (the router's, re
 "mma" (`launch(..., gate_form="mma")`): `gate_up_mma` and `down_mma`, the multiplies on tensor cores (mma.sync
 m16n8k16, bfloat16 fragments made from the words by one lop3 and two bfloat16 fmas a pair of weights, float32 sums),
 fewer instructions a weight than the split form (sm_90 SASS). Their computation is checked on the CPU fragment by
-fragment (`algorithm_mma`); not yet run on a GPU, so not the default.
+fragment (`algorithm_mma`); on one H100 they took as long as the split form, so it is not the default.
+
+A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_tokens` (a block
+a chosen expert's 8-row tile of gate and up, its words in registers, multiplied by up to 8 of the expert's tokens a
+pass: the MMA's columns), `down_mma_tokens` (16 rows a warp, into each pair's own float32 row) and `sum_pairs` (each
+token's k rows in a fixed order). `algorithm_mma_block` is that computation fragment by fragment in torch.
 
 `algorithm` is the split form's computation in torch, lane by lane (the same chunks, nibbles, groups and
 butterflies), so the kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py);
