@@ -123,7 +123,7 @@ def main(argv=None) -> int:
 
 def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: int) -> list[dict]:
     """The block form (`token_cuda.int4_moe_block`, the routing launch included) at T = 8 and 33, random routing,
-    with KSPLIT gate/up warps a block (BLOCK_MIN_BLOCKS blocks an SM) and WARPS down warps a block, beside the
+    with each gate/up form ("stream", "tiles"), KSPLIT gate/up warps a block and WARPS down warps a block, beside the
     Triton tensor-core form (`rows_triton`); each checked against the reference, then timed by CUDA-graph replay
     with the L2 left clean."""
     from dataclasses import replace
@@ -140,10 +140,11 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
                         GROUP)  # fmt: skip
         call = (x, ids, weights)
         forms = {"rows_triton": lambda c=call: int4_moe_cuda(*c, *ready, GROUP, tuning=triton, layout="rows")}
-        for ksplit, least, warps in ((28, 1, 8), (14, 1, 8), (14, 2, 8), (28, 1, 4), (28, 1, 16)):
-            shape = {"KSPLIT": ksplit, "BLOCK_MIN_BLOCKS": least, "WARPS": warps}
-            forms[f"block KSPLIT {ksplit} MIN {least} WARPS {warps}"] = lambda c=call, o=shape: (
-                token_cuda.int4_moe_block(c[0], route(c[1], experts)[:5], c[2], *ready, GROUP, **o)
+        for gate, ksplit, warps in (("stream", 28, 8), ("stream", 14, 8), ("tiles", 28, 8), ("tiles", 14, 8),
+                                    ("stream", 28, 4)):  # fmt: skip
+            shape = {"gate": gate, "KSPLIT": ksplit, "WARPS": warps}
+            forms[f"block {gate} KSPLIT {ksplit} WARPS {warps}"] = lambda c=call, o=shape: token_cuda.int4_moe_block(
+                c[0], route(c[1], experts)[:5], c[2], *ready, GROUP, **o
             )
         for name, fn in forms.items():
             got = fn().float()

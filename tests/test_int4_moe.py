@@ -445,8 +445,9 @@ def test_cuda_block_kernels_on_a_gpu():
     """The compiled block kernels (through `int4_moe_cuda`, as the rank runs them) at Kimi K2.x's per-rank TP-8
     dimensions against the reference and their algorithm, T in {2, 8, 33, 64}, random routing and one expert every
     token chooses (33 and 64 pairs of one expert: five and eight passes of 8 columns), int64 and int32 expert ids;
-    each token's output against the one-token tensor-core form's; the same bits twice."""
-    from plugins.int4_moe import token_cuda
+    both gate/up forms ("stream", "tiles"); each token's output against the one-token tensor-core form's; the same
+    bits twice."""
+    from plugins.int4_moe import kernel, token_cuda
     from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel
 
     assert DEFAULT_TUNING.block_kernel == "cuda" and DEFAULT_TUNING.block_tokens >= 64
@@ -463,9 +464,12 @@ def test_cuda_block_kernels_on_a_gpu():
         got = Int4MoEKernel()(*args, layout="rows").cpu()
         assert rel(got.float(), want) < 1e-2, (tokens, everyone)
         assert torch.equal(Int4MoEKernel()(*args, layout="rows").cpu(), got)
-        if tokens <= 8:  # the CPU algorithm is slow at Kimi's dimensions; the MMA's own order of its 16 products
+        if tokens == 2:  # the CPU algorithm is slow at Kimi's dimensions; the MMA's own order of its 16 products
             want_algorithm = token_cuda.algorithm_mma_block(x, ids, weights, *ready, group, ksplit=28).float()
             assert rel(got.float(), want_algorithm) < 1e-3, tokens
+        routing = kernel.route(ids.to(id_dtype).cuda(), experts)[:5]
+        tiles = token_cuda.int4_moe_block(x.cuda(), routing, weights.cuda(), *gpu, group, gate="tiles").cpu()
+        assert rel(tiles.float(), got.float()) < 1e-3, tokens  # the other gate/up form: the same sums
         for i in (0, tokens - 1):  # a token alone through the one-token tensor-core form
             out = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda")
             token_cuda.launch(x[i : i + 1].cuda(), ids[i].to(id_dtype).cuda(), weights[i].float().cuda(), *gpu, act,

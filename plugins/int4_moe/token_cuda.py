@@ -367,23 +367,17 @@ down_mma(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float
 // the MMA's 8 columns, column n = g reading its own pair's row (`RowPairs`); more pairs, another 8 columns over the
 // same words. Each column's sums are those `gate_up_mma` / `down_mma` make for its token alone, in the same order.
 
-// block: as `gate_up_mma` over rows tile * 8 .. + 7 of the slot's expert; act [sorted pairs, WIDTH]
-extern "C" __global__ void __launch_bounds__(32 * KSPLIT, BLOCK_MIN_BLOCKS)
-gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, const int* __restrict__ slot_expert,
-                   const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
-                   const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
-                   bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
-    __shared__ float part[KSPLIT][2][8][8];  // warp, gate / up, row g, column
+// the column passes of a gate/up tile (rows tile * 8 .. + 7 of gate and of up of one expert, this warp's steps in
+// registers): up to 8 of the expert's pairs a pass, the warps' sums added in warp order in `part`, silu(gate) * up in
+// bfloat16 into act [sorted pairs, WIDTH]. Every thread of the block calls it with the same pairs (two barriers a
+// pass).
+__device__ __forceinline__ void gate_up_columns(const uint4 (&gw)[STEPS_PER_WARP], const uint4 (&uw)[STEPS_PER_WARP],
+                                                const unsigned (&sg)[MMA_GROUPS][4],
+                                                const unsigned (&su)[MMA_GROUPS][4], const bf16* __restrict__ x,
+                                                const int* __restrict__ token, int first, int pairs, int tile,
+                                                float (*part)[2][8][8], bf16* __restrict__ act) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int slot = blockIdx.x / (WIDTH / 8), tile = blockIdx.x % (WIDTH / 8);
-    const int expert = slot_expert[slot];
-    if (expert < 0) return;  // a slot no expert filled (the grid holds as many as the pairs could choose)
-    const int first = start[expert], pairs = count[expert];
     const int step0 = warp * STEPS_PER_WARP;
-    uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
-    unsigned sg[MMA_GROUPS][4], su[MMA_GROUPS][4];
-    load_gate_up(gw, uw, sg, su, gate_p, gate_s, up_p, up_s, expert, tile * 8 + g, t, step0, p_stride_e, p_stride_r,
-                 s_stride_e, s_stride_r);
     for (int m0 = 0; m0 < pairs; m0 += 8) {
         const int column = min(m0 + g, pairs - 1);  // past the last pair: its row again, the sums not written
         const RowPairs<WORDS_IN> b{(const unsigned*)(x + (long long)token[first + column] * HIDDEN)};
@@ -410,6 +404,127 @@ gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, co
         }
         __syncthreads();
     }
+}
+
+// block: as `gate_up_mma` over rows tile * 8 .. + 7 of the slot's expert, a block a tile
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT, BLOCK_MIN_BLOCKS)
+gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, const int* __restrict__ slot_expert,
+                   const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
+                   const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
+                   bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r) {
+    __shared__ float part[KSPLIT][2][8][8];  // warp, gate / up, row g, column
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int slot = blockIdx.x / (WIDTH / 8), tile = blockIdx.x % (WIDTH / 8);
+    const int expert = slot_expert[slot];
+    if (expert < 0) return;  // a slot no expert filled (the grid holds as many as the pairs could choose)
+    uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
+    unsigned sg[MMA_GROUPS][4], su[MMA_GROUPS][4];
+    load_gate_up(gw, uw, sg, su, gate_p, gate_s, up_p, up_s, expert, tile * 8 + g, t, warp * STEPS_PER_WARP,
+                 p_stride_e, p_stride_r, s_stride_e, s_stride_r);
+    gate_up_columns(gw, uw, sg, su, x, token, start[expert], count[expert], tile, part, act);
+}
+
+// ---- the same tiles streamed: a persistent block takes tiles task, task + gridDim.x, ... (slot-major), and copies
+// the next tile's words and scales into shared memory (cp.async) while it multiplies the current one
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
+                 :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem));
+}
+
+// a row's scale values a warp reads: MMA_GROUPS groups x 4 nibble pairs x (J, J + 4) x (gate, up)
+#define ROW_SCALES (16 * MMA_GROUPS)
+#define STAGE_WORDS (KSPLIT * STEPS_PER_WARP * 2 * 32)  // uint4s a stage: warp, step, gate / up, lane
+#define STAGE_SCALES (KSPLIT * 8 * ROW_SCALES)            // 4-byte words a stage: warp, row g, value
+
+// scale value v of row g (gate then up; group k, pair j, J or J + 4) -> its index in the row's scales
+__device__ __forceinline__ long long scale_index(int v, long long s_off, int step0) {
+    const int rem = v % (8 * MMA_GROUPS), k = rem / 8, j = rem % 4, far = (rem % 8) / 4;
+    return s_off + j * (WORDS_IN / GROUP) + (16 * step0) / GROUP + k + far * (4 * WORDS_IN / GROUP);
+}
+
+// issue the copies of one tile into a stage: each lane its own words; lanes t of a row's quad that row's scales, as
+// the 4-byte words that hold them (the scales' rows and experts start at even indices: `launch_block` checks)
+__device__ __forceinline__ void stage_tile(uint4* words, unsigned* scales, const uint4* __restrict__ gate_p,
+                                           const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p,
+                                           const bf16* __restrict__ up_s, long long e, int row, int p_stride_e,
+                                           int p_stride_r, int s_stride_e, int s_stride_r) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int step0 = warp * STEPS_PER_WARP;
+    const long long p_off = (e * p_stride_e + (long long)row * p_stride_r) / 4 + t;
+#pragma unroll
+    for (int i = 0; i < STEPS_PER_WARP; ++i) {
+        uint4* at = words + ((warp * STEPS_PER_WARP + i) * 2) * 32 + lane;
+        cp_async16(at, gate_p + p_off + 4 * (step0 + i));
+        cp_async16(at + 32, up_p + p_off + 4 * (step0 + i));
+    }
+    const long long s_off = e * s_stride_e + (long long)row * s_stride_r;
+    unsigned* mine = scales + (warp * 8 + g) * ROW_SCALES;
+#pragma unroll
+    for (int v = t; v < ROW_SCALES; v += 4) {
+        const bf16* base = v < 8 * MMA_GROUPS ? gate_s : up_s;
+        cp_async4(mine + v, base + (scale_index(v, s_off, step0) & ~1LL));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT, 1)
+gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, const int* __restrict__ slot_expert,
+                   const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
+                   const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
+                   bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r,
+                   int slots) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4* words = (uint4*)smem;                            // [2 stages][STAGE_WORDS]
+    unsigned* scales = (unsigned*)(words + 2 * STAGE_WORDS);  // [2 stages][STAGE_SCALES]
+    float (*part)[2][8][8] = (float (*)[2][8][8])(scales + 2 * STAGE_SCALES);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    constexpr int TILES = WIDTH / 8;
+    const int tasks = slots * TILES, step0 = warp * STEPS_PER_WARP;
+    int task = blockIdx.x;
+    int expert = task < tasks ? slot_expert[task / TILES] : -1;  // the chosen experts fill the first slots
+    if (expert < 0) return;
+    stage_tile(words, scales, gate_p, gate_s, up_p, up_s, expert, (task % TILES) * 8 + g, p_stride_e, p_stride_r,
+               s_stride_e, s_stride_r);
+    asm volatile("cp.async.commit_group;\n" ::);
+    for (int stage = 0;; stage ^= 1) {
+        const int next = task + gridDim.x;
+        const int next_expert = next < tasks ? slot_expert[next / TILES] : -1;
+        if (next_expert >= 0)
+            stage_tile(words + (stage ^ 1) * STAGE_WORDS, scales + (stage ^ 1) * STAGE_SCALES, gate_p, gate_s, up_p,
+                       up_s, next_expert, (next % TILES) * 8 + g, p_stride_e, p_stride_r, s_stride_e, s_stride_r);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);  // this stage's copies landed (the next tile's may not have)
+        __syncwarp();                                   // and the quad's scales are seen by every lane of the row
+        uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
+        const uint4* mine = words + stage * STAGE_WORDS + (warp * STEPS_PER_WARP * 2) * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < STEPS_PER_WARP; ++i) {
+            gw[i] = mine[(2 * i) * 32];
+            uw[i] = mine[(2 * i + 1) * 32];
+        }
+        const unsigned* row_scales = scales + stage * STAGE_SCALES + (warp * 8 + g) * ROW_SCALES;
+        const long long s_off = (long long)expert * s_stride_e + (long long)((task % TILES) * 8 + g) * s_stride_r;
+        unsigned sg[MMA_GROUPS][4], su[MMA_GROUPS][4];
+#pragma unroll
+        for (int k = 0; k < MMA_GROUPS; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int v = 8 * k + j;  // J; J + 4 at v + 4; up 8 * MMA_GROUPS on
+                const unsigned at_lo = (unsigned)scale_index(v, s_off, step0) & 1u;
+                const unsigned at_hi = (unsigned)scale_index(v + 4, s_off, step0) & 1u;
+                sg[k][j] = ((row_scales[v] >> (16 * at_lo)) & 0xFFFFu) | ((row_scales[v + 4] >> (16 * at_hi)) << 16);
+                const int u = v + 8 * MMA_GROUPS;
+                su[k][j] = ((row_scales[u] >> (16 * at_lo)) & 0xFFFFu) | ((row_scales[u + 4] >> (16 * at_hi)) << 16);
+            }
+        gate_up_columns(gw, uw, sg, su, x, token, start[expert], count[expert], task % TILES, part, act);
+        if (next_expert < 0) break;
+        task = next;
+        expert = next_expert;
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
 }
 
 // block: WARPS warps of 16 output rows each (as a `down_mma` warp) of the slot's expert, every one of its pairs'
@@ -566,7 +681,10 @@ GATE_FORM = "split"
 
 
 TOKEN_KERNELS = ("gate_up_split", "down", "gate_up_mma", "down_mma")  # one token's forms
-BLOCK_KERNELS = ("gate_up_mma_tokens", "down_mma_tokens", "sum_pairs")  # a block of tokens
+BLOCK_KERNELS = ("gate_up_mma_tokens", "gate_up_mma_stream", "down_mma_tokens", "sum_pairs")  # a block of tokens
+# a block's gate/up: "stream" (`gate_up_mma_stream`: persistent blocks, the next tile copied in while the current one
+# is multiplied) or "tiles" (`gate_up_mma_tokens`: a block a tile, its words loaded into registers)
+BLOCK_GATE = "stream"
 
 
 def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
@@ -647,11 +765,12 @@ def block_fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
 
 
 def launch_block(x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed, up_scale,
-                 down_packed, down_scale, act, routed, out, group_size, **overrides) -> None:  # fmt: skip
+                 down_packed, down_scale, act, routed, out, group_size, gate: str = BLOCK_GATE,
+                 **overrides) -> None:  # fmt: skip
     """The block form's three launches: gate/up into `act` [pairs, width] (sorted order), down into `routed`
     [T x k, hidden] float32, their sum into `out` [T, hidden]; the routing as `kernel.route` makes it. `overrides`:
-    KSPLIT (gate/up warps a block), BLOCK_MIN_BLOCKS (gate/up blocks an SM the compiler keeps registers for), WARPS
-    (down warps a block)."""
+    KSPLIT (gate/up warps a block), BLOCK_MIN_BLOCKS (gate/up blocks an SM the compiler keeps registers for, "tiles"),
+    WARPS (down warps a block); `gate`: `BLOCK_GATE`'s forms ("stream" where `_stream_fits`, else "tiles")."""
     tokens, hidden = x.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
     top_k = order.numel() // tokens
@@ -659,11 +778,18 @@ def launch_block(x, order, token, start, count, slot_expert, weights, gate_packe
     # (BENCHMARKS.md, section 8)
     shape = {"KSPLIT": mma_ksplit(hidden, group_size, most=32), **overrides}
     defines, compiled = kernels(x.device, hidden, width, group_size, top_k, torch.int32, BLOCK_KERNELS, **shape)
-    compiled["gate_up_mma_tokens"](
-        grid=(slots * (width // 8), 1, 1), block=(LANES * defines["KSPLIT"], 1, 1),
-        args=[x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, act,
-              gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)],
-    )  # fmt: skip
+    gate_args = [x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, act,
+                 gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
+    tasks, threads = slots * (width // 8), LANES * defines["KSPLIT"]
+    if gate == "stream" and _stream_fits(gate_scale, up_scale):
+        kernel, smem = compiled["gate_up_mma_stream"], _stream_bytes(defines)
+        _allow_shared_memory(kernel, smem)
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, slots], shared_mem=smem)
+    elif gate in ("stream", "tiles"):
+        compiled["gate_up_mma_tokens"](grid=(tasks, 1, 1), block=(threads, 1, 1), args=gate_args)
+    else:
+        raise ValueError(f"gate: expected 'stream' or 'tiles', got {gate!r}")
     tiles = -(-hidden // (16 * defines["WARPS"]))
     compiled["down_mma_tokens"](
         grid=(slots * tiles, 1, 1), block=(LANES * defines["WARPS"], 1, 1),
@@ -674,8 +800,38 @@ def launch_block(x, order, token, start, count, slot_expert, weights, gate_packe
     compiled["sum_pairs"](grid=(-(-elements // 256), 1, 1), block=(256, 1, 1), args=[routed, out, elements])
 
 
+def _allow_shared_memory(kernel, size: int) -> None:
+    """Let `kernel` launch with `size` bytes of dynamic shared memory (past 48 KB it must opt in)."""
+    if getattr(kernel, "_max_shared_mem_bytes", 0) >= size:
+        return
+    if hasattr(kernel, "set_shared_memory_config"):
+        kernel.set_shared_memory_config(size)
+        return
+    import ctypes
+
+    driver = torch.cuda._utils._get_gpu_runtime_library()
+    max_dynamic_shared_size_bytes = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if driver.cuFuncSetAttribute(kernel.func, max_dynamic_shared_size_bytes, ctypes.c_int(size)) != 0:
+        raise RuntimeError(f"could not allow {size} bytes of shared memory for a block")
+
+
+def _stream_bytes(defines: dict) -> int:
+    """`gate_up_mma_stream`'s shared memory: two stages of words (16 bytes a lane a step, gate and up) and of scale
+    words (4 bytes a value, 16 values a row a group), and the warps' column sums."""
+    ksplit = defines["KSPLIT"]
+    steps = defines["WORDS_IN"] // 16 // ksplit
+    groups = -(-steps // max(1, defines["GROUP"] // 16))
+    return 2 * ksplit * steps * 2 * LANES * 16 + 2 * ksplit * 8 * 16 * groups * 4 + ksplit * 2 * 8 * 8 * 4
+
+
+def _stream_fits(*scales: torch.Tensor) -> bool:
+    """`gate_up_mma_stream` copies a scale as the 4-byte word that holds it: every expert's and row's scales start
+    at an even index of a 4-byte aligned tensor."""
+    return all(t.data_ptr() % 4 == 0 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0 for t in scales)
+
+
 def int4_moe_block(x, routing, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-                   group_size: int, **overrides) -> torch.Tensor:  # fmt: skip
+                   group_size: int, gate: str = BLOCK_GATE, **overrides) -> torch.Tensor:  # fmt: skip
     """`reference.int4_moe` for T bfloat16 tokens on a CUDA device, the words in the "rows" layout, `routing` the
     (order, token, start, count, slot -> expert) of `kernel.route`: [T, hidden]. `overrides`: `launch_block`'s."""
     order, token, start, count, slot_expert = routing
@@ -693,7 +849,7 @@ def int4_moe_block(x, routing, expert_weights, gate_packed, gate_scale, up_packe
     out = torch.empty_like(x)
     launch_block(x.contiguous(), order.contiguous(), token.contiguous(), start, count, slot_expert.contiguous(),
                  weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, routed, out,
-                 group_size, **overrides)  # fmt: skip
+                 group_size, gate, **overrides)  # fmt: skip
     return out
 
 
