@@ -27,10 +27,12 @@ m16n8k16, bfloat16 fragments made from the words by one lop3 and two bfloat16 fm
 fewer instructions a weight than the split form (sm_90 SASS). Their computation is checked on the CPU fragment by
 fragment (`algorithm_mma`); on one H100 they took as long as the split form, so it is not the default.
 
-A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_tokens` (a block
-a chosen expert's 8-row tile of gate and up, its words in registers, multiplied by up to 8 of the expert's tokens a
-pass: the MMA's columns), `down_mma_tokens` (16 rows a warp, into each pair's own float32 row) and `sum_pairs` (each
-token's k rows in a fixed order). `algorithm_mma_block` is that computation fragment by fragment in torch.
+A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_stream` (persistent
+blocks take the chosen experts' 8-row tiles of gate and up in turn, the next tile's words and scales copied into shared
+memory by cp.async while the current one is multiplied by up to 8 of its expert's tokens a pass: the MMA's columns;
+`gate_up_mma_tokens` is the same a block a tile), `down_mma_tokens` (16 rows a warp, into each pair's own float32
+row) and `sum_pairs` (each token's k rows in a fixed order). `algorithm_mma_block` is that computation fragment by
+fragment in torch.
 
 `algorithm` is the split form's computation in torch, lane by lane (the same chunks, nibbles, groups and
 butterflies), so the kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py);
@@ -774,8 +776,8 @@ def launch_block(x, order, token, start, count, slot_expert, weights, gate_packe
     tokens, hidden = x.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
     top_k = order.numel() // tokens
-    # two 16-word steps a gate/up warp (Kimi K2.x: 28 warps, 72 registers a thread): measured faster than four
-    # (BENCHMARKS.md, section 8)
+    # two 16-word steps a gate/up warp (Kimi K2.x: 28 warps, 72 registers a thread): measured faster than four, in
+    # both gate/up forms (BENCHMARKS.md, section 8)
     shape = {"KSPLIT": mma_ksplit(hidden, group_size, most=32), **overrides}
     defines, compiled = kernels(x.device, hidden, width, group_size, top_k, torch.int32, BLOCK_KERNELS, **shape)
     gate_args = [x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, act,
