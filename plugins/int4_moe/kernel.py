@@ -83,8 +83,9 @@ class Tuning:
     # of a row issued before its first multiply) or "triton" (the CUDA-core form above)
     token_kernel: str = "cuda"
     # 2 to `block_tokens` bfloat16 tokens in the rows layout (a draft block, a verify): "cuda" (`token_cuda`'s block
-    # form: each chosen expert's words loaded once into registers and multiplied by up to 8 of its tokens at a time on
-    # tensor cores) or "triton" (the tensor-core form above)
+    # form: each chosen expert's words streamed through shared memory once and multiplied by up to 8 of its tokens a
+    # pass on tensor cores) or "triton" (the tensor-core form above). Measured faster at 8 to 33 tokens (BENCHMARKS.md,
+    # section 8); 64 is checked on a GPU, not timed; longer blocks (prefill chunks) keep the Triton form
     block_kernel: str = "cuda"
     block_tokens: int = 64
 
