@@ -3,6 +3,7 @@ drafter forward and the device loop's tree build and walk, each captured in a CU
 with the GPU's idle time between consecutive kernels (by the pair of kernels it falls between) and the replay time.
 
     PYTHONPATH=. python3 benchmarks/profile_forward.py OUT_DIR [--model kimi-rank|kimi-rank-int4|moe|dense] [--smoke]
+        [--targets 1,8,33]    (the target forwards' token counts, in that order)
         [--draft-attention]   (also: the drafter with each form of its attention)
         [--steps]             (also: the device loop's step graphs and one request each, GPU only)
         [--draft-capacities]  (also: the drafter against its cache's capacity, same length)
@@ -145,6 +146,7 @@ def main(argv=None) -> int:
                         "with only the MoE's branch on the side stream (GPU)")  # fmt: skip
     parser.add_argument("--compare-int4-kernels", action="store_true", help="each target forward with each form "
                         "of the INT4 experts' kernel it takes (kimi-rank-int4, GPU)")  # fmt: skip
+    parser.add_argument("--targets", default="1,8,33", help="the target forwards' token counts, in order")
     parser.add_argument("--cache-length", type=int, default=256, help="cached rows the target forwards attend to "
                         "(random latent rows; the capacity holds them): long context's share of attention")  # fmt: skip
     add_setup_args(parser)
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
     results = {"model": args.model, "layers": target_cfg.num_hidden_layers, **environment(smoke), "forwards": {},
                "ranks": generator.rank_description}  # fmt: skip
     calls = {}
-    for tokens in (1, 8, 33):
+    for tokens in [int(t) for t in args.targets.split(",")]:
         ids = torch.randint(0, shard - 2, (tokens,), device=device)
         mask = tree_mask(tokens, device)
         positions = length + mask.sum(-1) - 1
