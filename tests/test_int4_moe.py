@@ -440,6 +440,26 @@ def test_cuda_block_algorithm_matches_reference():
     assert rel(token_cuda.algorithm_mma_block(x, ids, weights, *tensors, group).float(), want) > 0.5
 
 
+def test_cuda_block_kernels_reject_what_they_cannot_take():
+    """The block form's entry names what it was given and what it takes (checked before any launch): float32 tokens,
+    a group that splits a 16-word step, routing not in `kernel.route`'s dtypes."""
+    from plugins.int4_moe import token_cuda
+    from plugins.int4_moe.kernel import _route_torch
+
+    hidden, width, group, k = 1024, 256, 32, 4
+    tensors, ready = bf16_experts(8, hidden, width, group)
+    ids, weights = random_routing(3, 8, k, seed=1)
+    routing = _route_torch(ids, 8)[:5]
+    x = torch.randn(3, hidden)
+    with pytest.raises(ValueError, match="bfloat16 tokens.*torch.float32"):
+        token_cuda.int4_moe_block(x, routing, weights, *ready, group)
+    with pytest.raises(ValueError, match="group 8"):
+        token_cuda.int4_moe_block(x.to(torch.bfloat16), routing, weights, *ready, 8)
+    wrong = (routing[0].int(), *routing[1:])
+    with pytest.raises(ValueError, match="int64 order"):
+        token_cuda.int4_moe_block(x.to(torch.bfloat16), wrong, weights, *ready, group)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NVRTC compiles the kernels)")
 def test_cuda_block_kernels_on_a_gpu():
     """The compiled block kernels (through `int4_moe_cuda`, as the rank runs them) at Kimi K2.x's per-rank TP-8
