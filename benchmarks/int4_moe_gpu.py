@@ -136,6 +136,11 @@ def dequantize_then_grouped(x, ids, weights, tensors):
     return _grouped_mlp(x, ids, weights, order, offsets, dense)
 
 
+def triton_tensor_cores(tuning: Tuning) -> Tuning:
+    """`tuning` with the rows layout's Triton tensor-core form at every T (no CUDA C form, no CUDA-core form)."""
+    return replace(tuning, gemv_tokens=0, token_kernel="triton", block_kernel="triton")
+
+
 def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smoke: bool, repeats: int,
                tuning: Tuning, ready, layout: str) -> dict:  # fmt: skip
     """Median time of each form (microseconds). int4_kernel_us: the experts as the rank factory runs them (`ready`
@@ -161,7 +166,7 @@ def time_forms(x, gx, ids, weights, tensors, shared, router, dense, device, smok
         forms["token_triton_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=triton_token,
                                                          layout=layout)  # fmt: skip
     if layout == "rows":
-        tensor_cores = replace(tuning, gemv_tokens=0, token_kernel="triton", block_kernel="triton")
+        tensor_cores = triton_tensor_cores(tuning)
         forms["rows_tensor_cores_us"] = lambda: int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=tensor_cores,
                                                               layout=layout)  # fmt: skip
     return {
@@ -275,8 +280,8 @@ def main(argv=None) -> int:
                                      layout=layout).float()  # fmt: skip
                 error = max(error, float((fast - want).norm() / want.norm()))
             if layout == "rows":  # the Triton tensor-core form too, where a CUDA C or CUDA-core one ran above
-                triton_cores = replace(tuning, gemv_tokens=0, token_kernel="triton", block_kernel="triton")
-                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=triton_cores, layout=layout).float()
+                fast = int4_moe_cuda(x, ids, weights, *ready, GROUP, tuning=triton_tensor_cores(tuning),
+                                     layout=layout).float()  # fmt: skip
                 error = max(error, float((fast - want).norm() / want.norm()))
             if error > 1e-2:
                 raise RuntimeError(f"{kind} T={tokens}: kernel relative error {error:.2e} > 1e-2")

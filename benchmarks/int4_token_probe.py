@@ -126,12 +126,11 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
     with each gate/up form ("stream", "tiles"), KSPLIT gate/up warps a block and WARPS down warps a block, beside the
     Triton tensor-core form (`rows_triton`); each checked against the reference, then timed by CUDA-graph replay
     with the L2 left clean."""
-    from dataclasses import replace
-
+    from benchmarks.int4_moe_gpu import triton_tensor_cores
     from plugins.int4_moe.kernel import DEFAULT_TUNING, int4_moe_cuda, route
 
     rows = []
-    triton = replace(DEFAULT_TUNING, gemv_tokens=0, token_kernel="triton", block_kernel="triton")
+    triton = triton_tensor_cores(DEFAULT_TUNING)
     for tokens in (8, 33):
         ids, weights = routing("random", tokens, experts, k, gen)
         ids, weights = ids.to(device), weights.to(device)
