@@ -409,7 +409,7 @@ __device__ __forceinline__ void gate_up_columns(const uint4 (&gw)[STEPS_PER_WARP
 }
 
 // block: as `gate_up_mma` over rows tile * 8 .. + 7 of the slot's expert, a block a tile
-extern "C" __global__ void __launch_bounds__(32 * KSPLIT, BLOCK_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT, 1)
 gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, const int* __restrict__ slot_expert,
                    const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
                    const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
@@ -670,7 +670,7 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "WORDS_IN": words_in, "WORDS_W": words_w, "CHUNKS": words_in // (4 * LANES), "LANES_PER_PAIR": per_pair,
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
         "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB, "SPLIT_MIN_BLOCKS": SPLIT_MIN_BLOCKS,
-        "KSPLIT": mma_ksplit(hidden, group_size), "BLOCK_MIN_BLOCKS": 1,
+        "KSPLIT": mma_ksplit(hidden, group_size),
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
@@ -771,8 +771,8 @@ def launch_block(x, order, token, start, count, slot_expert, weights, gate_packe
                  **overrides) -> None:  # fmt: skip
     """The block form's three launches: gate/up into `act` [pairs, width] (sorted order), down into `routed`
     [T x k, hidden] float32, their sum into `out` [T, hidden]; the routing as `kernel.route` makes it. `overrides`:
-    KSPLIT (gate/up warps a block), BLOCK_MIN_BLOCKS (gate/up blocks an SM the compiler keeps registers for, "tiles"),
-    WARPS (down warps a block); `gate`: `BLOCK_GATE`'s forms ("stream" where `_stream_fits`, else "tiles")."""
+    KSPLIT (gate/up warps a block), WARPS (down warps a block); `gate`: `BLOCK_GATE`'s forms ("stream" where
+    `_stream_fits`, else "tiles")."""
     tokens, hidden = x.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
     top_k = order.numel() // tokens
@@ -815,6 +815,7 @@ def _allow_shared_memory(kernel, size: int) -> None:
     max_dynamic_shared_size_bytes = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
     if driver.cuFuncSetAttribute(kernel.func, max_dynamic_shared_size_bytes, ctypes.c_int(size)) != 0:
         raise RuntimeError(f"could not allow {size} bytes of shared memory for a block")
+    kernel._max_shared_mem_bytes = size  # allowed once: later launches skip the driver call
 
 
 def _stream_bytes(defines: dict) -> int:
