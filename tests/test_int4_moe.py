@@ -485,7 +485,8 @@ def test_cuda_block_kernels_on_a_gpu():
         assert rel(got.float(), want) < 1e-2, (tokens, everyone)
         assert torch.equal(Int4MoEKernel()(*args, layout="rows").cpu(), got)
         if tokens == 2:  # the CPU algorithm is slow at Kimi's dimensions; the MMA's own order of its 16 products
-            want_algorithm = token_cuda.algorithm_mma_block(x, ids, weights, *ready, group, ksplit=28).float()
+            ksplit = token_cuda.mma_ksplit(hidden, group, most=32)  # the block form's gate/up warps
+            want_algorithm = token_cuda.algorithm_mma_block(x, ids, weights, *ready, group, ksplit=ksplit).float()
             assert rel(got.float(), want_algorithm) < 1e-3, tokens
         routing = kernel.route(ids.to(id_dtype).cuda(), experts)[:5]
         tiles = token_cuda.int4_moe_block(x.cuda(), routing, weights.cuda(), *gpu, group, gate="tiles").cpu()
