@@ -36,6 +36,17 @@ from plugins.int4_moe.kernel import Int4MoEKernel  # noqa: E402
 from plugins.int4_moe.reference import int4_moe  # noqa: E402
 
 VARIANTS = 8
+# the block form's launch shapes timed: (gate/up form, down form, constants); the first is the forms before streaming
+BLOCK_SHAPES = (
+    ("tiles", "tiles", {}),
+    ("stream", "tiles", {}),
+    ("stream", "stream", {}),
+    ("stream", "stream", {"STAGES": 3}),
+    ("stream", "stream", {"DSTAGES": 6, "DBLOCKS": 2}),
+    ("stream", "stream", {"DSTAGES": 3, "DBLOCKS": 4}),
+    ("stream", "stream", {"DWARPS": 4, "DSTAGES": 8, "DBLOCKS": 4}),
+    ("stream", "stream", {"DWARPS": 16, "DSTAGES": 4, "DBLOCKS": 1}),
+)
 
 
 def attributes(kernel) -> dict:
@@ -123,9 +134,9 @@ def main(argv=None) -> int:
 
 def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: int) -> list[dict]:
     """The block form (`token_cuda.int4_moe_block`, the routing launch included) at T = 8 and 33, random routing,
-    with each gate/up form ("stream", "tiles"), KSPLIT gate/up warps a block and WARPS down warps a block, beside the
-    Triton tensor-core form (`rows_triton`); each checked against the reference, then timed by CUDA-graph replay
-    with the L2 left clean."""
+    at each of `BLOCK_SHAPES` (the gate/up and down forms, their stages and warps) beside the Triton tensor-core form
+    (`rows_triton`); each checked against the reference, then timed by CUDA-graph replay with the L2 left clean, and
+    each of its kernels by the profiler."""
     from benchmarks.int4_moe_gpu import triton_tensor_cores
     from plugins.int4_moe.kernel import DEFAULT_TUNING, int4_moe_cuda, route
 
@@ -139,12 +150,11 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
                         GROUP)  # fmt: skip
         call = (x, ids, weights)
         forms = {"rows_triton": lambda c=call: int4_moe_cuda(*c, *ready, GROUP, tuning=triton, layout="rows")}
-        for gate, ksplit, warps in (("stream", 28, 8), ("stream", 14, 8), ("tiles", 28, 8), ("tiles", 14, 8),
-                                    ("stream", 28, 4)):  # fmt: skip
-            shape = {"gate": gate, "KSPLIT": ksplit, "WARPS": warps}
-            forms[f"block {gate} KSPLIT {ksplit} WARPS {warps}"] = lambda c=call, o=shape: token_cuda.int4_moe_block(
-                c[0], route(c[1], experts)[:5], c[2], *ready, GROUP, **o
-            )
+        for gate, down, shape in BLOCK_SHAPES:
+            o = {"gate": gate, "down": down, **shape}
+            name = f"block gate {gate} down {down}" + "".join(f" {k} {v}" for k, v in shape.items())
+            forms[name] = lambda c=call, o=o: token_cuda.int4_moe_block(c[0], route(c[1], experts), c[2], *ready,
+                                                                        GROUP, **o)  # fmt: skip
         for name, fn in forms.items():
             got = fn().float()
             row = {"tokens": tokens, "form": name, "distinct_experts": int(ids.unique().numel()),
@@ -152,11 +162,35 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
             if row["relative_error"] < 1e-2:
                 row["graph_us"] = statistics.median(graph_time_us(fn, device, False, flush="read")
                                                     for _ in range(repeats))  # fmt: skip
+                row["kernels_us"] = kernel_times_us(fn)
             else:
                 row["wrong"] = True
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def kernel_times_us(fn, calls: int = 20) -> dict:
+    """{kernel name: median over `calls` of its GPU time a call (the profiler's durations, summed a call)}, the L2
+    left clean before each call."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    buffer = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            buffer.max()
+            torch.cuda._sleep(20000)
+            fn()
+        torch.cuda.synchronize()
+    times = defaultdict(list)
+    for e in prof.events():
+        if e.device_time > 0 and "max" not in e.name and "sleep" not in e.name.lower():
+            times[e.name[:40]].append(e.device_time)
+    return {name: statistics.median(t) * len(t) / calls for name, t in times.items()}
 
 
 def kernel_time_us(fn, calls: int = 20) -> float:

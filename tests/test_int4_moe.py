@@ -449,7 +449,7 @@ def test_cuda_block_kernels_reject_what_they_cannot_take():
     hidden, width, group, k = 1024, 256, 32, 4
     tensors, ready = bf16_experts(8, hidden, width, group)
     ids, weights = random_routing(3, 8, k, seed=1)
-    routing = _route_torch(ids, 8)[:5]
+    routing = _route_torch(ids, 8)
     x = torch.randn(3, hidden)
     with pytest.raises(ValueError, match="bfloat16 tokens.*torch.float32"):
         token_cuda.int4_moe_block(x, routing, weights, *ready, group)
@@ -465,8 +465,8 @@ def test_cuda_block_kernels_on_a_gpu():
     """The compiled block kernels (through `int4_moe_cuda`, as the rank runs them) at Kimi K2.x's per-rank TP-8
     dimensions against the reference and their algorithm, T in {2, 8, 33, 64}, random routing and one expert every
     token chooses (33 and 64 pairs of one expert: five and eight passes of 8 columns), int64 and int32 expert ids;
-    both gate/up forms ("stream", "tiles"); each token's output against the one-token tensor-core form's; the same
-    bits twice."""
+    both gate/up and both down forms ("stream", "tiles"; the streamed ones at other stage counts and a warp a block);
+    each token's output against the one-token tensor-core form's; the same bits twice."""
     from plugins.int4_moe import kernel, token_cuda
     from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel
 
@@ -488,9 +488,12 @@ def test_cuda_block_kernels_on_a_gpu():
             ksplit = token_cuda.mma_ksplit(hidden, group, most=32)  # the block form's gate/up warps
             want_algorithm = token_cuda.algorithm_mma_block(x, ids, weights, *ready, group, ksplit=ksplit).float()
             assert rel(got.float(), want_algorithm) < 1e-3, tokens
-        routing = kernel.route(ids.to(id_dtype).cuda(), experts)[:5]
-        tiles = token_cuda.int4_moe_block(x.cuda(), routing, weights.cuda(), *gpu, group, gate="tiles").cpu()
-        assert rel(tiles.float(), got.float()) < 1e-3, tokens  # the other gate/up form: the same sums
+        routing = kernel.route(ids.to(id_dtype).cuda(), experts)
+        for gate, down, shape in (("tiles", "tiles", {}), ("stream", "stream", {"STAGES": 3, "DSTAGES": 2}),
+                                  ("stream", "stream", {"DWARPS": 1, "DBLOCKS": 1})):  # fmt: skip
+            other = token_cuda.int4_moe_block(x.cuda(), routing, weights.cuda(), *gpu, group, gate=gate, down=down,
+                                              **shape).cpu()  # fmt: skip
+            assert rel(other.float(), got.float()) < 1e-3, (tokens, gate, shape)  # the other forms: the same sums
         for i in (0, tokens - 1):  # a token alone through the one-token tensor-core form
             out = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda")
             token_cuda.launch(x[i : i + 1].cuda(), ids[i].to(id_dtype).cuda(), weights[i].float().cuda(), *gpu, act,

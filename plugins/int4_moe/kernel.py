@@ -879,7 +879,7 @@ def int4_moe_cuda(
         block = layout == "rows" and 1 < tokens <= tuning.block_tokens and tuning.block_kernel == "cuda"
         if (block and expert_ids.numel() <= ROUTE_MAX_PAIRS and _cuda_c_fits(x, gate_scale, down_scale)
                 and token_cuda.block_fits(hidden, width, group_size, expert_ids.shape[-1])):  # fmt: skip
-            routing = route(expert_ids, experts)[:5]
+            routing = route(expert_ids, experts)
             result = token_cuda.int4_moe_block(x, routing, expert_weights, gate_packed, gate_scale, up_packed,
                                                up_scale, down_packed, down_scale, group_size)  # fmt: skip
             return result if out is None else out.copy_(result)

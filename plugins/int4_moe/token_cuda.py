@@ -49,6 +49,10 @@ WARPS = 8  # warps a block, both kernels
 DOWN_ROWS = 4  # output rows a down warp computes
 RPB = 4  # gate/up row pairs a `gate_up_split` block computes
 SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps registers for (128 a thread)
+STAGES = 2  # `gate_up_mma_stream`: tiles in shared memory a block (the one multiplied, the ones being copied)
+DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
+DOWN_WARPS = 8  # `down_mma_stream`: warps a block
+DOWN_BLOCKS = 3  # `down_mma_stream`: blocks an SM (the grid, and the registers the compiler may take)
 
 SOURCE = r"""
 typedef unsigned short bf16;
@@ -426,8 +430,11 @@ gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, co
     gate_up_columns(gw, uw, sg, su, x, token, start[expert], count[expert], tile, part, act);
 }
 
-// ---- the same tiles streamed: a persistent block takes tiles task, task + gridDim.x, ... (slot-major), and copies
-// the next tile's words and scales into shared memory (cp.async) while it multiplies the current one
+// ---- the same tiles streamed: persistent blocks, block b the tiles of tasks [b * tasks / grid, (b + 1) * tasks /
+// grid) (slot-major, so a block's tiles are mostly of one expert: its metadata and its pairs' rows of x are read from
+// L1 after the first tile), the words and scales of the next STAGES - 1 tiles copied into shared memory (cp.async)
+// while it multiplies the current one. A lane copies the very words it multiplies and a quad the scales of its own
+// row, so a stage's reuse is ordered by the warp alone.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
                  :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem));
@@ -435,6 +442,14 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
                  :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING>  // until at most PENDING of this thread's groups are in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING)); }
+
+// this block's (or warp's) share of `tasks` tasks: [first, last)
+__device__ __forceinline__ int2 task_range(int tasks, long long who, long long of) {
+    return make_int2((int)(who * tasks / of), (int)((who + 1) * tasks / of));
 }
 
 // a row's scale values a warp reads: MMA_GROUPS groups x 4 nibble pairs x (J, J + 4) x (gate, up)
@@ -477,38 +492,41 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
                    const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
                    const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
                    bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r,
-                   int slots) {
+                   const int* __restrict__ active) {
     extern __shared__ __align__(16) unsigned char smem[];
-    uint4* words = (uint4*)smem;                            // [2 stages][STAGE_WORDS]
-    unsigned* scales = (unsigned*)(words + 2 * STAGE_WORDS);  // [2 stages][STAGE_SCALES]
-    float (*part)[2][8][8] = (float (*)[2][8][8])(scales + 2 * STAGE_SCALES);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    uint4* words = (uint4*)smem;                                   // [STAGES][STAGE_WORDS]
+    unsigned* scales = (unsigned*)(words + STAGES * STAGE_WORDS);  // [STAGES][STAGE_SCALES]
+    float (*part)[2][8][8] = (float (*)[2][8][8])(scales + STAGES * STAGE_SCALES);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     constexpr int TILES = WIDTH / 8;
-    const int tasks = slots * TILES, step0 = warp * STEPS_PER_WARP;
-    int task = blockIdx.x;
-    int expert = task < tasks ? slot_expert[task / TILES] : -1;  // the chosen experts fill the first slots
-    if (expert < 0) return;
-    stage_tile(words, scales, gate_p, gate_s, up_p, up_s, expert, (task % TILES) * 8 + g, p_stride_e, p_stride_r,
-               s_stride_e, s_stride_r);
-    asm volatile("cp.async.commit_group;\n" ::);
-    for (int stage = 0;; stage ^= 1) {
-        const int next = task + gridDim.x;
-        const int next_expert = next < tasks ? slot_expert[next / TILES] : -1;
-        if (next_expert >= 0)
-            stage_tile(words + (stage ^ 1) * STAGE_WORDS, scales + (stage ^ 1) * STAGE_SCALES, gate_p, gate_s, up_p,
-                       up_s, next_expert, (next % TILES) * 8 + g, p_stride_e, p_stride_r, s_stride_e, s_stride_r);
-        asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);  // this stage's copies landed (the next tile's may not have)
-        __syncwarp();                                   // and the quad's scales are seen by every lane of the row
+    const int step0 = warp * STEPS_PER_WARP;
+    const int2 range = task_range(__ldg(active) * TILES, blockIdx.x, gridDim.x);  // the chosen experts' tiles
+    auto stage = [&](int task, int s) {
+        stage_tile(words + s * STAGE_WORDS, scales + s * STAGE_SCALES, gate_p, gate_s, up_p, up_s,
+                   __ldg(slot_expert + task / TILES), (task % TILES) * 8 + g, p_stride_e, p_stride_r, s_stride_e,
+                   s_stride_r);
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (range.x + s < range.y) stage(range.x + s, s);
+        cp_async_commit();  // one group a tile, empty past the last: the waits below count tiles
+    }
+    for (int task = range.x, s = 0; task < range.y; ++task, s = s + 1 == STAGES ? 0 : s + 1) {
+        if (task + STAGES - 1 < range.y) stage(task + STAGES - 1, s == 0 ? STAGES - 1 : s - 1);  // read a tile ago
+        cp_async_commit();
+        const int expert = __ldg(slot_expert + task / TILES), tile = task % TILES;
+        const int first = __ldg(start + expert), pairs = __ldg(count + expert);
+        cp_async_wait<STAGES - 1>();  // this tile's copies landed (the next ones' may not have)
+        __syncwarp();                 // and the quad's scales are seen by every lane of the row
         uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
-        const uint4* mine = words + stage * STAGE_WORDS + (warp * STEPS_PER_WARP * 2) * 32 + lane;
+        const uint4* mine = words + s * STAGE_WORDS + (warp * STEPS_PER_WARP * 2) * 32 + lane;
 #pragma unroll
         for (int i = 0; i < STEPS_PER_WARP; ++i) {
             gw[i] = mine[(2 * i) * 32];
             uw[i] = mine[(2 * i + 1) * 32];
         }
-        const unsigned* row_scales = scales + stage * STAGE_SCALES + (warp * 8 + g) * ROW_SCALES;
-        const long long s_off = (long long)expert * s_stride_e + (long long)((task % TILES) * 8 + g) * s_stride_r;
+        const unsigned* row_scales = scales + s * STAGE_SCALES + (warp * 8 + g) * ROW_SCALES;
+        const long long s_off = (long long)expert * s_stride_e + (long long)(tile * 8 + g) * s_stride_r;
         unsigned sg[MMA_GROUPS][4], su[MMA_GROUPS][4];
 #pragma unroll
         for (int k = 0; k < MMA_GROUPS; ++k)
@@ -521,12 +539,10 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
                 const int u = v + 8 * MMA_GROUPS;
                 su[k][j] = ((row_scales[u] >> (16 * at_lo)) & 0xFFFFu) | ((row_scales[u + 4] >> (16 * at_hi)) << 16);
             }
-        gate_up_columns(gw, uw, sg, su, x, token, start[expert], count[expert], task % TILES, part, act);
-        if (next_expert < 0) break;
-        task = next;
-        expert = next_expert;
+        // (its barriers also keep every lane's reads of this stage before the copies a tile on write into it)
+        gate_up_columns(gw, uw, sg, su, x, token, first, pairs, tile, part, act);
     }
-    asm volatile("cp.async.wait_group 0;\n" ::);
+    cp_async_wait<0>();
 }
 
 // block: WARPS warps of 16 output rows each (as a `down_mma` warp) of the slot's expert, every one of its pairs'
@@ -562,6 +578,105 @@ down_mma_tokens(const bf16* __restrict__ act, const long long* __restrict__ orde
             }
         }
     }
+}
+
+// down streamed: persistent warps, warp w of the grid's the 16-row tasks [w * tasks / warps, (w + 1) * tasks / warps)
+// (expert-major: a warp's tasks mostly of one expert), the words and scales of its next DSTAGES - 1 tasks copied into
+// its own shared memory (cp.async) while it multiplies the current one, as a `down_mma_tokens` warp does: no barrier
+// but the warp's own. A row's WIDTH / GROUP scales are copied 16 bytes at a time (`launch_block` checks they fit).
+#define DSTEPS (WORDS_W / 16)
+#define DROW_SCALES (WIDTH / GROUP)               // bfloat16 scales a row
+#define DSTAGE_WORDS (2 * DSTEPS * 32)             // uint4s of a warp's stage: step, rows g / g + 8, lane
+#define DSTAGE (DSTAGE_WORDS + 2 * DROW_SCALES)    // uint4s of a warp's stage: its words, then its 16 rows' scales
+
+__device__ __forceinline__ unsigned bf16_at(const unsigned* row, int i) {  // scale i of a row held as pairs
+    return (row[i / 2] >> (16 * (i & 1))) & 0xFFFFu;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * DWARPS, DBLOCKS)
+down_mma_stream(const bf16* __restrict__ act, const long long* __restrict__ order, const float* __restrict__ weights,
+                const int* __restrict__ slot_expert, const int* __restrict__ start, const int* __restrict__ count,
+                const uint4* __restrict__ down_p, const bf16* __restrict__ down_s, float* __restrict__ routed,
+                int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r, const int* __restrict__ active) {
+    extern __shared__ __align__(16) uint4 dsmem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    uint4* mine = dsmem + warp * (DSTAGES * DSTAGE);
+    constexpr int TILES = HIDDEN / 16;
+    const int2 range = task_range(__ldg(active) * TILES, (long long)blockIdx.x * DWARPS + warp,
+                                  (long long)gridDim.x * DWARPS);
+    auto stage = [&](int task, int s) {
+        const long long e = __ldg(slot_expert + task / TILES);
+        const int h0 = (task % TILES) * 16;
+        uint4* at = mine + s * DSTAGE;
+        const long long lo_off = (e * p_stride_e + (long long)(h0 + g) * p_stride_r) / 4 + t;
+        const long long hi_off = lo_off + (8LL * p_stride_r) / 4;
+#pragma unroll
+        for (int i = 0; i < DSTEPS; ++i) {
+            cp_async16(at + (2 * i) * 32 + lane, down_p + lo_off + 4 * i);
+            cp_async16(at + (2 * i + 1) * 32 + lane, down_p + hi_off + 4 * i);
+        }
+        for (int c = lane; c < 2 * DROW_SCALES; c += 32) {  // 16-byte chunk c % (DROW_SCALES / 8) of row c / ...
+            const int r = c / (DROW_SCALES / 8), part = c % (DROW_SCALES / 8);
+            cp_async16(at + DSTAGE_WORDS + c, down_s + e * s_stride_e + (long long)(h0 + r) * s_stride_r + 8 * part);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < DSTAGES - 1; ++s) {
+        if (range.x + s < range.y) stage(range.x + s, s);
+        cp_async_commit();
+    }
+    for (int task = range.x, s = 0; task < range.y; ++task, s = s + 1 == DSTAGES ? 0 : s + 1) {
+        __syncwarp();  // every lane done with the stage the next copies go into (its scales are the warp's)
+        if (task + DSTAGES - 1 < range.y) stage(task + DSTAGES - 1, s == 0 ? DSTAGES - 1 : s - 1);
+        cp_async_commit();
+        const int expert = __ldg(slot_expert + task / TILES), h0 = (task % TILES) * 16;
+        const int first = __ldg(start + expert), pairs = __ldg(count + expert);
+        cp_async_wait<DSTAGES - 1>();
+        __syncwarp();
+        const uint4* at = mine + s * DSTAGE;
+        uint4 dl[DSTEPS], dh[DSTEPS];
+#pragma unroll
+        for (int i = 0; i < DSTEPS; ++i) {
+            dl[i] = at[(2 * i) * 32 + lane];
+            dh[i] = at[(2 * i + 1) * 32 + lane];
+        }
+        unsigned rl[DROW_SCALES / 2], rh[DROW_SCALES / 2];  // rows g and g + 8's scales, two a word
+#pragma unroll
+        for (int c = 0; c < DROW_SCALES / 8; ++c) {
+            const uint4 lo = at[DSTAGE_WORDS + g * (DROW_SCALES / 8) + c];
+            const uint4 hi = at[DSTAGE_WORDS + (g + 8) * (DROW_SCALES / 8) + c];
+            rl[4 * c] = lo.x; rl[4 * c + 1] = lo.y; rl[4 * c + 2] = lo.z; rl[4 * c + 3] = lo.w;
+            rh[4 * c] = hi.x; rh[4 * c + 1] = hi.y; rh[4 * c + 2] = hi.z; rh[4 * c + 3] = hi.w;
+        }
+        unsigned sl[DSTEPS][4], sh[DSTEPS][4];  // as `load_down` pairs them
+#pragma unroll
+        for (int i = 0; i < DSTEPS; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int a = (j * WORDS_W + 16 * i) / GROUP;
+                constexpr int FAR = 4 * WORDS_W / GROUP;
+                sl[i][j] = bf16_at(rl, a) | (bf16_at(rl, a + FAR) << 16);
+                sh[i][j] = bf16_at(rh, a) | (bf16_at(rh, a + FAR) << 16);
+            }
+        for (int m0 = 0; m0 < pairs; m0 += 8) {
+            const int column = min(m0 + g, pairs - 1);
+            const RowPairs<WORDS_W> b{(const unsigned*)(act + (long long)(first + column) * WIDTH)};
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < DSTEPS; ++i) mma_step<WORDS_W>(c, dl[i], dh[i], sl[i], sh[i], b, 16 * i + 4 * t);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // c: rows h0 + g and h0 + g + 8 of columns 2t and 2t + 1
+                const int n = m0 + 2 * t + h;
+                if (n < pairs) {
+                    const long long source = __ldg(order + first + n);
+                    const float weight = __ldg(weights + source);
+                    routed[source * HIDDEN + h0 + g] = c[h] * weight;
+                    routed[source * HIDDEN + h0 + g + 8] = c[2 + h] * weight;
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
 }
 
 // out[token] = the sum of its k rows of `routed` in pair order, in bfloat16 (a thread an element)
@@ -671,6 +786,7 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
         "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB, "SPLIT_MIN_BLOCKS": SPLIT_MIN_BLOCKS,
         "KSPLIT": mma_ksplit(hidden, group_size),
+        "STAGES": STAGES, "DSTAGES": DOWN_STAGES, "DWARPS": DOWN_WARPS, "DBLOCKS": DOWN_BLOCKS,
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
@@ -683,10 +799,13 @@ GATE_FORM = "split"
 
 
 TOKEN_KERNELS = ("gate_up_split", "down", "gate_up_mma", "down_mma")  # one token's forms
-BLOCK_KERNELS = ("gate_up_mma_tokens", "gate_up_mma_stream", "down_mma_tokens", "sum_pairs")  # a block of tokens
-# a block's gate/up: "stream" (`gate_up_mma_stream`: persistent blocks, the next tile copied in while the current one
-# is multiplied) or "tiles" (`gate_up_mma_tokens`: a block a tile, its words loaded into registers)
+# a block of tokens' forms
+BLOCK_KERNELS = ("gate_up_mma_tokens", "gate_up_mma_stream", "down_mma_tokens", "down_mma_stream", "sum_pairs")
+# a block's gate/up: "stream" (`gate_up_mma_stream`: persistent blocks, the next tiles copied in while the current one
+# is multiplied) or "tiles" (`gate_up_mma_tokens`: a block a tile, its words loaded into registers); its down:
+# "stream" (`down_mma_stream`: persistent warps, likewise) or "tiles" (`down_mma_tokens`)
 BLOCK_GATE = "stream"
+BLOCK_DOWN = "stream"
 
 
 def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_k: int, ids_dtype: torch.dtype,
@@ -766,13 +885,14 @@ def block_fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
     return _mma_shapes(hidden, width, group_size) and top_k >= 1
 
 
-def launch_block(x, order, token, start, count, slot_expert, weights, gate_packed, gate_scale, up_packed, up_scale,
-                 down_packed, down_scale, act, routed, out, group_size, gate: str = BLOCK_GATE,
-                 **overrides) -> None:  # fmt: skip
+def launch_block(x, order, token, start, count, slot_expert, active, weights, gate_packed, gate_scale, up_packed,
+                 up_scale, down_packed, down_scale, act, routed, out, group_size, gate: str = BLOCK_GATE,
+                 down: str = BLOCK_DOWN, **overrides) -> None:  # fmt: skip
     """The block form's three launches: gate/up into `act` [pairs, width] (sorted order), down into `routed`
-    [T x k, hidden] float32, their sum into `out` [T, hidden]; the routing as `kernel.route` makes it. `overrides`:
-    KSPLIT (gate/up warps a block), WARPS (down warps a block); `gate`: `BLOCK_GATE`'s forms ("stream" where
-    `_stream_fits`, else "tiles")."""
+    [T x k, hidden] float32, their sum into `out` [T, hidden]; the routing as `kernel.route` makes it (`active`: the
+    number of experts chosen, on the device). `overrides`: KSPLIT (gate/up warps a block), WARPS (`down_mma_tokens`'
+    warps a block), STAGES, DSTAGES, DWARPS, DBLOCKS (the streamed forms'); `gate`: `BLOCK_GATE`'s forms ("stream"
+    where `_stream_fits`, else "tiles"), `down`: `BLOCK_DOWN`'s ("stream" where `_down_stream_fits`, else "tiles")."""
     tokens, hidden = x.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
     top_k = order.numel() // tokens
@@ -780,24 +900,31 @@ def launch_block(x, order, token, start, count, slot_expert, weights, gate_packe
     # both gate/up forms (BENCHMARKS.md, section 8)
     shape = {"KSPLIT": mma_ksplit(hidden, group_size, most=32), **overrides}
     defines, compiled = kernels(x.device, hidden, width, group_size, top_k, torch.int32, BLOCK_KERNELS, **shape)
+    if gate not in ("stream", "tiles") or down not in ("stream", "tiles"):
+        raise ValueError(f"gate and down: expected 'stream' or 'tiles', got {gate!r} and {down!r}")
     gate_args = [x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, act,
                  gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
     tasks, threads = slots * (width // 8), LANES * defines["KSPLIT"]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if gate == "stream" and _stream_fits(gate_scale, up_scale):
         kernel, smem = compiled["gate_up_mma_stream"], _stream_bytes(defines)
         _allow_shared_memory(kernel, smem)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, slots], shared_mem=smem)
-    elif gate in ("stream", "tiles"):
-        compiled["gate_up_mma_tokens"](grid=(tasks, 1, 1), block=(threads, 1, 1), args=gate_args)
+        kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, active], shared_mem=smem)
     else:
-        raise ValueError(f"gate: expected 'stream' or 'tiles', got {gate!r}")
-    tiles = -(-hidden // (16 * defines["WARPS"]))
-    compiled["down_mma_tokens"](
-        grid=(slots * tiles, 1, 1), block=(LANES * defines["WARPS"], 1, 1),
-        args=[act, order, weights, slot_expert, start, count, down_packed, down_scale, routed, down_packed.stride(0),
-              down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)],
-    )  # fmt: skip
+        compiled["gate_up_mma_tokens"](grid=(tasks, 1, 1), block=(threads, 1, 1), args=gate_args)
+    down_args = [act, order, weights, slot_expert, start, count, down_packed, down_scale, routed,
+                 down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)]  # fmt: skip
+    if down == "stream" and _down_stream_fits(width, group_size, down_scale):
+        kernel, smem = compiled["down_mma_stream"], _down_stream_bytes(defines)
+        _allow_shared_memory(kernel, smem)
+        warps = slots * (hidden // 16)  # the most tasks there can be: a warp each at least
+        blocks = min(sms * defines["DBLOCKS"], -(-warps // defines["DWARPS"]))
+        kernel(grid=(blocks, 1, 1), block=(LANES * defines["DWARPS"], 1, 1), args=[*down_args, active],
+               shared_mem=smem)  # fmt: skip
+    else:
+        tiles = -(-hidden // (16 * defines["WARPS"]))
+        compiled["down_mma_tokens"](grid=(slots * tiles, 1, 1), block=(LANES * defines["WARPS"], 1, 1),
+                                    args=down_args)  # fmt: skip
     elements = tokens * hidden
     compiled["sum_pairs"](grid=(-(-elements // 256), 1, 1), block=(256, 1, 1), args=[routed, out, elements])
 
@@ -819,12 +946,19 @@ def _allow_shared_memory(kernel, size: int) -> None:
 
 
 def _stream_bytes(defines: dict) -> int:
-    """`gate_up_mma_stream`'s shared memory: two stages of words (16 bytes a lane a step, gate and up) and of scale
-    words (4 bytes a value, 16 values a row a group), and the warps' column sums."""
-    ksplit = defines["KSPLIT"]
+    """`gate_up_mma_stream`'s shared memory: STAGES stages of words (16 bytes a lane a step, gate and up) and of
+    scale words (4 bytes a value, 16 values a row a group), and the warps' column sums."""
+    ksplit, stages = defines["KSPLIT"], defines["STAGES"]
     steps = defines["WORDS_IN"] // 16 // ksplit
     groups = -(-steps // max(1, defines["GROUP"] // 16))
-    return 2 * ksplit * steps * 2 * LANES * 16 + 2 * ksplit * 8 * 16 * groups * 4 + ksplit * 2 * 8 * 8 * 4
+    return stages * (ksplit * steps * 2 * LANES * 16 + ksplit * 8 * 16 * groups * 4) + ksplit * 2 * 8 * 8 * 4
+
+
+def _down_stream_bytes(defines: dict) -> int:
+    """`down_mma_stream`'s shared memory: DSTAGES stages a warp, each its words (16 bytes a lane a step, rows g and
+    g + 8) and its 16 rows' scales."""
+    stage = 2 * (defines["WORDS_W"] // 16) * LANES * 16 + 16 * (defines["WIDTH"] // defines["GROUP"]) * 2
+    return defines["DWARPS"] * defines["DSTAGES"] * stage
 
 
 def _stream_fits(*scales: torch.Tensor) -> bool:
@@ -833,26 +967,35 @@ def _stream_fits(*scales: torch.Tensor) -> bool:
     return all(t.data_ptr() % 4 == 0 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0 for t in scales)
 
 
+def _down_stream_fits(width: int, group_size: int, down_scale: torch.Tensor) -> bool:
+    """`down_mma_stream` copies a row's scales 16 bytes at a time: 8 | width / group, and every expert's and row's
+    scales 16-byte aligned."""
+    aligned = down_scale.data_ptr() % 16 == 0 and down_scale.stride(0) % 8 == 0 and down_scale.stride(1) % 8 == 0
+    return (width // group_size) % 8 == 0 and aligned
+
+
 def int4_moe_block(x, routing, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale,
-                   group_size: int, gate: str = BLOCK_GATE, **overrides) -> torch.Tensor:  # fmt: skip
+                   group_size: int, gate: str = BLOCK_GATE, down: str = BLOCK_DOWN,
+                   **overrides) -> torch.Tensor:  # fmt: skip
     """`reference.int4_moe` for T bfloat16 tokens on a CUDA device, the words in the "rows" layout, `routing` the
-    (order, token, start, count, slot -> expert) of `kernel.route`: [T, hidden]. `overrides`: `launch_block`'s."""
-    order, token, start, count, slot_expert = routing
+    (order, token, start, count, slot -> expert, experts chosen) of `kernel.route`: [T, hidden]. `overrides`:
+    `launch_block`'s."""
+    order, token, start, count, slot_expert, active = routing
     tokens, hidden = x.shape
     width, pairs = gate_packed.shape[1], order.numel()
     if x.dtype != torch.bfloat16 or pairs % tokens or not block_fits(hidden, width, group_size, pairs // tokens):
         raise ValueError(f"the CUDA block kernels take bfloat16 tokens at dimensions `block_fits` accepts: got x "
                          f"{tuple(x.shape)} {x.dtype}, width {width}, group {group_size}, {pairs} pairs")  # fmt: skip
     _check_experts(gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale)
-    if order.dtype != torch.int64 or any(t.dtype != torch.int32 for t in (token, start, count, slot_expert)):
+    if order.dtype != torch.int64 or any(t.dtype != torch.int32 for t in (token, start, count, slot_expert, active)):
         raise ValueError("the CUDA block kernels read the routing as `kernel.route` makes it: int64 order, int32 rest")
     weights = expert_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty((pairs, width), dtype=torch.bfloat16, device=x.device)
     routed = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
     launch_block(x.contiguous(), order.contiguous(), token.contiguous(), start, count, slot_expert.contiguous(),
-                 weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, routed, out,
-                 group_size, gate, **overrides)  # fmt: skip
+                 active, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, routed,
+                 out, group_size, gate, down, **overrides)  # fmt: skip
     return out
 
 
