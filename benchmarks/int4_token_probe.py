@@ -39,14 +39,27 @@ VARIANTS = 8
 # the block form's launch shapes timed: (gate/up form, down form, constants); the first is the forms before streaming
 BLOCK_SHAPES = (
     ("tiles", "tiles", {}),
-    ("stream", "tiles", {}),
     ("stream", "stream", {}),
-    ("stream", "stream", {"STAGES": 3}),
-    ("stream", "stream", {"DSTAGES": 6, "DBLOCKS": 2}),
-    ("stream", "stream", {"DSTAGES": 3, "DBLOCKS": 4}),
-    ("stream", "stream", {"DWARPS": 4, "DSTAGES": 8, "DBLOCKS": 4}),
+    ("stream", "stream", {"PARTS": 1}),
+    ("stream", "stream", {"KSPLIT": 14}),
     ("stream", "stream", {"DWARPS": 16, "DSTAGES": 4, "DBLOCKS": 1}),
+    ("stream", "stream", {"DWARPS": 16, "DSTAGES": 6, "DBLOCKS": 1}),
+    ("stream", "stream", {"DWARPS": 12, "DSTAGES": 4, "DBLOCKS": 2}),
+    ("stream", "stream", {"DWARPS": 32, "DSTAGES": 3, "DBLOCKS": 1}),
 )
+# where the streamed gate/up kernel's time goes: its source changed so that it only copies (the column passes never
+# run) or only multiplies (no copies past the first tiles: the sums are wrong, the time is the passes'); timed, not
+# checked
+DIAGNOSTICS = {
+    "gate/up copies only": (
+        "        gate_up_columns<PARTS>(",
+        "        if (pairs < 0) gate_up_columns<PARTS>(",
+    ),
+    "gate/up multiplies only": (
+        "        if (task + STAGES - 1 < range.y) stage(",
+        "        if (task + STAGES - 1 < range.x) stage(",
+    ),
+}
 
 
 def attributes(kernel) -> dict:
@@ -155,6 +168,23 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
             name = f"block gate {gate} down {down}" + "".join(f" {k} {v}" for k, v in shape.items())
             forms[name] = lambda c=call, o=o: token_cuda.int4_moe_block(c[0], route(c[1], experts), c[2], *ready,
                                                                         GROUP, **o)  # fmt: skip
+        for name, (before, after) in DIAGNOSTICS.items():
+            assert token_cuda.SOURCE.count(before) == 1, before
+            source, token_cuda.SOURCE = token_cuda.SOURCE, token_cuda.SOURCE.replace(before, after)
+            try:  # compiled now, under a key of its own (DIAG), and kept for the timed calls
+                shape = {"DIAG": len(name)}
+                token_cuda.int4_moe_block(x, route(ids, experts), weights, *ready, GROUP, **shape)
+            finally:
+                token_cuda.SOURCE = source
+
+            def fn(c=call, o=shape):
+                return token_cuda.int4_moe_block(c[0], route(c[1], experts), c[2], *ready, GROUP, **o)
+
+            timed = [graph_time_us(fn, device, False, flush="read") for _ in range(repeats)]
+            row = {"tokens": tokens, "form": name, "diagnostic": True, "kernels_us": kernel_times_us(fn),
+                   "graph_us": statistics.median(timed)}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         for name, fn in forms.items():
             got = fn().float()
             row = {"tokens": tokens, "form": name, "distinct_experts": int(ids.unique().numel()),

@@ -50,6 +50,7 @@ DOWN_ROWS = 4  # output rows a down warp computes
 RPB = 4  # gate/up row pairs a `gate_up_split` block computes
 SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps registers for (128 a thread)
 STAGES = 2  # `gate_up_mma_stream`: tiles in shared memory a block (the one multiplied, the ones being copied)
+PARTS = 2  # `gate_up_mma_stream`: passes' column sums in shared memory (2: one barrier a pass)
 DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
 DOWN_WARPS = 8  # `down_mma_stream`: warps a block
 DOWN_BLOCKS = 3  # `down_mma_stream`: blocks an SM (the grid, and the registers the compiler may take)
@@ -375,16 +376,19 @@ down_mma(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float
 
 // the column passes of a gate/up tile (rows tile * 8 .. + 7 of gate and of up of one expert, this warp's steps in
 // registers): up to 8 of the expert's pairs a pass, the warps' sums added in warp order in `part`, silu(gate) * up in
-// bfloat16 into act [sorted pairs, WIDTH]. Every thread of the block calls it with the same pairs (two barriers a
-// pass).
+// bfloat16 into act [sorted pairs, WIDTH]. Every thread of the block calls it with the same pairs. BUFFERS = 1: two
+// barriers a pass (the sums read before the next pass writes them); BUFFERS = 2: `part` holds two passes' sums,
+// taken in turn (`pass` counts the block's passes), and one barrier a pass: a warp writes a buffer again only after
+// the barrier of the pass between, which the warps adding it reach once they have added it. They take turns too.
+template <int BUFFERS>
 __device__ __forceinline__ void gate_up_columns(const uint4 (&gw)[STEPS_PER_WARP], const uint4 (&uw)[STEPS_PER_WARP],
                                                 const unsigned (&sg)[MMA_GROUPS][4],
                                                 const unsigned (&su)[MMA_GROUPS][4], const bf16* __restrict__ x,
                                                 const int* __restrict__ token, int first, int pairs, int tile,
-                                                float (*part)[2][8][8], bf16* __restrict__ act) {
+                                                float (*part)[2][8][8], bf16* __restrict__ act, int& pass) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int step0 = warp * STEPS_PER_WARP;
-    for (int m0 = 0; m0 < pairs; m0 += 8) {
+    for (int m0 = 0; m0 < pairs; m0 += 8, ++pass) {
         const int column = min(m0 + g, pairs - 1);  // past the last pair: its row again, the sums not written
         const RowPairs<WORDS_IN> b{(const unsigned*)(x + (long long)token[first + column] * HIDDEN)};
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -392,23 +396,25 @@ __device__ __forceinline__ void gate_up_columns(const uint4 (&gw)[STEPS_PER_WARP
         for (int i = 0; i < STEPS_PER_WARP; ++i)
             mma_step<WORDS_IN>(c, gw[i], uw[i], sg[i / STEPS_PER_GROUP], su[i / STEPS_PER_GROUP], b,
                                16 * (step0 + i) + 4 * t);
+        float (*sums)[2][8][8] = part + (BUFFERS == 2 ? (pass & 1) * KSPLIT : 0);
         // c: (row g, columns 2t and 2t + 1) of gate, then of up (the MMA's rows g + 8)
-        part[warp][0][g][2 * t] = c[0];
-        part[warp][0][g][2 * t + 1] = c[1];
-        part[warp][1][g][2 * t] = c[2];
-        part[warp][1][g][2 * t + 1] = c[3];
+        sums[warp][0][g][2 * t] = c[0];
+        sums[warp][0][g][2 * t + 1] = c[1];
+        sums[warp][1][g][2 * t] = c[2];
+        sums[warp][1][g][2 * t + 1] = c[3];
         __syncthreads();
-        for (int i = threadIdx.x; i < 64; i += 32 * KSPLIT) {
+        const int turn = BUFFERS == 2 ? 64 * (pass % (KSPLIT / 2 > 0 ? KSPLIT / 2 : 1)) : 0;  // the adding warps
+        for (int i = threadIdx.x - turn; 0 <= i && i < 64; i += 32 * KSPLIT) {
             const int r = i >> 3, n = i & 7;
             if (m0 + n < pairs) {
                 float sum_g = 0.0f, sum_u = 0.0f;
 #pragma unroll
-                for (int k = 0; k < KSPLIT; ++k) { sum_g += part[k][0][r][n]; sum_u += part[k][1][r][n]; }
+                for (int k = 0; k < KSPLIT; ++k) { sum_g += sums[k][0][r][n]; sum_u += sums[k][1][r][n]; }
                 act[(long long)(first + m0 + n) * WIDTH + tile * 8 + r] =
                     to_bf16(sum_g / (1.0f + __expf(-sum_g)) * sum_u);
             }
         }
-        __syncthreads();
+        if (BUFFERS == 1) __syncthreads();
     }
 }
 
@@ -427,7 +433,8 @@ gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, co
     unsigned sg[MMA_GROUPS][4], su[MMA_GROUPS][4];
     load_gate_up(gw, uw, sg, su, gate_p, gate_s, up_p, up_s, expert, tile * 8 + g, t, warp * STEPS_PER_WARP,
                  p_stride_e, p_stride_r, s_stride_e, s_stride_r);
-    gate_up_columns(gw, uw, sg, su, x, token, start[expert], count[expert], tile, part, act);
+    int pass = 0;
+    gate_up_columns<1>(gw, uw, sg, su, x, token, start[expert], count[expert], tile, part, act, pass);
 }
 
 // ---- the same tiles streamed: persistent blocks, block b the tiles of tasks [b * tasks / grid, (b + 1) * tasks /
@@ -501,6 +508,7 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
     constexpr int TILES = WIDTH / 8;
     const int step0 = warp * STEPS_PER_WARP;
     const int2 range = task_range(__ldg(active) * TILES, blockIdx.x, gridDim.x);  // the chosen experts' tiles
+    int pass = 0;  // the block's column passes so far
     auto stage = [&](int task, int s) {
         stage_tile(words + s * STAGE_WORDS, scales + s * STAGE_SCALES, gate_p, gate_s, up_p, up_s,
                    __ldg(slot_expert + task / TILES), (task % TILES) * 8 + g, p_stride_e, p_stride_r, s_stride_e,
@@ -539,8 +547,8 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
                 const int u = v + 8 * MMA_GROUPS;
                 su[k][j] = ((row_scales[u] >> (16 * at_lo)) & 0xFFFFu) | ((row_scales[u + 4] >> (16 * at_hi)) << 16);
             }
-        // (its barriers also keep every lane's reads of this stage before the copies a tile on write into it)
-        gate_up_columns(gw, uw, sg, su, x, token, first, pairs, tile, part, act);
+        // (its barrier also keeps every lane's reads of this stage before the copies a tile on write into it)
+        gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);
     }
     cp_async_wait<0>();
 }
@@ -786,7 +794,7 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
         "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB, "SPLIT_MIN_BLOCKS": SPLIT_MIN_BLOCKS,
         "KSPLIT": mma_ksplit(hidden, group_size),
-        "STAGES": STAGES, "DSTAGES": DOWN_STAGES, "DWARPS": DOWN_WARPS, "DBLOCKS": DOWN_BLOCKS,
+        "STAGES": STAGES, "PARTS": PARTS, "DSTAGES": DOWN_STAGES, "DWARPS": DOWN_WARPS, "DBLOCKS": DOWN_BLOCKS,
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
@@ -947,11 +955,14 @@ def _allow_shared_memory(kernel, size: int) -> None:
 
 def _stream_bytes(defines: dict) -> int:
     """`gate_up_mma_stream`'s shared memory: STAGES stages of words (16 bytes a lane a step, gate and up) and of
-    scale words (4 bytes a value, 16 values a row a group), and the warps' column sums."""
+    scale words (4 bytes a value, 16 values a row a group), and PARTS passes' column sums of every warp."""
     ksplit, stages = defines["KSPLIT"], defines["STAGES"]
     steps = defines["WORDS_IN"] // 16 // ksplit
     groups = -(-steps // max(1, defines["GROUP"] // 16))
-    return stages * (ksplit * steps * 2 * LANES * 16 + ksplit * 8 * 16 * groups * 4) + ksplit * 2 * 8 * 8 * 4
+    return (
+        stages * (ksplit * steps * 2 * LANES * 16 + ksplit * 8 * 16 * groups * 4)
+        + defines["PARTS"] * ksplit * 2 * 8 * 8 * 4
+    )
 
 
 def _down_stream_bytes(defines: dict) -> int:
