@@ -40,26 +40,27 @@ VARIANTS = 8
 BLOCK_SHAPES = (
     ("tiles", "tiles", {}),
     ("stream", "stream", {}),
-    ("stream", "stream", {"PARTS": 1}),
-    ("stream", "stream", {"KSPLIT": 14}),
-    ("stream", "stream", {"DWARPS": 16, "DSTAGES": 4, "DBLOCKS": 1}),
-    ("stream", "stream", {"DWARPS": 16, "DSTAGES": 6, "DBLOCKS": 1}),
-    ("stream", "stream", {"DWARPS": 12, "DSTAGES": 4, "DBLOCKS": 2}),
-    ("stream", "stream", {"DWARPS": 32, "DSTAGES": 3, "DBLOCKS": 1}),
+    ("bulk", "stream", {}),
+    ("bulk", "stream", {"STAGES": 3}),
+    ("bulk", "stream", {"STAGES": 3, "PARTS": 1}),
+    ("stream", "stream", {"DWARPS": 8, "DSTAGES": 4, "DBLOCKS": 3}),
 )
-# where the streamed gate/up kernel's time goes: its source changed so that it only copies (the column passes never
+# where the bulk-copy gate/up kernel's time goes: its source changed so that it only copies (the column passes never
 # run) or only multiplies (no copies past the first tiles: the sums are wrong, the time is the passes'); timed, not
 # checked
 DIAGNOSTICS = {
-    "gate/up copies only": (
-        "        gate_up_columns<PARTS>(",
-        "        if (pairs < 0) gate_up_columns<PARTS>(",
-    ),
-    "gate/up multiplies only": (
-        "        if (task + STAGES - 1 < range.y) stage(",
-        "        if (task + STAGES - 1 < range.x) stage(",
-    ),
-}
+    "gate/up copies only": ("bulk", (
+        ("        gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);\n    }\n}",
+         "        if (pairs < 0) gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);"
+         "\n        else __syncthreads();\n    }\n}"),
+    )),
+    "gate/up multiplies only": ("bulk", (
+        ("        if (warp == 0 && task + STAGES - 1 < range.y) issue(",
+         "        if (warp == 0 && task + STAGES - 1 < range.x) issue("),
+        ("        while (!bar_done(bars + s, (i / STAGES) & 1)) {}",
+         "        while (i < STAGES - 1 && !bar_done(bars + s, (i / STAGES) & 1)) {}"),
+    )),
+}  # fmt: skip
 
 
 def attributes(kernel) -> dict:
@@ -168,11 +169,13 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
             name = f"block gate {gate} down {down}" + "".join(f" {k} {v}" for k, v in shape.items())
             forms[name] = lambda c=call, o=o: token_cuda.int4_moe_block(c[0], route(c[1], experts), c[2], *ready,
                                                                         GROUP, **o)  # fmt: skip
-        for name, (before, after) in DIAGNOSTICS.items():
-            assert token_cuda.SOURCE.count(before) == 1, before
-            source, token_cuda.SOURCE = token_cuda.SOURCE, token_cuda.SOURCE.replace(before, after)
+        for name, (gate, changes) in DIAGNOSTICS.items():
+            source = token_cuda.SOURCE
+            for before, after in changes:
+                assert token_cuda.SOURCE.count(before) == 1, before
+                token_cuda.SOURCE = token_cuda.SOURCE.replace(before, after)
             try:  # compiled now, under a key of its own (DIAG), and kept for the timed calls
-                shape = {"DIAG": len(name)}
+                shape = {"DIAG": len(name), "gate": gate}
                 token_cuda.int4_moe_block(x, route(ids, experts), weights, *ready, GROUP, **shape)
             finally:
                 token_cuda.SOURCE = source

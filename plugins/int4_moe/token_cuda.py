@@ -52,8 +52,8 @@ SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps register
 STAGES = 2  # `gate_up_mma_stream`: tiles in shared memory a block (the one multiplied, the ones being copied)
 PARTS = 2  # `gate_up_mma_stream`: passes' column sums in shared memory (2: one barrier a pass)
 DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
-DOWN_WARPS = 8  # `down_mma_stream`: warps a block
-DOWN_BLOCKS = 3  # `down_mma_stream`: blocks an SM (the grid, and the registers the compiler may take)
+DOWN_WARPS = 16  # `down_mma_stream`: warps a block
+DOWN_BLOCKS = 1  # `down_mma_stream`: blocks an SM (the grid, and the registers the compiler may take)
 
 SOURCE = r"""
 typedef unsigned short bf16;
@@ -553,6 +553,96 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
     cp_async_wait<0>();
 }
 
+// ---- the same tiles by bulk copies (Hopper's TMA unit, one-dimensional: no tensor map): lane i of warp 0 copies
+// row i % 8 of gate's words, up's words, gate's scales or up's scales (i / 8) of a tile into a stage, each row
+// padded in shared memory so that a quarter warp's 16-byte reads of rows g and g + 1 fall in distinct banks; an
+// mbarrier a stage counts the bytes landed. A stage is filled again a tile after it was read: warp 0 issues those
+// copies only after the barrier of the pass that read it, which every warp reaches after its reads.
+#define ROW_STRIDE (WORDS_IN * 4 + 64)             // bytes of a staged row of words
+#define SROW_STRIDE ((HIDDEN / GROUP) * 2 + 16)    // bytes of a staged row of scales
+#define BULK_STAGE (16 * ROW_STRIDE + 16 * SROW_STRIDE)  // gate rows, up rows, gate scales, up scales
+
+__device__ __forceinline__ unsigned smem_at(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(smem_at(dst)), "l"(src), "r"(bytes), "r"(smem_at(bar)) : "memory");
+}
+__device__ __forceinline__ bool bar_done(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_at(bar)), "r"(parity) : "memory");
+    return done;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * KSPLIT, 1)
+gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, const int* __restrict__ slot_expert,
+                 const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
+                 const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
+                 bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r,
+                 const int* __restrict__ active) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    unsigned long long* bars = (unsigned long long*)smem;  // [STAGES] mbarriers, then the stages
+    unsigned char* stages = smem + 128;
+    float (*part)[2][8][8] = (float (*)[2][8][8])(stages + STAGES * BULK_STAGE);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    constexpr int TILES = WIDTH / 8;
+    const int step0 = warp * STEPS_PER_WARP;
+    const int2 range = task_range(__ldg(active) * TILES, blockIdx.x, gridDim.x);  // the chosen experts' tiles
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_at(bars + s)));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    auto issue = [&](int task, int s) {  // warp 0
+        const long long e = __ldg(slot_expert + task / TILES), row = (task % TILES) * 8 + (lane & 7);
+        unsigned char* stage = stages + s * BULK_STAGE;
+        if (lane == 0)
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                         :: "r"(smem_at(bars + s)), "r"(16 * (WORDS_IN * 4 + (HIDDEN / GROUP) * 2)) : "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // the stage's reads before these writes
+        const int kind = lane >> 3;  // gate words, up words, gate scales, up scales
+        if (kind < 2)
+            bulk_copy(stage + (lane & 15) * ROW_STRIDE,
+                      (kind ? up_p : gate_p) + (e * p_stride_e + row * p_stride_r) / 4, WORDS_IN * 4, bars + s);
+        else
+            bulk_copy(stage + 16 * ROW_STRIDE + (lane & 15) * SROW_STRIDE,
+                      (kind == 3 ? up_s : gate_s) + e * s_stride_e + row * s_stride_r, (HIDDEN / GROUP) * 2, bars + s);
+    };
+    int pass = 0;  // the block's column passes so far
+    if (warp == 0)
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (range.x + s < range.y) issue(range.x + s, s);
+    for (int task = range.x, i = 0; task < range.y; ++task, ++i) {
+        const int s = i % STAGES;
+        if (warp == 0 && task + STAGES - 1 < range.y) issue(task + STAGES - 1, (i + STAGES - 1) % STAGES);
+        const int expert = __ldg(slot_expert + task / TILES), tile = task % TILES;
+        const int first = __ldg(start + expert), pairs = __ldg(count + expert);
+        while (!bar_done(bars + s, (i / STAGES) & 1)) {}
+        const unsigned char* stage = stages + s * BULK_STAGE;
+        uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
+#pragma unroll
+        for (int k = 0; k < STEPS_PER_WARP; ++k) {
+            gw[k] = *(const uint4*)(stage + g * ROW_STRIDE + 64 * (step0 + k) + 16 * t);
+            uw[k] = *(const uint4*)(stage + (8 + g) * ROW_STRIDE + 64 * (step0 + k) + 16 * t);
+        }
+        const bf16* gs = (const bf16*)(stage + 16 * ROW_STRIDE + g * SROW_STRIDE);
+        const bf16* us = (const bf16*)(stage + 16 * ROW_STRIDE + (8 + g) * SROW_STRIDE);
+        unsigned sg[MMA_GROUPS][4], su[MMA_GROUPS][4];
+        constexpr int FAR = 4 * WORDS_IN / GROUP;  // nibble J + 4's group, 4 * words inputs on
+#pragma unroll
+        for (int k = 0; k < MMA_GROUPS; ++k)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int at = j * (WORDS_IN / GROUP) + (16 * step0) / GROUP + k;
+                sg[k][j] = (unsigned)gs[at] | ((unsigned)gs[at + FAR] << 16);
+                su[k][j] = (unsigned)us[at] | ((unsigned)us[at + FAR] << 16);
+            }
+        gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);
+    }
+}
+
 // block: WARPS warps of 16 output rows each (as a `down_mma` warp) of the slot's expert, every one of its pairs'
 // act, times the pair's routing weight, into the pair's own float32 row of `routed` [T x k, HIDDEN]
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
@@ -808,7 +898,14 @@ GATE_FORM = "split"
 
 TOKEN_KERNELS = ("gate_up_split", "down", "gate_up_mma", "down_mma")  # one token's forms
 # a block of tokens' forms
-BLOCK_KERNELS = ("gate_up_mma_tokens", "gate_up_mma_stream", "down_mma_tokens", "down_mma_stream", "sum_pairs")
+BLOCK_KERNELS = (
+    "gate_up_mma_tokens",
+    "gate_up_mma_stream",
+    "gate_up_mma_bulk",
+    "down_mma_tokens",
+    "down_mma_stream",
+    "sum_pairs",
+)
 # a block's gate/up: "stream" (`gate_up_mma_stream`: persistent blocks, the next tiles copied in while the current one
 # is multiplied) or "tiles" (`gate_up_mma_tokens`: a block a tile, its words loaded into registers); its down:
 # "stream" (`down_mma_stream`: persistent warps, likewise) or "tiles" (`down_mma_tokens`)
@@ -908,13 +1005,18 @@ def launch_block(x, order, token, start, count, slot_expert, active, weights, ga
     # both gate/up forms (BENCHMARKS.md, section 8)
     shape = {"KSPLIT": mma_ksplit(hidden, group_size, most=32), **overrides}
     defines, compiled = kernels(x.device, hidden, width, group_size, top_k, torch.int32, BLOCK_KERNELS, **shape)
-    if gate not in ("stream", "tiles") or down not in ("stream", "tiles"):
-        raise ValueError(f"gate and down: expected 'stream' or 'tiles', got {gate!r} and {down!r}")
+    if gate not in ("bulk", "stream", "tiles") or down not in ("stream", "tiles"):
+        raise ValueError(f"gate: expected 'bulk', 'stream' or 'tiles', down: 'stream' or 'tiles'; got {gate!r} and "
+                         f"{down!r}")  # fmt: skip
     gate_args = [x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, act,
                  gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
     tasks, threads = slots * (width // 8), LANES * defines["KSPLIT"]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    if gate == "stream" and _stream_fits(gate_scale, up_scale):
+    if gate == "bulk" and _bulk_fits(hidden, group_size, gate_packed, up_packed, gate_scale, up_scale):
+        kernel, smem = compiled["gate_up_mma_bulk"], _bulk_bytes(defines)
+        _allow_shared_memory(kernel, smem)
+        kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, active], shared_mem=smem)
+    elif gate in ("stream", "bulk") and _stream_fits(gate_scale, up_scale):
         kernel, smem = compiled["gate_up_mma_stream"], _stream_bytes(defines)
         _allow_shared_memory(kernel, smem)
         kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, active], shared_mem=smem)
@@ -963,6 +1065,21 @@ def _stream_bytes(defines: dict) -> int:
         stages * (ksplit * steps * 2 * LANES * 16 + ksplit * 8 * 16 * groups * 4)
         + defines["PARTS"] * ksplit * 2 * 8 * 8 * 4
     )
+
+
+def _bulk_bytes(defines: dict) -> int:
+    """`gate_up_mma_bulk`'s shared memory: its mbarriers (128 bytes), STAGES stages of 8 rows of gate's and of up's
+    words and scales (each row padded: 64 bytes a row of words, 16 a row of scales), PARTS passes' column sums."""
+    stage = 16 * (defines["WORDS_IN"] * 4 + 64) + 16 * (defines["HIDDEN"] // defines["GROUP"] * 2 + 16)
+    return 128 + defines["STAGES"] * stage + defines["PARTS"] * defines["KSPLIT"] * 2 * 8 * 8 * 4
+
+
+def _bulk_fits(hidden: int, group_size: int, *experts: torch.Tensor) -> bool:
+    """Bulk copies move 16-byte aligned multiples of 16 bytes: every expert's and row's words and scales start at a
+    16-byte boundary, and a row's scales are a multiple of 16 bytes."""
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                  and t.stride(1) * t.element_size() % 16 == 0 for t in experts)  # fmt: skip
+    return aligned and (hidden // group_size) % 8 == 0
 
 
 def _down_stream_bytes(defines: dict) -> int:
