@@ -27,12 +27,15 @@ m16n8k16, bfloat16 fragments made from the words by one lop3 and two bfloat16 fm
 fewer instructions a weight than the split form (sm_90 SASS). Their computation is checked on the CPU fragment by
 fragment (`algorithm_mma`); on one H100 they took as long as the split form, so it is not the default.
 
-A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_stream` (persistent
-blocks take the chosen experts' 8-row tiles of gate and up in turn, the next tile's words and scales copied into shared
-memory by cp.async while the current one is multiplied by up to 8 of its expert's tokens a pass: the MMA's columns;
-`gate_up_mma_tokens` is the same a block a tile), `down_mma_tokens` (16 rows a warp, into each pair's own float32
-row) and `sum_pairs` (each token's k rows in a fixed order). `algorithm_mma_block` is that computation fragment by
-fragment in torch.
+A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_bulk` (persistent
+blocks, one an SM, each a contiguous share of the chosen experts' 8-row tiles of gate and up, so mostly of one expert
+whose tokens' x stays in L1; the next tile's rows of words and scales copied into shared memory by the TMA unit
+(one-dimensional bulk copies, an mbarrier a stage) while the current one is multiplied by up to 8 of its expert's
+tokens a pass: the MMA's columns; `gate_up_mma_stream` is the same by cp.async, `gate_up_mma_tokens` a block a tile),
+`down_mma_stream` (persistent warps, 16 rows of one expert a task, the next tasks copied in by cp.async, into each
+pair's own float32 row; `down_mma_tokens` a block 8 tasks) and `sum_pairs` (each token's k rows in a fixed order).
+Every form of a kernel adds the same products in the same order: the same bits. `algorithm_mma_block` is that
+computation fragment by fragment in torch.
 
 `algorithm` is the split form's computation in torch, lane by lane (the same chunks, nibbles, groups and
 butterflies), so the kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py);
@@ -906,10 +909,12 @@ BLOCK_KERNELS = (
     "down_mma_stream",
     "sum_pairs",
 )
-# a block's gate/up: "stream" (`gate_up_mma_stream`: persistent blocks, the next tiles copied in while the current one
-# is multiplied) or "tiles" (`gate_up_mma_tokens`: a block a tile, its words loaded into registers); its down:
-# "stream" (`down_mma_stream`: persistent warps, likewise) or "tiles" (`down_mma_tokens`)
-BLOCK_GATE = "stream"
+# a block's gate/up: "bulk" (`gate_up_mma_bulk`: persistent blocks, the next tile's rows copied in by the TMA unit
+# while the current one is multiplied), "stream" (`gate_up_mma_stream`: the same by cp.async, every lane its own
+# words) or "tiles" (`gate_up_mma_tokens`: a block a tile, its words loaded into registers); its down: "stream"
+# (`down_mma_stream`: persistent warps, cp.async) or "tiles" (`down_mma_tokens`). Measured fastest first
+# (BENCHMARKS.md, section 8); each falls back to the next where the tensors' alignment does not allow it.
+BLOCK_GATE = "bulk"
 BLOCK_DOWN = "stream"
 
 
@@ -996,8 +1001,9 @@ def launch_block(x, order, token, start, count, slot_expert, active, weights, ga
     """The block form's three launches: gate/up into `act` [pairs, width] (sorted order), down into `routed`
     [T x k, hidden] float32, their sum into `out` [T, hidden]; the routing as `kernel.route` makes it (`active`: the
     number of experts chosen, on the device). `overrides`: KSPLIT (gate/up warps a block), WARPS (`down_mma_tokens`'
-    warps a block), STAGES, DSTAGES, DWARPS, DBLOCKS (the streamed forms'); `gate`: `BLOCK_GATE`'s forms ("stream"
-    where `_stream_fits`, else "tiles"), `down`: `BLOCK_DOWN`'s ("stream" where `_down_stream_fits`, else "tiles")."""
+    warps a block), STAGES, PARTS, DSTAGES, DWARPS, DBLOCKS (the persistent forms'); `gate`: `BLOCK_GATE`'s forms
+    ("bulk" where `_bulk_fits`, else "stream" where `_stream_fits`, else "tiles"), `down`: `BLOCK_DOWN`'s ("stream"
+    where `_down_stream_fits`, else "tiles")."""
     tokens, hidden = x.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
     top_k = order.numel() // tokens
