@@ -1,7 +1,7 @@
 """Launch shapes of the INT4 one-token CUDA C kernels (`plugins/int4_moe/token_cuda.py`) at Kimi K2.x per-rank TP-8
 dimensions on one GPU: each gate/up and down form timed alone and the pair in a sequence, with its registers.
 
-    PYTHONPATH=. python3 benchmarks/int4_token_probe.py OUT_DIR [--repeats 3]
+    PYTHONPATH=. python3 benchmarks/int4_token_probe.py OUT_DIR [--repeats 3] [--block-only] [--diagnostics]
 
 Forms: `split` (`gate_up_split`, a warp a 16-byte chunk of RPB row pairs, SPLIT_MIN_BLOCKS: blocks an SM the
 compiler keeps registers for; then `down`, ROWS output rows a warp, WARPS warps a block) and `mma` (`gate_up_mma` with
@@ -11,8 +11,8 @@ Each is checked against the torch reference through the pair of launches (relati
 CUDA-graph replay with the L2 left clean (`benchmarks.common.graph_time_us(flush="read")`), and 8 calls over other
 experts back to back in one graph (a call's share: as inside a forward), and by the profiler (kernel time alone).
 The byte floor: the bytes each kernel reads at the copy rate of this run. Then the block form (`int4_moe_block`: 8
-and 33 tokens) at several launch shapes beside the Triton tensor-core form (`block_rows`). Writes
-OUT_DIR/int4_token_probe.json.
+and 33 tokens, random and skewed routing) at `BLOCK_SHAPES` beside the Triton tensor-core form (`block_rows`; with
+`--diagnostics`, the bulk gate/up form copying only and multiplying only). Writes OUT_DIR/int4_token_probe.json.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ BLOCK_SHAPES = (
     ("tiles", "tiles", {}),
     ("stream", "stream", {}),
     ("bulk", "stream", {}),
-    ("bulk", "stream", {"STAGES": 3}),
-    ("bulk", "stream", {"STAGES": 3, "PARTS": 1}),
-    ("stream", "stream", {"DWARPS": 8, "DSTAGES": 4, "DBLOCKS": 3}),
+    ("bulk", "stream", {"CHUNK": 1, "DCHUNK": 1}),
+    ("bulk", "stream", {"CHUNK": 8, "DCHUNK": 16}),
+    ("bulk", "stream", {"CHUNK": 2, "DCHUNK": 8}),
 )
 # where the bulk-copy gate/up kernel's time goes: its source changed so that it only copies (the column passes never
 # run) or only multiplies (no copies past the first tiles: the sums are wrong, the time is the passes'); timed, not
@@ -54,11 +54,10 @@ DIAGNOSTICS = {
          "        if (pairs < 0) gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);"
          "\n        else __syncthreads();\n    }\n}"),
     )),
-    "gate/up multiplies only": ("bulk", (
-        ("        if (warp == 0 && task + STAGES - 1 < range.y) issue(",
-         "        if (warp == 0 && task + STAGES - 1 < range.x) issue("),
-        ("        while (!bar_done(bars + s, (i / STAGES) & 1)) {}",
-         "        while (i < STAGES - 1 && !bar_done(bars + s, (i / STAGES) & 1)) {}"),
+    "gate/up multiplies only": ("bulk", (  # every stage's phase completed by the arrival alone, nothing copied
+        ('"r"(16 * (WORDS_IN * 4 + (HIDDEN / GROUP) * 2))', '"r"(0)'),
+        ("        if (kind < 2)\n            bulk_copy(", "        if (kind < 0)\n            bulk_copy("),
+        ("        else\n            bulk_copy(", "        else if (kind < 0)\n            bulk_copy("),
     )),
 }  # fmt: skip
 
@@ -78,6 +77,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--block-only", action="store_true", help="only the block form's shapes (`block_rows`)")
+    parser.add_argument("--diagnostics", action="store_true", help="also the bulk gate/up form's `DIAGNOSTICS`")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
     split = "split"
     shapes = [("mma", {}), ("mma", {"KSPLIT": 7}), ("mma", {"KSPLIT": 28}), ("mma", {"KSPLIT": 4})]
     shapes += [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), (split, {"RPB": 4, "ROWS": 2})]
+    shapes = [] if args.block_only else shapes
     for form, overrides in shapes:
         defines, compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
         mma = form == "mma"
@@ -141,13 +143,15 @@ def main(argv=None) -> int:
             row[name] = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
-    info["block_rows"] = block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, args.repeats)
+    info["block_rows"] = block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, args.repeats,
+                                    args.diagnostics)  # fmt: skip
     (args.out_dir / "int4_token_probe.json").write_text(json.dumps(info, indent=1) + "\n")
     return 1 if any(r.get("wrong") for r in info["rows"] + info["block_rows"]) else 0
 
 
-def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: int) -> list[dict]:
-    """The block form (`token_cuda.int4_moe_block`, the routing launch included) at T = 8 and 33, random routing,
+def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: int, diagnostics: bool) -> list[dict]:
+    """The block form (`token_cuda.int4_moe_block`, the routing launch included) at T = 8 and 33, random and skewed
+    routing (`benchmarks.int4_moe_gpu.routing`),
     at each of `BLOCK_SHAPES` (the gate/up and down forms, their stages and warps) beside the Triton tensor-core form
     (`rows_triton`); each checked against the reference, then timed by CUDA-graph replay with the L2 left clean, and
     each of its kernels by the profiler."""
@@ -156,8 +160,8 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
 
     rows = []
     triton = triton_tensor_cores(DEFAULT_TUNING)
-    for tokens in (8, 33):
-        ids, weights = routing("random", tokens, experts, k, gen)
+    for kind, tokens in (("random", 8), ("random", 33), ("skewed", 8), ("skewed", 33)):
+        ids, weights = routing(kind, tokens, experts, k, gen)
         ids, weights = ids.to(device), weights.to(device)
         x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
         want = int4_moe(x.float(), ids, weights, *[t if t.dtype == torch.int32 else t.float() for t in tensors],
@@ -169,7 +173,7 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
             name = f"block gate {gate} down {down}" + "".join(f" {k} {v}" for k, v in shape.items())
             forms[name] = lambda c=call, o=o: token_cuda.int4_moe_block(c[0], route(c[1], experts), c[2], *ready,
                                                                         GROUP, **o)  # fmt: skip
-        for name, (gate, changes) in DIAGNOSTICS.items():
+        for name, (gate, changes) in DIAGNOSTICS.items() if diagnostics and kind == "random" else ():
             source = token_cuda.SOURCE
             for before, after in changes:
                 assert token_cuda.SOURCE.count(before) == 1, before
@@ -184,13 +188,13 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
                 return token_cuda.int4_moe_block(c[0], route(c[1], experts), c[2], *ready, GROUP, **o)
 
             timed = [graph_time_us(fn, device, False, flush="read") for _ in range(repeats)]
-            row = {"tokens": tokens, "form": name, "diagnostic": True, "kernels_us": kernel_times_us(fn),
-                   "graph_us": statistics.median(timed)}  # fmt: skip
+            row = {"routing": kind, "tokens": tokens, "form": name, "diagnostic": True,
+                   "kernels_us": kernel_times_us(fn), "graph_us": statistics.median(timed)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
         for name, fn in forms.items():
             got = fn().float()
-            row = {"tokens": tokens, "form": name, "distinct_experts": int(ids.unique().numel()),
+            row = {"routing": kind, "tokens": tokens, "form": name, "distinct_experts": int(ids.unique().numel()),
                    "relative_error": float((got - want).norm() / want.norm())}  # fmt: skip
             if row["relative_error"] < 1e-2:
                 row["graph_us"] = statistics.median(graph_time_us(fn, device, False, flush="read")

@@ -53,7 +53,9 @@ DOWN_ROWS = 4  # output rows a down warp computes
 RPB = 4  # gate/up row pairs a `gate_up_split` block computes
 SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps registers for (128 a thread)
 STAGES = 2  # `gate_up_mma_stream`: tiles in shared memory a block (the one multiplied, the ones being copied)
-PARTS = 2  # `gate_up_mma_stream`: passes' column sums in shared memory (2: one barrier a pass)
+PARTS = 2  # `gate_up_mma_stream`, `gate_up_mma_bulk`: passes' column sums in shared memory (2: one barrier a pass)
+CHUNK = 4  # `gate_up_mma_bulk`: tiles a block takes from the queue at a time
+DOWN_CHUNK = 4  # `down_mma_stream`: tasks a warp takes from the queue at a time
 DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
 DOWN_WARPS = 16  # `down_mma_stream`: warps a block
 DOWN_BLOCKS = 1  # `down_mma_stream`: blocks an SM (the grid, and the registers the compiler may take)
@@ -440,11 +442,9 @@ gate_up_mma_tokens(const bf16* __restrict__ x, const int* __restrict__ token, co
     gate_up_columns<1>(gw, uw, sg, su, x, token, start[expert], count[expert], tile, part, act, pass);
 }
 
-// ---- the same tiles streamed: persistent blocks, block b the tiles of tasks [b * tasks / grid, (b + 1) * tasks /
-// grid) (slot-major, so a block's tiles are mostly of one expert: its metadata and its pairs' rows of x are read from
-// L1 after the first tile), the words and scales of the next STAGES - 1 tiles copied into shared memory (cp.async)
-// while it multiplies the current one. A lane copies the very words it multiplies and a quad the scales of its own
-// row, so a stage's reuse is ordered by the warp alone.
+// ---- the same tiles streamed: persistent blocks, block b the tiles b, b + grid, b + 2 grid, ... (slot-major), the
+// words and scales of the next STAGES - 1 tiles copied into shared memory (cp.async) while it multiplies the current
+// one. A lane copies the very words it multiplies and a quad the scales of its own row.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
                  :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem));
@@ -457,10 +457,23 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int PENDING>  // until at most PENDING of this thread's groups are in flight
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING)); }
 
-// this block's (or warp's) share of `tasks` tasks: [first, last)
-__device__ __forceinline__ int2 task_range(int tasks, long long who, long long of) {
-    return make_int2((int)(who * tasks / of), (int)((who + 1) * tasks / of));
-}
+// a queue of tasks 0 .. tasks - 1 shared by the grid, taken TAKE consecutive tasks at a time (so a block's tiles come
+// mostly of one expert, whose tokens' x stays in L1, and every block or warp takes more while there are some, however
+// unevenly the routing loads them); `queue` is zero before the launch. next() is called by one thread.
+template <int TAKE>
+struct TaskQueue {
+    int* queue;
+    int tasks, at = 0, left = 0;
+    __device__ __forceinline__ int next() {  // the next task, or -1 once none is left
+        if (left == 0) {
+            at = atomicAdd(queue, 1) * TAKE;
+            left = TAKE;
+        }
+        --left;
+        const int task = at++;
+        return task < tasks ? task : -1;
+    }
+};
 
 // a row's scale values a warp reads: MMA_GROUPS groups x 4 nibble pairs x (J, J + 4) x (gate, up)
 #define ROW_SCALES (16 * MMA_GROUPS)
@@ -510,7 +523,8 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     constexpr int TILES = WIDTH / 8;
     const int step0 = warp * STEPS_PER_WARP;
-    const int2 range = task_range(__ldg(active) * TILES, blockIdx.x, gridDim.x);  // the chosen experts' tiles
+    const int tasks = __ldg(active) * TILES;  // the chosen experts' tiles; block b takes b, b + grid, b + 2 grid, ...
+    auto task_at = [&](int i) { return (int)blockIdx.x + i * (int)gridDim.x; };
     int pass = 0;  // the block's column passes so far
     auto stage = [&](int task, int s) {
         stage_tile(words + s * STAGE_WORDS, scales + s * STAGE_SCALES, gate_p, gate_s, up_p, up_s,
@@ -519,11 +533,12 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (range.x + s < range.y) stage(range.x + s, s);
+        if (task_at(s) < tasks) stage(task_at(s), s);
         cp_async_commit();  // one group a tile, empty past the last: the waits below count tiles
     }
-    for (int task = range.x, s = 0; task < range.y; ++task, s = s + 1 == STAGES ? 0 : s + 1) {
-        if (task + STAGES - 1 < range.y) stage(task + STAGES - 1, s == 0 ? STAGES - 1 : s - 1);  // read a tile ago
+    for (int i = 0, s = 0; task_at(i) < tasks; ++i, s = s + 1 == STAGES ? 0 : s + 1) {
+        const int task = task_at(i), ahead = task_at(i + STAGES - 1);
+        if (ahead < tasks) stage(ahead, s == 0 ? STAGES - 1 : s - 1);  // into the stage read a tile ago
         cp_async_commit();
         const int expert = __ldg(slot_expert + task / TILES), tile = task % TILES;
         const int first = __ldg(start + expert), pairs = __ldg(count + expert);
@@ -556,14 +571,17 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
     cp_async_wait<0>();
 }
 
-// ---- the same tiles by bulk copies (Hopper's TMA unit, one-dimensional: no tensor map): lane i of warp 0 copies
-// row i % 8 of gate's words, up's words, gate's scales or up's scales (i / 8) of a tile into a stage, each row
-// padded in shared memory so that a quarter warp's 16-byte reads of rows g and g + 1 fall in distinct banks; an
-// mbarrier a stage counts the bytes landed. A stage is filled again a tile after it was read: warp 0 issues those
-// copies only after the barrier of the pass that read it, which every warp reaches after its reads.
+// ---- the same tiles by bulk copies (Hopper's TMA unit, one-dimensional: no tensor map), the tiles taken from a
+// `TaskQueue` by lane 0 of warp 0, which writes each stage's task (or -1: no more) into shared memory before the
+// stage's mbarrier arrival. Lane i of warp 0 copies row i % 8 of gate's words, up's words, gate's scales or up's
+// scales (i / 8) of the tile into the stage, each row padded so that a quarter warp's 16-byte reads of rows g and
+// g + 1 fall in distinct banks; the mbarrier counts the bytes landed. A stage is filled again a tile after it was
+// read: warp 0 issues those copies only after the barrier of the pass that read it, which every warp reaches after
+// its reads.
 #define ROW_STRIDE (WORDS_IN * 4 + 64)             // bytes of a staged row of words
 #define SROW_STRIDE ((HIDDEN / GROUP) * 2 + 16)    // bytes of a staged row of scales
 #define BULK_STAGE (16 * ROW_STRIDE + 16 * SROW_STRIDE)  // gate rows, up rows, gate scales, up scales
+static_assert(STAGES <= 8, "the stages' mbarriers and tasks fit the first 128 bytes of shared memory");
 
 __device__ __forceinline__ unsigned smem_at(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
@@ -582,22 +600,36 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
                  const int* __restrict__ start, const int* __restrict__ count, const uint4* __restrict__ gate_p,
                  const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
                  bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r,
-                 const int* __restrict__ active) {
+                 const int* __restrict__ active, int* __restrict__ queue) {
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned long long* bars = (unsigned long long*)smem;  // [STAGES] mbarriers, then the stages
+    unsigned long long* bars = (unsigned long long*)smem;  // [STAGES] mbarriers,
+    volatile int* stage_task = (volatile int*)(smem + 64);  // [STAGES] the stages' tasks, then the stages
     unsigned char* stages = smem + 128;
     float (*part)[2][8][8] = (float (*)[2][8][8])(stages + STAGES * BULK_STAGE);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     constexpr int TILES = WIDTH / 8;
     const int step0 = warp * STEPS_PER_WARP;
-    const int2 range = task_range(__ldg(active) * TILES, blockIdx.x, gridDim.x);  // the chosen experts' tiles
+    TaskQueue<CHUNK> tiles{queue, __ldg(active) * TILES};  // the chosen experts' tiles; used by lane 0 of warp 0
+    bool more = true;                                         // warp 0: the queue may hold more
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_at(bars + s)));
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
-    auto issue = [&](int task, int s) {  // warp 0
+    auto issue = [&](int s) {  // warp 0: the next tile into stage s, or -1 there
+        int task = 0;
+        if (lane == 0) {
+            task = tiles.next();
+            stage_task[s] = task;
+        }
+        task = __shfl_sync(0xffffffffu, task, 0);
+        more = task >= 0;
+        if (!more) {  // the arrival alone completes the stage's phase: its readers find -1
+            if (lane == 0)
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_at(bars + s)) : "memory");
+            return;
+        }
         const long long e = __ldg(slot_expert + task / TILES), row = (task % TILES) * 8 + (lane & 7);
         unsigned char* stage = stages + s * BULK_STAGE;
         if (lane == 0)
@@ -616,13 +648,15 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
     if (warp == 0)
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s)
-            if (range.x + s < range.y) issue(range.x + s, s);
-    for (int task = range.x, i = 0; task < range.y; ++task, ++i) {
+            if (more) issue(s);
+    for (int i = 0;; ++i) {
         const int s = i % STAGES;
-        if (warp == 0 && task + STAGES - 1 < range.y) issue(task + STAGES - 1, (i + STAGES - 1) % STAGES);
+        if (warp == 0 && more) issue((i + STAGES - 1) % STAGES);
+        while (!bar_done(bars + s, (i / STAGES) & 1)) {}
+        const int task = stage_task[s];
+        if (task < 0) break;  // (no copy was issued after it)
         const int expert = __ldg(slot_expert + task / TILES), tile = task % TILES;
         const int first = __ldg(start + expert), pairs = __ldg(count + expert);
-        while (!bar_done(bars + s, (i / STAGES) & 1)) {}
         const unsigned char* stage = stages + s * BULK_STAGE;
         uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
 #pragma unroll
@@ -681,10 +715,10 @@ down_mma_tokens(const bf16* __restrict__ act, const long long* __restrict__ orde
     }
 }
 
-// down streamed: persistent warps, warp w of the grid's the 16-row tasks [w * tasks / warps, (w + 1) * tasks / warps)
-// (expert-major: a warp's tasks mostly of one expert), the words and scales of its next DSTAGES - 1 tasks copied into
-// its own shared memory (cp.async) while it multiplies the current one, as a `down_mma_tokens` warp does: no barrier
-// but the warp's own. A row's WIDTH / GROUP scales are copied 16 bytes at a time (`launch_block` checks they fit).
+// down streamed: persistent warps taking 16-row tasks (expert-major) from a `TaskQueue`, DCHUNK at a time, the words
+// and scales of its next DSTAGES - 1 tasks copied into its own shared memory (cp.async) while it multiplies the
+// current one, as a `down_mma_tokens` warp does: no barrier but the warp's own. A row's WIDTH / GROUP scales are
+// copied 16 bytes at a time (`launch_block` checks they fit).
 #define DSTEPS (WORDS_W / 16)
 #define DROW_SCALES (WIDTH / GROUP)               // bfloat16 scales a row
 #define DSTAGE_WORDS (2 * DSTEPS * 32)             // uint4s of a warp's stage: step, rows g / g + 8, lane
@@ -698,14 +732,21 @@ extern "C" __global__ void __launch_bounds__(32 * DWARPS, DBLOCKS)
 down_mma_stream(const bf16* __restrict__ act, const long long* __restrict__ order, const float* __restrict__ weights,
                 const int* __restrict__ slot_expert, const int* __restrict__ start, const int* __restrict__ count,
                 const uint4* __restrict__ down_p, const bf16* __restrict__ down_s, float* __restrict__ routed,
-                int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r, const int* __restrict__ active) {
+                int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r, const int* __restrict__ active,
+                int* __restrict__ queue) {
     extern __shared__ __align__(16) uint4 dsmem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     uint4* mine = dsmem + warp * (DSTAGES * DSTAGE);
+    volatile int* stage_task = (volatile int*)(dsmem + DWARPS * DSTAGES * DSTAGE) + warp * DSTAGES;  // or -1
     constexpr int TILES = HIDDEN / 16;
-    const int2 range = task_range(__ldg(active) * TILES, (long long)blockIdx.x * DWARPS + warp,
-                                  (long long)gridDim.x * DWARPS);
-    auto stage = [&](int task, int s) {
+    TaskQueue<DCHUNK> tasks{queue, __ldg(active) * TILES};  // lane 0's
+    bool more = true;
+    auto stage = [&](int s) {  // the warp's next task into stage s, or -1 there
+        int task = lane == 0 ? tasks.next() : 0;
+        task = __shfl_sync(0xffffffffu, task, 0);
+        if (lane == 0) stage_task[s] = task;
+        more = task >= 0;
+        if (!more) return;
         const long long e = __ldg(slot_expert + task / TILES);
         const int h0 = (task % TILES) * 16;
         uint4* at = mine + s * DSTAGE;
@@ -723,17 +764,19 @@ down_mma_stream(const bf16* __restrict__ act, const long long* __restrict__ orde
     };
 #pragma unroll
     for (int s = 0; s < DSTAGES - 1; ++s) {
-        if (range.x + s < range.y) stage(range.x + s, s);
+        if (more) stage(s);
         cp_async_commit();
     }
-    for (int task = range.x, s = 0; task < range.y; ++task, s = s + 1 == DSTAGES ? 0 : s + 1) {
+    for (int s = 0;; s = s + 1 == DSTAGES ? 0 : s + 1) {
         __syncwarp();  // every lane done with the stage the next copies go into (its scales are the warp's)
-        if (task + DSTAGES - 1 < range.y) stage(task + DSTAGES - 1, s == 0 ? DSTAGES - 1 : s - 1);
+        if (more) stage(s == 0 ? DSTAGES - 1 : s - 1);
         cp_async_commit();
-        const int expert = __ldg(slot_expert + task / TILES), h0 = (task % TILES) * 16;
-        const int first = __ldg(start + expert), pairs = __ldg(count + expert);
         cp_async_wait<DSTAGES - 1>();
         __syncwarp();
+        const int task = stage_task[s];
+        if (task < 0) break;  // (nothing was staged after it)
+        const int expert = __ldg(slot_expert + task / TILES), h0 = (task % TILES) * 16;
+        const int first = __ldg(start + expert), pairs = __ldg(count + expert);
         const uint4* at = mine + s * DSTAGE;
         uint4 dl[DSTEPS], dh[DSTEPS];
 #pragma unroll
@@ -887,7 +930,8 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
         "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB, "SPLIT_MIN_BLOCKS": SPLIT_MIN_BLOCKS,
         "KSPLIT": mma_ksplit(hidden, group_size),
-        "STAGES": STAGES, "PARTS": PARTS, "DSTAGES": DOWN_STAGES, "DWARPS": DOWN_WARPS, "DBLOCKS": DOWN_BLOCKS,
+        "STAGES": STAGES, "PARTS": PARTS, "CHUNK": CHUNK, "DCHUNK": DOWN_CHUNK, "DSTAGES": DOWN_STAGES,
+        "DWARPS": DOWN_WARPS, "DBLOCKS": DOWN_BLOCKS,
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
@@ -1018,10 +1062,12 @@ def launch_block(x, order, token, start, count, slot_expert, active, weights, ga
                  gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
     tasks, threads = slots * (width // 8), LANES * defines["KSPLIT"]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    queues = torch.zeros(2, dtype=torch.int32, device=x.device)  # the persistent forms' task queues
     if gate == "bulk" and _bulk_fits(hidden, group_size, gate_packed, up_packed, gate_scale, up_scale):
         kernel, smem = compiled["gate_up_mma_bulk"], _bulk_bytes(defines)
         _allow_shared_memory(kernel, smem)
-        kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, active], shared_mem=smem)
+        kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, active, queues[0:1]],
+               shared_mem=smem)  # fmt: skip
     elif gate in ("stream", "bulk") and _stream_fits(gate_scale, up_scale):
         kernel, smem = compiled["gate_up_mma_stream"], _stream_bytes(defines)
         _allow_shared_memory(kernel, smem)
@@ -1035,7 +1081,7 @@ def launch_block(x, order, token, start, count, slot_expert, active, weights, ga
         _allow_shared_memory(kernel, smem)
         warps = slots * (hidden // 16)  # the most tasks there can be: a warp each at least
         blocks = min(sms * defines["DBLOCKS"], -(-warps // defines["DWARPS"]))
-        kernel(grid=(blocks, 1, 1), block=(LANES * defines["DWARPS"], 1, 1), args=[*down_args, active],
+        kernel(grid=(blocks, 1, 1), block=(LANES * defines["DWARPS"], 1, 1), args=[*down_args, active, queues[1:2]],
                shared_mem=smem)  # fmt: skip
     else:
         tiles = -(-hidden // (16 * defines["WARPS"]))
@@ -1090,9 +1136,9 @@ def _bulk_fits(hidden: int, group_size: int, *experts: torch.Tensor) -> bool:
 
 def _down_stream_bytes(defines: dict) -> int:
     """`down_mma_stream`'s shared memory: DSTAGES stages a warp, each its words (16 bytes a lane a step, rows g and
-    g + 8) and its 16 rows' scales."""
+    g + 8), its 16 rows' scales and its task."""
     stage = 2 * (defines["WORDS_W"] // 16) * LANES * 16 + 16 * (defines["WIDTH"] // defines["GROUP"]) * 2
-    return defines["DWARPS"] * defines["DSTAGES"] * stage
+    return defines["DWARPS"] * defines["DSTAGES"] * (stage + 4)
 
 
 def _stream_fits(*scales: torch.Tensor) -> bool:
