@@ -38,6 +38,7 @@ from benchmarks.common import environment, graph_time_us, measure_ceilings  # no
 from models.config import QuantConfig  # noqa: E402
 from models.mapping import Mapping  # noqa: E402
 from models.presets import kimi_k2  # noqa: E402
+from plugins.int4_moe import token_cuda  # noqa: E402
 from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel, Tuning, int4_moe_cuda, repack_rows  # noqa: E402
 from plugins.int4_moe.reference import dequantize_experts, int4_moe  # noqa: E402
 
@@ -303,7 +304,8 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(smoke), "command": " ".join(sys.argv), "ceilings": ceilings,
               "dims": {"hidden": hidden, "experts": experts, "width": width, "top_k": k, "group": GROUP},
-              "layout": layout, "tuning": vars(tuning), "sweep": sweep, "rows": rows}  # fmt: skip
+              "layout": layout, "tuning": vars(tuning), "block_form": token_cuda.block_form(), "sweep": sweep,
+              "rows": rows}  # fmt: skip
     (args.out_dir / "int4_moe_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -39,11 +39,9 @@ VARIANTS = 8
 # the block form's launch shapes timed: (gate/up form, down form, constants); the first is the forms before streaming
 BLOCK_SHAPES = (
     ("tiles", "tiles", {}),
-    ("stream", "stream", {}),
     ("bulk", "stream", {}),
-    ("bulk", "stream", {"CHUNK": 1, "DCHUNK": 1}),
-    ("bulk", "stream", {"CHUNK": 8, "DCHUNK": 16}),
-    ("bulk", "stream", {"CHUNK": 2, "DCHUNK": 8}),
+    ("bulk", "stream", {"BALANCE": 1}),
+    ("bulk", "stream", {"BALANCE": 1, "DCHUNK": 8}),
 )
 # where the bulk-copy gate/up kernel's time goes: its source changed so that it only copies (the column passes never
 # run) or only multiplies (no copies past the first tiles: the sums are wrong, the time is the passes'); timed, not

@@ -465,8 +465,8 @@ def test_cuda_block_kernels_on_a_gpu():
     """The compiled block kernels (through `int4_moe_cuda`, as the rank runs them) at Kimi K2.x's per-rank TP-8
     dimensions against the reference and their algorithm, T in {2, 8, 33, 64}, random routing and one expert every
     token chooses (33 and 64 pairs of one expert: five and eight passes of 8 columns), int64 and int32 expert ids;
-    every gate/up and down form ("bulk", "stream", "tiles"; at other stage counts, sums a pass, warps a block and
-    tasks taken from the queue at a time);
+    every gate/up and down form ("bulk", "stream", "tiles"; at other stage counts, sums a pass, warps a block, tasks
+    taken from the queue at a time, and the tiles shared out by work);
     each token's output against the one-token tensor-core form's; the same bits twice."""
     from plugins.int4_moe import kernel, token_cuda
     from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel
@@ -493,7 +493,7 @@ def test_cuda_block_kernels_on_a_gpu():
         for gate, down, shape in (("tiles", "tiles", {}), ("stream", "stream", {"STAGES": 3, "PARTS": 1, "DSTAGES": 2}),
                                   ("bulk", "stream", {"DWARPS": 1, "DBLOCKS": 1, "CHUNK": 1, "DCHUNK": 3}),
                                   ("bulk", "tiles", {"STAGES": 3, "CHUNK": 7}),
-                                  ("bulk", "stream", {"PARTS": 1})):  # fmt: skip
+                                  ("bulk", "stream", {"PARTS": 1, "BALANCE": 1})):  # fmt: skip
             other = token_cuda.int4_moe_block(x.cuda(), routing, weights.cuda(), *gpu, group, gate=gate, down=down,
                                               **shape).cpu()  # fmt: skip
             assert rel(other.float(), got.float()) < 1e-3, (tokens, gate, shape)  # the other forms: the same sums

@@ -55,6 +55,7 @@ SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps register
 STAGES = 2  # `gate_up_mma_stream`: tiles in shared memory a block (the one multiplied, the ones being copied)
 PARTS = 2  # `gate_up_mma_stream`, `gate_up_mma_bulk`: passes' column sums in shared memory (2: one barrier a pass)
 CHUNK = 4  # `gate_up_mma_bulk`: tiles a block takes from the queue at a time
+BALANCE = 0  # `gate_up_mma_bulk`: 1 to share the tiles out by their work before the launch's first copy, not a queue
 DOWN_CHUNK = 4  # `down_mma_stream`: tasks a warp takes from the queue at a time
 DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
 DOWN_WARPS = 16  # `down_mma_stream`: warps a block
@@ -459,14 +460,16 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // a queue of tasks 0 .. tasks - 1 shared by the grid, taken TAKE consecutive tasks at a time (so a block's tiles come
 // mostly of one expert, whose tokens' x stays in L1, and every block or warp takes more while there are some, however
-// unevenly the routing loads them); `queue` is zero before the launch. next() is called by one thread.
+// unevenly the routing loads them); `queue` is zero before the launch. next() is called by one thread, which asks
+// for its next run a run ahead (the atomic's round trip hidden behind the run it has).
 template <int TAKE>
 struct TaskQueue {
     int* queue;
-    int tasks, at = 0, left = 0;
+    int tasks, at = 0, left = 0, ahead = -1;
     __device__ __forceinline__ int next() {  // the next task, or -1 once none is left
         if (left == 0) {
-            at = atomicAdd(queue, 1) * TAKE;
+            at = (ahead < 0 ? atomicAdd(queue, 1) : ahead) * TAKE;
+            ahead = atomicAdd(queue, 1);
             left = TAKE;
         }
         --left;
@@ -474,6 +477,66 @@ struct TaskQueue {
         return task < tasks ? task : -1;
     }
 };
+
+// an inclusive prefix sum over the block's threads (at most 32 warps), and the block's total; `sums`: 32 in shared
+// memory, free again on return
+__device__ __forceinline__ long long block_scan(long long v, long long* sums, long long& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const long long u = __shfl_up_sync(0xffffffffu, v, d);
+        if (lane >= d) v += u;
+    }
+    if (lane == 31) sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        long long w = lane < warps ? sums[lane] : 0;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const long long u = __shfl_up_sync(0xffffffffu, w, d);
+            if (lane >= d) w += u;
+        }
+        sums[lane] = w;
+    }
+    __syncthreads();
+    total = sums[warps - 1];
+    const long long before = warp > 0 ? sums[warp - 1] : 0;
+    __syncthreads();
+    return v + before;
+}
+
+// the tiles block b takes when they are shared out by work (BALANCE = 1): a tile's work is its passes (its expert's
+// pairs / 8, rounded up), and block b takes the tiles whose work starts in [b W / grid, (b + 1) W / grid), W the
+// total: a contiguous run (mostly one or two experts, whose tokens' x stays in L1), as even in time as whole tiles
+// allow whatever the routing. Every thread of the block calls it.
+__device__ int2 balanced_tiles(const int* __restrict__ slot_expert, const int* __restrict__ count, int active) {
+    constexpr int TILES = WIDTH / 8;
+    __shared__ long long sums[32];
+    __shared__ int found[2];
+    long long total = 0, part;
+    for (int base = 0; base < active; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        block_scan(i < active ? (long long)TILES * ((__ldg(count + __ldg(slot_expert + i)) + 7) / 8) : 0, sums, part);
+        total += part;
+    }
+    const long long lo = total * blockIdx.x / gridDim.x, hi = total * (blockIdx.x + 1) / gridDim.x;
+    if (threadIdx.x < 2) found[threadIdx.x] = active * TILES;  // a bound at the very end
+    __syncthreads();
+    long long carry = 0;
+    for (int base = 0; base < active; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        const int passes = i < active ? (__ldg(count + __ldg(slot_expert + i)) + 7) / 8 : 0;
+        const long long end = carry + block_scan((long long)TILES * passes, sums, part);  // work before slot i + 1
+        const long long begin = end - (long long)TILES * passes;
+        if (i < active) {
+            if (begin <= lo && lo < end) found[0] = i * TILES + (int)((lo - begin + passes - 1) / passes);
+            if (begin <= hi && hi < end) found[1] = i * TILES + (int)((hi - begin + passes - 1) / passes);
+        }
+        carry += part;
+    }
+    __syncthreads();
+    return make_int2(found[0], found[1]);
+}
 
 // a row's scale values a warp reads: MMA_GROUPS groups x 4 nibble pairs x (J, J + 4) x (gate, up)
 #define ROW_SCALES (16 * MMA_GROUPS)
@@ -610,7 +673,10 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
     constexpr int TILES = WIDTH / 8;
     const int step0 = warp * STEPS_PER_WARP;
     TaskQueue<CHUNK> tiles{queue, __ldg(active) * TILES};  // the chosen experts' tiles; used by lane 0 of warp 0
-    bool more = true;                                         // warp 0: the queue may hold more
+#if BALANCE
+    int2 run = balanced_tiles(slot_expert, count, __ldg(active));  // or this block's run of them
+#endif
+    bool more = true;  // warp 0: there may be more
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_at(bars + s)));
@@ -620,7 +686,11 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
     auto issue = [&](int s) {  // warp 0: the next tile into stage s, or -1 there
         int task = 0;
         if (lane == 0) {
+#if BALANCE
+            task = run.x < run.y ? run.x++ : -1;
+#else
             task = tiles.next();
+#endif
             stage_task[s] = task;
         }
         task = __shfl_sync(0xffffffffu, task, 0);
@@ -930,7 +1000,8 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "WORDS_PER_LANE": words_w // per_pair, "CHUNKS_PER_LANE": words_w // per_pair // 4,
         "IDS_T": "long long" if ids_dtype == torch.int64 else "int", "RPB": RPB, "SPLIT_MIN_BLOCKS": SPLIT_MIN_BLOCKS,
         "KSPLIT": mma_ksplit(hidden, group_size),
-        "STAGES": STAGES, "PARTS": PARTS, "CHUNK": CHUNK, "DCHUNK": DOWN_CHUNK, "DSTAGES": DOWN_STAGES,
+        "STAGES": STAGES, "PARTS": PARTS, "CHUNK": CHUNK, "BALANCE": BALANCE, "DCHUNK": DOWN_CHUNK,
+        "DSTAGES": DOWN_STAGES,
         "DWARPS": DOWN_WARPS, "DBLOCKS": DOWN_BLOCKS,
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
@@ -1031,6 +1102,13 @@ def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_pa
     launch(x.contiguous(), ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act,
            out, group_size)  # fmt: skip
     return out
+
+
+def block_form() -> dict:
+    """What a block of tokens runs now: its gate/up and down forms and their launch constants (for a benchmark's
+    record)."""
+    names = ("STAGES", "PARTS", "CHUNK", "BALANCE", "DOWN_CHUNK", "DOWN_STAGES", "DOWN_WARPS", "DOWN_BLOCKS")
+    return {"gate": BLOCK_GATE, "down": BLOCK_DOWN, **{name: globals()[name] for name in names}}
 
 
 def block_fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
