@@ -41,15 +41,16 @@ BLOCK_SHAPES = (
     ("tiles", "tiles", {}),
     ("bulk", "stream", {}),
     ("bulk", "stream", {"BALANCE": 1}),
+    ("bulk", "stream", {"BALANCE": 1, "DCHUNK": 8}),
 )
 # where the bulk-copy gate/up kernel's time goes: its source changed so that it only copies (the column passes never
 # run) or only multiplies (no copies past the first tiles: the sums are wrong, the time is the passes'); timed, not
 # checked
 DIAGNOSTICS = {
     "gate/up copies only": ("bulk", (
-        ("        gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);\n    };",
+        ("        gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);\n    }\n}",
          "        if (pairs < 0) gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);"
-         "\n        else __syncthreads();\n    };"),
+         "\n        else __syncthreads();\n    }\n}"),
     )),
     "gate/up multiplies only": ("bulk", (  # every stage's phase completed by the arrival alone, nothing copied
         ('"r"(16 * (WORDS_IN * 4 + (HIDDEN / GROUP) * 2))', '"r"(0)'),
