@@ -28,14 +28,15 @@ fewer instructions a weight than the split form (sm_90 SASS). Their computation 
 fragment (`algorithm_mma`); on one H100 they took as long as the split form, so it is not the default.
 
 A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_bulk` (persistent
-blocks, one an SM, each a contiguous share of the chosen experts' 8-row tiles of gate and up, so mostly of one expert
-whose tokens' x stays in L1; the next tile's rows of words and scales copied into shared memory by the TMA unit
+blocks, one an SM, taking the chosen experts' 8-row tiles of gate and up from a queue, CHUNK consecutive tiles at a
+time: mostly of one expert, whose tokens' x stays in L1, and as many a block as its time allows however the routing
+loads the experts; the next tile's rows of words and scales copied into shared memory by the TMA unit
 (one-dimensional bulk copies, an mbarrier a stage) while the current one is multiplied by up to 8 of its expert's
-tokens a pass: the MMA's columns; `gate_up_mma_stream` is the same by cp.async, `gate_up_mma_tokens` a block a tile),
-`down_mma_stream` (persistent warps, 16 rows of one expert a task, the next tasks copied in by cp.async, into each
-pair's own float32 row; `down_mma_tokens` a block 8 tasks) and `sum_pairs` (each token's k rows in a fixed order).
-Every form of a kernel adds the same products in the same order: the same bits. `algorithm_mma_block` is that
-computation fragment by fragment in torch.
+tokens a pass: the MMA's columns; `gate_up_mma_stream` is the same by cp.async with the tiles strided over the grid,
+`gate_up_mma_tokens` a block a tile), `down_mma_stream` (persistent warps, 16 rows of one expert a task, DCHUNK tasks
+at a time from a queue, the next ones copied in by cp.async, into each pair's own float32 row; `down_mma_tokens` a
+block 8 tasks) and `sum_pairs` (each token's k rows in a fixed order). Every form of a kernel adds the same products
+in the same order: the same bits. `algorithm_mma_block` is that computation fragment by fragment in torch.
 
 `algorithm` is the split form's computation in torch, lane by lane (the same chunks, nibbles, groups and
 butterflies), so the kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py);
@@ -52,10 +53,12 @@ WARPS = 8  # warps a block, both kernels
 DOWN_ROWS = 4  # output rows a down warp computes
 RPB = 4  # gate/up row pairs a `gate_up_split` block computes
 SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps registers for (128 a thread)
-STAGES = 2  # `gate_up_mma_stream`: tiles in shared memory a block (the one multiplied, the ones being copied)
+STAGES = 2  # `gate_up_mma_stream`, `gate_up_mma_bulk`: tiles in shared memory a block (multiplied, being copied)
 PARTS = 2  # `gate_up_mma_stream`, `gate_up_mma_bulk`: passes' column sums in shared memory (2: one barrier a pass)
 CHUNK = 4  # `gate_up_mma_bulk`: tiles a block takes from the queue at a time
-BALANCE = 0  # `gate_up_mma_bulk`: 1 to share the tiles out by their work before the launch's first copy, not a queue
+# `gate_up_mma_bulk`: 1 to share the tiles out by their work (contiguous runs) before the first copy instead of the
+# queue: measured 2 % faster at T = 33 with random routing, 4 % slower with skewed routing (BENCHMARKS.md section 8)
+BALANCE = 0
 DOWN_CHUNK = 4  # `down_mma_stream`: tasks a warp takes from the queue at a time
 DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
 DOWN_WARPS = 16  # `down_mma_stream`: warps a block
@@ -1026,7 +1029,8 @@ BLOCK_KERNELS = (
 )
 # a block's gate/up: "bulk" (`gate_up_mma_bulk`: persistent blocks, the next tile's rows copied in by the TMA unit
 # while the current one is multiplied), "stream" (`gate_up_mma_stream`: the same by cp.async, every lane its own
-# words) or "tiles" (`gate_up_mma_tokens`: a block a tile, its words loaded into registers); its down: "stream"
+# words, the tiles strided over the grid) or "tiles" (`gate_up_mma_tokens`: a block a tile, its words loaded into
+# registers); its down: "stream"
 # (`down_mma_stream`: persistent warps, cp.async) or "tiles" (`down_mma_tokens`). Measured fastest first
 # (BENCHMARKS.md, section 8); each falls back to the next where the tensors' alignment does not allow it.
 BLOCK_GATE = "bulk"
