@@ -460,6 +460,37 @@ def test_cuda_block_kernels_reject_what_they_cannot_take():
         token_cuda.int4_moe_block(x.to(torch.bfloat16), wrong, weights, *ready, group)
 
 
+def test_cuda_block_forms_fall_back_to_what_the_gpu_and_tensors_allow():
+    """`block_forms` (what `launch_block` runs): bulk copies on sm_90 and later only; each persistent form only where
+    its shared memory fits a block and the tensors' alignment allows its copies, else the next form; names it does
+    not know are an error that lists the forms."""
+    from plugins.int4_moe import token_cuda
+
+    hidden, width, group, k = 7168, 256, 32, 8
+    _, ready = bf16_experts(2, hidden, width, group)
+    gate_packed, gate_scale, up_packed, up_scale, _, down_scale = ready
+    defines = {**token_cuda._defines(hidden, width, group, k, torch.int32),
+               "KSPLIT": token_cuda.mma_ksplit(hidden, group, most=32)}  # fmt: skip
+
+    def forms(gate="bulk", down="stream", capability=(9, 0), shared=232448, g_scale=gate_scale, d_scale=down_scale):
+        return token_cuda.block_forms(defines, gate, down, capability, shared, gate_packed, up_packed, g_scale,
+                                      up_scale, d_scale)  # fmt: skip
+
+    assert forms() == ("bulk", "stream")  # Kimi K2.x on an H100 or H200
+    assert forms(capability=(8, 0)) == ("stream", "stream")  # no bulk copies before sm_90
+    assert forms(gate="tiles", down="tiles") == ("tiles", "tiles")
+    assert token_cuda._bulk_bytes(defines) > 150_000 > token_cuda._down_stream_bytes(defines)
+    assert forms(shared=150_000) == ("tiles", "stream")  # neither gate/up stage pair fits; down's does
+    assert forms(shared=100_000) == ("tiles", "tiles")
+    # scales two bytes off a 4-byte boundary: no 16-byte bulk copies, no 4-byte cp.async copies of scale pairs
+    odd = torch.empty(gate_scale.numel() + 1, dtype=torch.bfloat16)[1:].view(gate_scale.shape)
+    assert forms(g_scale=odd) == ("tiles", "stream")
+    odd_down = torch.empty(down_scale.numel() + 1, dtype=torch.bfloat16)[1:].view(down_scale.shape)
+    assert forms(d_scale=odd_down) == ("bulk", "tiles")
+    with pytest.raises(ValueError, match="'bulk', 'stream' or 'tiles'.*'dma'"):
+        forms(gate="dma")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NVRTC compiles the kernels)")
 def test_cuda_block_kernels_on_a_gpu():
     """The compiled block kernels (through `int4_moe_cuda`, as the rank runs them) at Kimi K2.x's per-rank TP-8

@@ -36,7 +36,9 @@ tokens a pass: the MMA's columns; `gate_up_mma_stream` is the same by cp.async w
 `gate_up_mma_tokens` a block a tile), `down_mma_stream` (persistent warps, 16 rows of one expert a task, DCHUNK tasks
 at a time from a queue, the next ones copied in by cp.async, into each pair's own float32 row; `down_mma_tokens` a
 block 8 tasks) and `sum_pairs` (each token's k rows in a fixed order). Every form of a kernel adds the same products
-in the same order: the same bits. `algorithm_mma_block` is that computation fragment by fragment in torch.
+in the same order: the same bits. `block_forms` picks the forms a GPU and the tensors allow (bulk copies need sm_90;
+each persistent form needs its shared memory and aligned rows). `algorithm_mma_block` is that computation fragment by
+fragment in torch.
 
 `algorithm` is the split form's computation in torch, lane by lane (the same chunks, nibbles, groups and
 butterflies), so the kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py);
@@ -649,6 +651,8 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
 #define BULK_STAGE (16 * ROW_STRIDE + 16 * SROW_STRIDE)  // gate rows, up rows, gate scales, up scales
 static_assert(STAGES <= 8, "the stages' mbarriers and tasks fit the first 128 bytes of shared memory");
 
+// (sm_90 and later: on an older GPU the kernel is compiled empty and `launch_block` does not choose it)
+#if __CUDA_ARCH__ >= 900
 __device__ __forceinline__ unsigned smem_at(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
@@ -660,6 +664,7 @@ __device__ __forceinline__ bool bar_done(unsigned long long* bar, unsigned parit
                  " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(smem_at(bar)), "r"(parity) : "memory");
     return done;
 }
+#endif
 
 extern "C" __global__ void __launch_bounds__(32 * KSPLIT, 1)
 gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, const int* __restrict__ slot_expert,
@@ -667,6 +672,7 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
                  const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p, const bf16* __restrict__ up_s,
                  bf16* __restrict__ act, int p_stride_e, int p_stride_r, int s_stride_e, int s_stride_r,
                  const int* __restrict__ active, int* __restrict__ queue) {
+#if __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned long long* bars = (unsigned long long*)smem;  // [STAGES] mbarriers,
     volatile int* stage_task = (volatile int*)(smem + 64);  // [STAGES] the stages' tasks, then the stages
@@ -751,6 +757,7 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
             }
         gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);
     }
+#endif
 }
 
 // block: WARPS warps of 16 output rows each (as a `down_mma` warp) of the slot's expert, every one of its pairs'
@@ -1128,8 +1135,7 @@ def launch_block(x, order, token, start, count, slot_expert, active, weights, ga
     [T x k, hidden] float32, their sum into `out` [T, hidden]; the routing as `kernel.route` makes it (`active`: the
     number of experts chosen, on the device). `overrides`: KSPLIT (gate/up warps a block), WARPS (`down_mma_tokens`'
     warps a block), STAGES, PARTS, DSTAGES, DWARPS, DBLOCKS (the persistent forms'); `gate`: `BLOCK_GATE`'s forms
-    ("bulk" where `_bulk_fits`, else "stream" where `_stream_fits`, else "tiles"), `down`: `BLOCK_DOWN`'s ("stream"
-    where `_down_stream_fits`, else "tiles")."""
+    (`block_forms` says which run on this device and these tensors)."""
     tokens, hidden = x.shape
     width, slots = gate_packed.shape[1], slot_expert.numel()
     top_k = order.numel() // tokens
@@ -1137,20 +1143,20 @@ def launch_block(x, order, token, start, count, slot_expert, active, weights, ga
     # both gate/up forms (BENCHMARKS.md, section 8)
     shape = {"KSPLIT": mma_ksplit(hidden, group_size, most=32), **overrides}
     defines, compiled = kernels(x.device, hidden, width, group_size, top_k, torch.int32, BLOCK_KERNELS, **shape)
-    if gate not in ("bulk", "stream", "tiles") or down not in ("stream", "tiles"):
-        raise ValueError(f"gate: expected 'bulk', 'stream' or 'tiles', down: 'stream' or 'tiles'; got {gate!r} and "
-                         f"{down!r}")  # fmt: skip
+    gate, down = block_forms(defines, gate, down, torch.cuda.get_device_capability(x.device),
+                             _shared_memory_limit(x.device), gate_packed, up_packed, gate_scale, up_scale,
+                             down_scale)  # fmt: skip
     gate_args = [x, token, slot_expert, start, count, gate_packed, gate_scale, up_packed, up_scale, act,
                  gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
     tasks, threads = slots * (width // 8), LANES * defines["KSPLIT"]
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     queues = torch.zeros(2, dtype=torch.int32, device=x.device)  # the persistent forms' task queues
-    if gate == "bulk" and _bulk_fits(hidden, group_size, gate_packed, up_packed, gate_scale, up_scale):
+    if gate == "bulk":
         kernel, smem = compiled["gate_up_mma_bulk"], _bulk_bytes(defines)
         _allow_shared_memory(kernel, smem)
         kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, active, queues[0:1]],
                shared_mem=smem)  # fmt: skip
-    elif gate in ("stream", "bulk") and _stream_fits(gate_scale, up_scale):
+    elif gate == "stream":
         kernel, smem = compiled["gate_up_mma_stream"], _stream_bytes(defines)
         _allow_shared_memory(kernel, smem)
         kernel(grid=(min(tasks, sms), 1, 1), block=(threads, 1, 1), args=[*gate_args, active], shared_mem=smem)
@@ -1158,7 +1164,7 @@ def launch_block(x, order, token, start, count, slot_expert, active, weights, ga
         compiled["gate_up_mma_tokens"](grid=(tasks, 1, 1), block=(threads, 1, 1), args=gate_args)
     down_args = [act, order, weights, slot_expert, start, count, down_packed, down_scale, routed,
                  down_packed.stride(0), down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)]  # fmt: skip
-    if down == "stream" and _down_stream_fits(width, group_size, down_scale):
+    if down == "stream":
         kernel, smem = compiled["down_mma_stream"], _down_stream_bytes(defines)
         _allow_shared_memory(kernel, smem)
         warps = slots * (hidden // 16)  # the most tasks there can be: a warp each at least
@@ -1171,6 +1177,48 @@ def launch_block(x, order, token, start, count, slot_expert, active, weights, ga
                                     args=down_args)  # fmt: skip
     elements = tokens * hidden
     compiled["sum_pairs"](grid=(-(-elements // 256), 1, 1), block=(256, 1, 1), args=[routed, out, elements])
+
+
+def block_forms(defines: dict, gate: str, down: str, capability: tuple[int, int], shared_memory: int, gate_packed,
+                up_packed, gate_scale, up_scale, down_scale) -> tuple[str, str]:  # fmt: skip
+    """The gate/up and down forms `launch_block` runs when asked for `gate` and `down`: each where the GPU
+    (`capability`; bulk copies from sm_90), the tensors' alignment and the shared memory a block may have
+    (`shared_memory` bytes) allow it, else the next one that fits: "bulk", "stream", "tiles" for gate/up, "stream",
+    "tiles" for down."""
+    if gate not in ("bulk", "stream", "tiles") or down not in ("stream", "tiles"):
+        raise ValueError(f"gate: expected 'bulk', 'stream' or 'tiles', down: 'stream' or 'tiles'; got {gate!r} and "
+                         f"{down!r}")  # fmt: skip
+    hidden, width, group = defines["HIDDEN"], defines["WIDTH"], defines["GROUP"]
+    bulk = _bulk_fits(hidden, group, gate_packed, up_packed, gate_scale, up_scale)
+    if gate == "bulk" and not (capability >= (9, 0) and _bulk_bytes(defines) <= shared_memory and bulk):
+        gate = "stream"
+    if gate == "stream" and not (_stream_bytes(defines) <= shared_memory and _stream_fits(gate_scale, up_scale)):
+        gate = "tiles"
+    if down == "stream" and not (_down_stream_bytes(defines) <= shared_memory
+                                 and _down_stream_fits(width, group, down_scale)):  # fmt: skip
+        down = "tiles"
+    return gate, down
+
+
+_SHARED_MEMORY: dict = {}  # device -> the shared memory a block may opt in to
+
+
+def _shared_memory_limit(device: torch.device) -> int:
+    """The bytes of shared memory a block may opt in to on `device` (the driver's answer, asked once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED_MEMORY:
+        limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+        if not limit:
+            import ctypes
+
+            driver = torch.cuda._utils._get_gpu_runtime_library()
+            value = ctypes.c_int()
+            max_shared_memory_per_block_optin = 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+            if driver.cuDeviceGetAttribute(ctypes.byref(value), max_shared_memory_per_block_optin, index) != 0:
+                raise RuntimeError(f"could not ask the driver for device {index}'s shared memory a block")
+            limit = value.value
+        _SHARED_MEMORY[index] = limit
+    return _SHARED_MEMORY[index]
 
 
 def _allow_shared_memory(kernel, size: int) -> None:
