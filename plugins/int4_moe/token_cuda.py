@@ -760,6 +760,33 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
 #endif
 }
 
+// the column passes of a down warp's 16 rows h0 .. h0 + 15 (rows g and g + 8 of the MMA, their steps in registers):
+// up to 8 of the expert's pairs a pass, each pair's row times its routing weight into its own float32 row of `routed`
+__device__ __forceinline__ void down_columns(const uint4 (&dl)[WORDS_W / 16], const uint4 (&dh)[WORDS_W / 16],
+                                             const unsigned (&sl)[WORDS_W / 16][4],
+                                             const unsigned (&sh)[WORDS_W / 16][4], const bf16* __restrict__ act,
+                                             const long long* __restrict__ order, const float* __restrict__ weights,
+                                             float* __restrict__ routed, int first, int pairs, int h0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int m0 = 0; m0 < pairs; m0 += 8) {
+        const int column = min(m0 + g, pairs - 1);  // past the last pair: its row again, the sums not written
+        const RowPairs<WORDS_W> b{(const unsigned*)(act + (long long)(first + column) * WIDTH)};
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < WORDS_W / 16; ++i) mma_step<WORDS_W>(c, dl[i], dh[i], sl[i], sh[i], b, 16 * i + 4 * t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // c: rows h0 + g and h0 + g + 8 of columns 2t and 2t + 1
+            const int n = m0 + 2 * t + h;
+            if (n < pairs) {
+                const long long source = __ldg(order + first + n);
+                const float weight = __ldg(weights + source);
+                routed[source * HIDDEN + h0 + g] = c[h] * weight;
+                routed[source * HIDDEN + h0 + g + 8] = c[2 + h] * weight;
+            }
+        }
+    }
+}
+
 // block: WARPS warps of 16 output rows each (as a `down_mma` warp) of the slot's expert, every one of its pairs'
 // act, times the pair's routing weight, into the pair's own float32 row of `routed` [T x k, HIDDEN]
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
@@ -776,23 +803,7 @@ down_mma_tokens(const bf16* __restrict__ act, const long long* __restrict__ orde
     uint4 dl[WORDS_W / 16], dh[WORDS_W / 16];
     unsigned sl[WORDS_W / 16][4], sh[WORDS_W / 16][4];
     load_down(dl, dh, sl, sh, down_p, down_s, expert, h0, g, t, p_stride_e, p_stride_r, s_stride_e, s_stride_r);
-    for (int m0 = 0; m0 < pairs; m0 += 8) {
-        const int column = min(m0 + g, pairs - 1);
-        const RowPairs<WORDS_W> b{(const unsigned*)(act + (long long)(first + column) * WIDTH)};
-        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int i = 0; i < WORDS_W / 16; ++i) mma_step<WORDS_W>(c, dl[i], dh[i], sl[i], sh[i], b, 16 * i + 4 * t);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // c: rows h0 + g and h0 + g + 8 of columns 2t and 2t + 1
-            const int n = m0 + 2 * t + h;
-            if (n < pairs) {
-                const long long source = order[first + n];
-                const float weight = weights[source];
-                routed[source * HIDDEN + h0 + g] = c[h] * weight;
-                routed[source * HIDDEN + h0 + g + 8] = c[2 + h] * weight;
-            }
-        }
-    }
+    down_columns(dl, dh, sl, sh, act, order, weights, routed, first, pairs, h0);
 }
 
 // down streamed: persistent warps taking 16-row tasks (expert-major) from a `TaskQueue`, DCHUNK at a time, the words
@@ -882,23 +893,7 @@ down_mma_stream(const bf16* __restrict__ act, const long long* __restrict__ orde
                 sl[i][j] = bf16_at(rl, a) | (bf16_at(rl, a + FAR) << 16);
                 sh[i][j] = bf16_at(rh, a) | (bf16_at(rh, a + FAR) << 16);
             }
-        for (int m0 = 0; m0 < pairs; m0 += 8) {
-            const int column = min(m0 + g, pairs - 1);
-            const RowPairs<WORDS_W> b{(const unsigned*)(act + (long long)(first + column) * WIDTH)};
-            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < DSTEPS; ++i) mma_step<WORDS_W>(c, dl[i], dh[i], sl[i], sh[i], b, 16 * i + 4 * t);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {  // c: rows h0 + g and h0 + g + 8 of columns 2t and 2t + 1
-                const int n = m0 + 2 * t + h;
-                if (n < pairs) {
-                    const long long source = __ldg(order + first + n);
-                    const float weight = __ldg(weights + source);
-                    routed[source * HIDDEN + h0 + g] = c[h] * weight;
-                    routed[source * HIDDEN + h0 + g + 8] = c[2 + h] * weight;
-                }
-            }
-        }
+        down_columns(dl, dh, sl, sh, act, order, weights, routed, first, pairs, h0);
     }
     cp_async_wait<0>();
 }
