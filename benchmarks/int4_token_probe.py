@@ -205,11 +205,9 @@ def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: 
     return rows
 
 
-def kernel_times_us(fn, calls: int = 20) -> dict:
-    """{kernel name: median over `calls` of its GPU time a call (the profiler's durations, summed a call)}, the L2
-    left clean before each call."""
-    from collections import defaultdict
-
+def _profiled(fn, calls: int):
+    """The profiler's CUDA events of `calls` calls of fn, the L2 left clean before each (a 256 MB read) and the GPU
+    kept busy while the next call is launched."""
     from torch.profiler import ProfilerActivity, profile
 
     buffer = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
@@ -221,8 +219,16 @@ def kernel_times_us(fn, calls: int = 20) -> dict:
             torch.cuda._sleep(20000)
             fn()
         torch.cuda.synchronize()
+    return prof.events()
+
+
+def kernel_times_us(fn, calls: int = 20) -> dict:
+    """{kernel name: median over `calls` of its GPU time a call (the profiler's durations, summed a call)}, the L2
+    left clean before each call."""
+    from collections import defaultdict
+
     times = defaultdict(list)
-    for e in prof.events():
+    for e in _profiled(fn, calls):
         if e.device_time > 0 and "max" not in e.name and "sleep" not in e.name.lower():
             times[e.name[:40]].append(e.device_time)
     return {name: statistics.median(t) * len(t) / calls for name, t in times.items()}
@@ -231,19 +237,8 @@ def kernel_times_us(fn, calls: int = 20) -> dict:
 def kernel_time_us(fn, calls: int = 20) -> float:
     """Median over `calls` of the GPU time of fn's kernels alone (the profiler's kernel durations, summed a call;
     no launch), the L2 left clean before each call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    buffer = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            buffer.max()
-            torch.cuda._sleep(20000)
-            fn()
-        torch.cuda.synchronize()
     names = ("gate_up_split", "down", "gate_up_mma", "down_mma")
-    times = [e.device_time for e in prof.events() if e.device_time > 0 and e.name in names]
+    times = [e.device_time for e in _profiled(fn, calls) if e.device_time > 0 and e.name in names]
     per_call = len(times) // calls
     sums = [sum(times[i * per_call : (i + 1) * per_call]) for i in range(calls)]
     return statistics.median(sums) if sums else float("nan")
