@@ -2,6 +2,7 @@
 dimensions on one GPU: each gate/up and down form timed alone and the pair in a sequence, with its registers.
 
     PYTHONPATH=. python3 benchmarks/int4_token_probe.py OUT_DIR [--repeats 3] [--block-only] [--diagnostics]
+        [--compile REPEATS]
 
 Forms: `split` (`gate_up_split`, a warp a 16-byte chunk of RPB row pairs, SPLIT_MIN_BLOCKS: blocks an SM the
 compiler keeps registers for; then `down`, ROWS output rows a warp, WARPS warps a block) and `mma` (`gate_up_mma` with
@@ -12,7 +13,9 @@ CUDA-graph replay with the L2 left clean (`benchmarks.common.graph_time_us(flush
 experts back to back in one graph (a call's share: as inside a forward), and by the profiler (kernel time alone).
 The byte floor: the bytes each kernel reads at the copy rate of this run. Then the block form (`int4_moe_block`: 8
 and 33 tokens, random and skewed routing) at `BLOCK_SHAPES` beside the Triton tensor-core form (`block_rows`; with
-`--diagnostics`, the bulk gate/up form copying only and multiplying only). Writes OUT_DIR/int4_token_probe.json.
+`--diagnostics`, the bulk gate/up form copying only and multiplying only). With `--compile N`, the time NVRTC takes to
+compile every kernel at first use: one compile of the source for all names against one a name (`compile_s`).
+Writes OUT_DIR/int4_token_probe.json.
 """
 
 from __future__ import annotations
@@ -41,16 +44,15 @@ BLOCK_SHAPES = (
     ("tiles", "tiles", {}),
     ("bulk", "stream", {}),
     ("bulk", "stream", {"BALANCE": 1}),
-    ("bulk", "stream", {"BALANCE": 1, "DCHUNK": 8}),
 )
 # where the bulk-copy gate/up kernel's time goes: its source changed so that it only copies (the column passes never
 # run) or only multiplies (no copies past the first tiles: the sums are wrong, the time is the passes'); timed, not
 # checked
 DIAGNOSTICS = {
     "gate/up copies only": ("bulk", (
-        ("        gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);\n    }\n}",
+        ("        gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);\n    };",
          "        if (pairs < 0) gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);"
-         "\n        else __syncthreads();\n    }\n}"),
+         "\n        else __syncthreads();\n    };"),
     )),
     "gate/up multiplies only": ("bulk", (  # every stage's phase completed by the arrival alone, nothing copied
         ('"r"(16 * (WORDS_IN * 4 + (HIDDEN / GROUP) * 2))', '"r"(0)'),
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-only", action="store_true", help="only the block form's shapes (`block_rows`)")
     parser.add_argument("--diagnostics", action="store_true", help="also the bulk gate/up form's `DIAGNOSTICS`")
+    parser.add_argument("--compile", type=int, default=0, metavar="REPEATS",
+                        help="also time compiling the kernels, the median of REPEATS (`compile_s`)")  # fmt: skip
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -105,6 +109,9 @@ def main(argv=None) -> int:
             "gate_up_floor_us": gate_bytes / copy * 1e6, "down_floor_us": down_bytes / copy * 1e6}  # fmt: skip
     print(f"copy {copy / 1e9:.0f} GB/s; floors: gate/up {info['gate_up_floor_us']:.1f} us, down "
           f"{info['down_floor_us']:.1f} us", flush=True)  # fmt: skip
+    if args.compile:
+        info["compile_s"] = compile_seconds(hidden, width, k, args.compile)
+        print(json.dumps({"compile_s": info["compile_s"]}), flush=True)
     split = "split"
     shapes = [("mma", {}), ("mma", {"KSPLIT": 7}), ("mma", {"KSPLIT": 28}), ("mma", {"KSPLIT": 4})]
     shapes += [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), (split, {"RPB": 4, "ROWS": 2})]
@@ -145,6 +152,28 @@ def main(argv=None) -> int:
                                     args.diagnostics)  # fmt: skip
     (args.out_dir / "int4_token_probe.json").write_text(json.dumps(info, indent=1) + "\n")
     return 1 if any(r.get("wrong") for r in info["rows"] + info["block_rows"]) else 0
+
+
+def compile_seconds(hidden: int, width: int, k: int, repeats: int) -> dict:
+    """Median seconds to compile every kernel a process uses at these dimensions (the one-token and the block forms)
+    as `token_cuda.kernels` does at first use: one NVRTC compile of the source a set of names ("together") against one
+    a name ("one_a_name"), each a fresh compile (nothing cached)."""
+    import time
+
+    defines = token_cuda._defines(hidden, width, GROUP, k, torch.int32)
+    source = "".join(f"#define {n} {v}\n" for n, v in defines.items()) + token_cuda.SOURCE
+    major, minor = torch.cuda.get_device_capability()
+    out = {"kernels": len(token_cuda.TOKEN_KERNELS) + len(token_cuda.BLOCK_KERNELS)}
+    token_cuda.compile_source(source, ("sum_pairs",), f"{major}{minor}")  # NVRTC and the driver loaded first
+    for name, together in (("together", True), ("one_a_name", False)):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for names in (token_cuda.TOKEN_KERNELS, token_cuda.BLOCK_KERNELS):
+                token_cuda.compile_source(source, names, f"{major}{minor}", together=together)
+            times.append(time.perf_counter() - start)
+        out[name] = statistics.median(times)
+    return out
 
 
 def block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, repeats: int, diagnostics: bool) -> list[dict]:

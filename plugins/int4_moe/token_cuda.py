@@ -681,34 +681,12 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     constexpr int TILES = WIDTH / 8;
     const int step0 = warp * STEPS_PER_WARP;
-    TaskQueue<CHUNK> tiles{queue, __ldg(active) * TILES};  // the chosen experts' tiles; used by lane 0 of warp 0
-#if BALANCE
-    int2 run = balanced_tiles(slot_expert, count, __ldg(active));  // or this block's run of them
-#endif
-    bool more = true;  // warp 0: there may be more
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s)
             asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_at(bars + s)));
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
-    auto issue = [&](int s) {  // warp 0: the next tile into stage s, or -1 there
-        int task = 0;
-        if (lane == 0) {
-#if BALANCE
-            task = run.x < run.y ? run.x++ : -1;
-#else
-            task = tiles.next();
-#endif
-            stage_task[s] = task;
-        }
-        task = __shfl_sync(0xffffffffu, task, 0);
-        more = task >= 0;
-        if (!more) {  // the arrival alone completes the stage's phase: its readers find -1
-            if (lane == 0)
-                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_at(bars + s)) : "memory");
-            return;
-        }
+    auto copy = [&](int task, int s) {  // warp 0: tile `task`'s rows into stage s
         const long long e = __ldg(slot_expert + task / TILES), row = (task % TILES) * 8 + (lane & 7);
         unsigned char* stage = stages + s * BULK_STAGE;
         if (lane == 0)
@@ -724,18 +702,9 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
                       (kind == 3 ? up_s : gate_s) + e * s_stride_e + row * s_stride_r, (HIDDEN / GROUP) * 2, bars + s);
     };
     int pass = 0;  // the block's column passes so far
-    if (warp == 0)
-#pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s)
-            if (more) issue(s);
-    for (int i = 0;; ++i) {
-        const int s = i % STAGES;
-        if (warp == 0 && more) issue((i + STAGES - 1) % STAGES);
-        while (!bar_done(bars + s, (i / STAGES) & 1)) {}
-        const int task = stage_task[s];
-        if (task < 0) break;  // (no copy was issued after it)
-        const int expert = __ldg(slot_expert + task / TILES), tile = task % TILES;
-        const int first = __ldg(start + expert), pairs = __ldg(count + expert);
+    // every warp: tile `task` (its expert's first sorted pair and pairs) from stage s, once its copies landed
+    auto multiply = [&](int task, int first, int pairs, int s) {
+        const int tile = task % TILES;
         const unsigned char* stage = stages + s * BULK_STAGE;
         uint4 gw[STEPS_PER_WARP], uw[STEPS_PER_WARP];
 #pragma unroll
@@ -756,7 +725,52 @@ gate_up_mma_bulk(const bf16* __restrict__ x, const int* __restrict__ token, cons
                 su[k][j] = (unsigned)us[at] | ((unsigned)us[at + FAR] << 16);
             }
         gate_up_columns<PARTS>(gw, uw, sg, su, x, token, first, pairs, tile, part, act, pass);
+    };
+#if BALANCE
+    // this block's run of tiles, known to every thread: the loop counts them
+    const int2 run = balanced_tiles(slot_expert, count, __ldg(active));  // (its barriers also order the inits)
+    if (warp == 0)
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (run.x + s < run.y) copy(run.x + s, s);
+    for (int task = run.x, i = 0; task < run.y; ++task, ++i) {
+        const int s = i % STAGES;
+        if (warp == 0 && task + STAGES - 1 < run.y) copy(task + STAGES - 1, (i + STAGES - 1) % STAGES);
+        const int expert = __ldg(slot_expert + task / TILES);  // (loaded while the copies land)
+        const int first = __ldg(start + expert), pairs = __ldg(count + expert);
+        while (!bar_done(bars + s, (i / STAGES) & 1)) {}
+        multiply(task, first, pairs, s);
     }
+#else
+    // tiles from the queue, taken by lane 0 of warp 0, each stage's task (or -1: no more) in shared memory, written
+    // before the stage's arrival
+    __syncthreads();
+    TaskQueue<CHUNK> tiles{queue, __ldg(active) * TILES};
+    bool more = true;  // warp 0: there may be more
+    auto next = [&](int s) {
+        int task = 0;
+        if (lane == 0) stage_task[s] = task = tiles.next();
+        task = __shfl_sync(0xffffffffu, task, 0);
+        more = task >= 0;
+        if (more)
+            copy(task, s);
+        else if (lane == 0)  // the arrival alone completes the stage's phase: its readers find -1
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_at(bars + s)) : "memory");
+    };
+    if (warp == 0)
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (more) next(s);
+    for (int i = 0;; ++i) {
+        const int s = i % STAGES;
+        if (warp == 0 && more) next((i + STAGES - 1) % STAGES);
+        while (!bar_done(bars + s, (i / STAGES) & 1)) {}
+        const int task = stage_task[s];
+        if (task < 0) break;  // (no copy was issued after it)
+        const int expert = __ldg(slot_expert + task / TILES);
+        multiply(task, __ldg(start + expert), __ldg(count + expert), s);
+    }
+#endif
 #endif
 }
 
@@ -1050,19 +1064,28 @@ def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
-            _COMPILED[key] = (
-                defines,
-                {
-                    name: torch.cuda._compile_kernel(
-                        source,
-                        name,
-                        compute_capability=f"{major}{minor}",
-                        nvcc_options=["-std=c++17", "--use_fast_math"],
-                    )  # fmt: skip
-                    for name in names
-                },
-            )
+            _COMPILED[key] = (defines, compile_source(source, names, f"{major}{minor}"))
     return _COMPILED[key]
+
+
+NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
+
+
+def compile_source(source: str, names: tuple[str, ...], capability: str, together: bool = True) -> dict:
+    """{name: kernel} of the `extern "C"` kernels `names` of `source`, for compute capability `capability` ("90"):
+    one NVRTC compile of the source and one module for all of them (`together`), or, where this torch lacks the
+    module loader, one `torch.cuda._compile_kernel` a name (each compiles the whole source)."""
+    options = list(NVRTC_OPTIONS)
+    if together:
+        try:
+            from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+        except ImportError:
+            together = False
+    if not together:
+        return {name: torch.cuda._compile_kernel(source, name, compute_capability=capability, nvcc_options=options)
+                for name in names}  # fmt: skip
+    binary, _ = _nvrtc_compile(source, names[0], capability, None, options)  # extern "C": the names as written
+    return _cuda_load_module(binary, list(names))
 
 
 def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, out, group_size,
