@@ -497,8 +497,9 @@ def test_cuda_block_kernels_on_a_gpu():
     dimensions against the reference and their algorithm, T in {2, 8, 33, 64}, random routing and one expert every
     token chooses (33 and 64 pairs of one expert: five and eight passes of 8 columns), int64 and int32 expert ids;
     every gate/up and down form ("bulk", "stream", "tiles"; at other stage counts, sums a pass, warps a block, tasks
-    taken from the queue at a time, and the tiles shared out by work), which add the same products in the same order:
-    the same bits; each token's output against the one-token tensor-core form's; the same bits twice."""
+    taken from the queue at a time; the bulk form's tiles shared out by work and from a queue), which add the same
+    products in the same order: the same bits; each token's output against the one-token tensor-core form's; the same
+    bits twice."""
     from plugins.int4_moe import kernel, token_cuda
     from plugins.int4_moe.kernel import DEFAULT_TUNING, Int4MoEKernel
 
@@ -522,9 +523,10 @@ def test_cuda_block_kernels_on_a_gpu():
             assert rel(got.float(), want_algorithm) < 1e-3, tokens
         routing = kernel.route(ids.to(id_dtype).cuda(), experts)
         for gate, down, shape in (("tiles", "tiles", {}), ("stream", "stream", {"STAGES": 3, "PARTS": 1, "DSTAGES": 2}),
-                                  ("bulk", "stream", {"DWARPS": 1, "DBLOCKS": 1, "CHUNK": 1, "DCHUNK": 3}),
-                                  ("bulk", "tiles", {"STAGES": 3, "CHUNK": 7}),
-                                  ("bulk", "stream", {"PARTS": 1, "BALANCE": 1})):  # fmt: skip
+                                  ("bulk", "stream", {"DWARPS": 1, "DBLOCKS": 1, "CHUNK": 1, "DCHUNK": 3,
+                                                      "BALANCE": 0}),
+                                  ("bulk", "tiles", {"STAGES": 3, "CHUNK": 7, "BALANCE": 0}),
+                                  ("bulk", "stream", {"PARTS": 1, "STAGES": 3})):  # fmt: skip
             other = token_cuda.int4_moe_block(x.cuda(), routing, weights.cuda(), *gpu, group, gate=gate, down=down,
                                               **shape).cpu()  # fmt: skip
             assert torch.equal(other, got), (tokens, gate, down, shape)

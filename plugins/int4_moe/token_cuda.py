@@ -28,17 +28,17 @@ fewer instructions a weight than the split form (sm_90 SASS). Their computation 
 fragment (`algorithm_mma`); on one H100 they took as long as the split form, so it is not the default.
 
 A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_bulk` (persistent
-blocks, one an SM, taking the chosen experts' 8-row tiles of gate and up from a queue, CHUNK consecutive tiles at a
-time: mostly of one expert, whose tokens' x stays in L1, and as many a block as its time allows however the routing
-loads the experts; the next tile's rows of words and scales copied into shared memory by the TMA unit
-(one-dimensional bulk copies, an mbarrier a stage) while the current one is multiplied by up to 8 of its expert's
-tokens a pass: the MMA's columns; `gate_up_mma_stream` is the same by cp.async with the tiles strided over the grid,
-`gate_up_mma_tokens` a block a tile), `down_mma_stream` (persistent warps, 16 rows of one expert a task, DCHUNK tasks
-at a time from a queue, the next ones copied in by cp.async, into each pair's own float32 row; `down_mma_tokens` a
-block 8 tasks) and `sum_pairs` (each token's k rows in a fixed order). Every form of a kernel adds the same products
-in the same order: the same bits. `block_forms` picks the forms a GPU and the tensors allow (bulk copies need sm_90;
-each persistent form needs its shared memory and aligned rows). `algorithm_mma_block` is that computation fragment by
-fragment in torch.
+blocks, one an SM, each taking a contiguous run of the chosen experts' 8-row tiles of gate and up, the runs even in work
+whatever the routing (a tile's work: its expert's passes of 8 tokens), mostly one or two experts a block, whose tokens'
+x stays in L1; BALANCE = 0: CHUNK consecutive tiles at a time from a queue instead; the next tile's rows of words and
+scales copied into shared memory by the TMA unit (one-dimensional bulk copies, an mbarrier a stage) while the current
+one is multiplied by up to 8 of its expert's tokens a pass: the MMA's columns; `gate_up_mma_stream` is the same by
+cp.async with the tiles strided over the grid, `gate_up_mma_tokens` a block a tile), `down_mma_stream` (persistent
+warps, 16 rows of one expert a task, DCHUNK tasks at a time from a queue, the next ones copied in by cp.async, into each
+pair's own float32 row; `down_mma_tokens` a block 8 tasks) and `sum_pairs` (each token's k rows in a fixed order). Every
+form of a kernel adds the same products in the same order: the same bits. `block_forms` picks the forms a GPU and the
+tensors allow (bulk copies need sm_90; each persistent form needs its shared memory and aligned rows).
+`algorithm_mma_block` is that computation fragment by fragment in torch.
 
 `algorithm` is the split form's computation in torch, lane by lane (the same chunks, nibbles, groups and
 butterflies), so the kernels' index arithmetic is checked against the reference on a CPU (tests/test_int4_moe.py);
@@ -57,10 +57,11 @@ RPB = 4  # gate/up row pairs a `gate_up_split` block computes
 SPLIT_MIN_BLOCKS = 2  # `gate_up_split` blocks an SM the compiler keeps registers for (128 a thread)
 STAGES = 2  # `gate_up_mma_stream`, `gate_up_mma_bulk`: tiles in shared memory a block (multiplied, being copied)
 PARTS = 2  # `gate_up_mma_stream`, `gate_up_mma_bulk`: passes' column sums in shared memory (2: one barrier a pass)
-CHUNK = 4  # `gate_up_mma_bulk`: tiles a block takes from the queue at a time
-# `gate_up_mma_bulk`: 1 to share the tiles out by their work (contiguous runs) before the first copy instead of the
-# queue: measured 2 % faster at T = 33 with random routing, 4 % slower with skewed routing (BENCHMARKS.md section 8)
-BALANCE = 0
+# `gate_up_mma_bulk`: 1 shares the tiles out by their work before the first copy (a contiguous run a block, counted
+# by its loop), 0 takes them from the queue (CHUNK at a time); on one H100 the runs took 274.0 against 300.2 us at
+# T = 33 with random routing, 228.6 against 247.3 skewed (BENCHMARKS.md section 8)
+BALANCE = 1
+CHUNK = 4  # `gate_up_mma_bulk` with BALANCE = 0: tiles a block takes from the queue at a time
 DOWN_CHUNK = 4  # `down_mma_stream`: tasks a warp takes from the queue at a time
 DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
 DOWN_WARPS = 16  # `down_mma_stream`: warps a block
