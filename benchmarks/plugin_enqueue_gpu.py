@@ -1,17 +1,23 @@
 """The TensorRT plugins' `enqueue` bodies on a GPU, without TensorRT (none is installable on the lent machines).
 
-    mpirun -np 2 python3 benchmarks/plugin_enqueue_gpu.py      (OMPI_ALLOW_RUN_AS_ROOT=1 ... as root)
+    mpirun -np 2 python3 benchmarks/plugin_enqueue_gpu.py [--out DIR]     (OMPI_ALLOW_RUN_AS_ROOT=1 ... as root)
 
 TensorRT hands `enqueue` tensor descriptors (`.type`, `.dims`), raw device pointers and a stream handle. This
 script builds exactly those from torch tensors and calls each plugin's enqueue on a side stream: TreeAttention
-(bf16, against the torch reference), AllReduce and AllGather (NCCL over the MPI ranks). It also captures the
-TreeAttention enqueue in a CUDA graph, as TensorRT does under graph capture.
+(bf16, against the torch reference), AllReduce and AllGather (NCCL over the MPI ranks), and Int4MoE at Kimi K2.x's
+per-rank TP-8 dimensions (384 experts, hidden 7168, width 256, groups of 32, top-8; bf16) with the words in the
+checkpoint's order (`rows` = 0) and in the rows layout exported graphs carry where it fits (`rows` = 1), each
+against the float32 reference at T = 1, 8 and 33. It also captures the TreeAttention and the Int4MoE (rows, T = 33)
+enqueues in a CUDA graph, as TensorRT does under graph capture, and rank 0 times each Int4MoE form by CUDA-graph
+replay with the L2 left clean (`--out DIR`: DIR/plugin_enqueue_gpu.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -21,7 +27,7 @@ from plugins.tree_attention.reference import tree_attention
 from plugins.tree_attention.trt_plugin import _Spec as TreeAttentionSpec
 
 _TYPES = {torch.bfloat16: "DataType.BF16", torch.float32: "DataType.FLOAT", torch.int64: "DataType.INT64",
-          torch.bool: "DataType.BOOL"}  # fmt: skip
+          torch.int32: "DataType.INT32", torch.bool: "DataType.BOOL"}  # fmt: skip
 
 
 def desc(tensor: torch.Tensor):
@@ -35,7 +41,9 @@ def enqueue(spec, fields: dict, inputs: list[torch.Tensor], output: torch.Tensor
 
 
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)  # no flags: any is an error
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the Int4MoE rows (rank 0) to DIR/plugin_enqueue_gpu.json")
+    args = parser.parse_args(argv)
     from mpi4py import MPI
 
     from runner.nccl import init_nccl
@@ -88,7 +96,76 @@ def main(argv=None) -> int:
     print(f"[rank {rank}] TreeAttention enqueue rel error {error:.1e}, under CUDA-graph replay {graph_error:.1e}; "
           f"AllReduce sum {reduced[0, 0].item()} (want {world * (world + 1) / 2}); AllGather slices "
           f"{[gathered[0, r * 5].item() for r in range(world)]}: {'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
+    int4_ok, rows = int4_moe_enqueue(fake_trt, device, stream, timed=rank == 0)
+    print(f"[rank {rank}] Int4MoE enqueue: {json.dumps(rows)}: {'PASS' if int4_ok else 'FAIL'}", flush=True)
+    if rank == 0 and args.out is not None:
+        from benchmarks.common import environment
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        info = {**environment(False), "command": " ".join(sys.argv), "ranks": world, "int4_moe": rows}
+        (args.out / "plugin_enqueue_gpu.json").write_text(json.dumps(info, indent=1) + "\n")
+    ok &= int4_ok
     return 0 if comm.allreduce(int(ok), op=MPI.MIN) else 1
+
+
+def int4_moe_enqueue(fake_trt, device, stream, timed: bool) -> tuple[bool, list[dict]]:
+    """The Int4MoE plugin's enqueue at Kimi's per-rank dimensions, both word layouts, T = 1, 8, 33: relative error
+    against the float32 reference, the rows form's output under CUDA-graph replay at T = 33, and (`timed`) each
+    form's time by CUDA-graph replay with the L2 left clean."""
+    from benchmarks.common import graph_time_us
+    from plugins.int4_moe.kernel import repack_rows
+    from plugins.int4_moe.reference import int4_moe
+    from plugins.int4_moe.trt_plugin import _Spec as Int4MoESpec
+
+    experts, hidden, width, group, top_k = 384, 7168, 256, 32, 8
+    gen = torch.Generator(device=device).manual_seed(7)
+
+    def words(rows, cols):
+        return torch.randint(-(2**31), 2**31 - 1, (experts, rows, cols // 8), generator=gen, device=device,
+                             dtype=torch.int32)  # fmt: skip
+
+    def scales(rows, cols):
+        return (torch.rand(experts, rows, cols // group, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+
+    checkpoint = [words(width, hidden), scales(width, hidden), words(width, hidden), scales(width, hidden),
+                  words(hidden, width), scales(hidden, width)]  # fmt: skip
+    layouts = {0: checkpoint, 1: [repack_rows(t) if i % 2 == 0 else t for i, t in enumerate(checkpoint)]}
+    spec, ok, rows = Int4MoESpec(fake_trt), True, []
+    for tokens in (1, 8, 33):
+        x = torch.randn(tokens, hidden, generator=gen, device=device).to(torch.bfloat16)
+        ids = torch.rand(tokens, experts, generator=gen, device=device).topk(top_k, dim=-1).indices
+        weights = torch.rand(tokens, top_k, generator=gen, device=device).softmax(-1)
+        want = int4_moe(x.float(), ids, weights, *[t if t.dtype == torch.int32 else t.float() for t in checkpoint],
+                        group)  # fmt: skip
+        for rows_layout, experts_words in layouts.items():
+            fields = {"group_size": group, "rows": rows_layout}
+            inputs = [x, ids, weights, *experts_words]
+            out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device=device)
+            enqueue(spec, fields, inputs, out, stream)
+            stream.synchronize()
+            row = {"tokens": tokens, "rows": rows_layout, "relative_error": float((out.float() - want).norm()
+                                                                                / want.norm())}  # fmt: skip
+            ok &= row["relative_error"] < 1e-2
+            if rows_layout and tokens == 33:  # under graph capture, as TensorRT captures it; replayed on new x
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    enqueue(spec, fields, inputs, out, stream)
+                x.copy_(torch.randn(tokens, hidden, generator=gen, device=device))
+                out.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                again = int4_moe(x.float(), ids, weights, *[t if t.dtype == torch.int32 else t.float()
+                                                            for t in checkpoint], group)  # fmt: skip
+                row["graph_relative_error"] = float((out.float() - again).norm() / again.norm())
+                ok &= row["graph_relative_error"] < 1e-2
+            if timed:
+
+                def call(i=inputs, f=fields, o=out):  # on the stream being captured, as TensorRT's
+                    enqueue(spec, f, i, o, torch.cuda.current_stream())
+
+                row["enqueue_us"] = graph_time_us(call, device, False, flush="read")
+            rows.append(row)
+    return ok, rows
 
 
 if __name__ == "__main__":

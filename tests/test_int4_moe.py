@@ -109,9 +109,11 @@ def test_onnx_runtime_op_matches_reference(tokens):
     assert got.dtype == np.float32 and rel(got, expected) < TOLERANCE
 
 
-def test_exported_graph_carries_packed_weights_and_runs_under_onnx_runtime(tmp_path):
-    """`ddtree::Int4MoE` in the graph with the packed experts as int32 initializers, run by ONNX Runtime with the
-    ddtree ops registered: the reference's output."""
+@pytest.mark.parametrize("layout", ["compressed-tensors", "rows"])
+def test_exported_graph_carries_packed_weights_and_runs_under_onnx_runtime(tmp_path, layout):
+    """`ddtree::Int4MoE` in the graph with the packed experts as int32 initializers (the checkpoint's words, or the
+    rows layout `ExportInt4MoE.prepare_experts` chose, as a load before an export does: attribute rows = 1), run by
+    ONNX Runtime with the ddtree ops registered: the reference's output on the checkpoint's words."""
     import onnx
     import onnxruntime as ort
     from onnxruntime_extensions import get_library_path
@@ -119,32 +121,59 @@ def test_exported_graph_carries_packed_weights_and_runs_under_onnx_runtime(tmp_p
     import plugins.int4_moe.ort_op  # noqa: F401
     from plugins.int4_moe.onnx_op import export_int4_moe
 
-    tensors = random_experts(8, 64, 32, 8, seed=4)
+    hidden, width, group = (64, 32, 8) if layout == "compressed-tensors" else (128, 128, 16)
+    tensors = random_experts(8, hidden, width, group, seed=4)
+    graph_tensors = [t.clone() for t in tensors]
+    words, chosen = export_int4_moe.prepare_experts(*graph_tensors[0::2], group)  # in place
+    assert chosen == layout and all(w is t for w, t in zip(words, graph_tensors[0::2]))
 
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            for i, tensor in enumerate(tensors):
+            for i, tensor in enumerate(graph_tensors):
                 self.register_buffer(f"t{i}", tensor)
 
         def forward(self, x, ids, weights):
-            return export_int4_moe(x, ids, weights, *[getattr(self, f"t{i}") for i in range(6)], 8)
+            return export_int4_moe(x, ids, weights, *[getattr(self, f"t{i}") for i in range(6)], group, layout=layout)
 
     path = tmp_path / "moe.onnx"
-    x, (ids, weights) = torch.randn(5, 64), random_routing(5, 8, 2, seed=5)
+    x, (ids, weights) = torch.randn(5, hidden), random_routing(5, 8, 2, seed=5)
     torch.onnx.export(Layer(), (x, ids, weights), str(path), dynamo=False, opset_version=18,
                       input_names=["x", "ids", "weights"], dynamic_axes={"x": {0: "t"}, "ids": {0: "t"},
                       "weights": {0: "t"}}, custom_opsets={"ddtree": 1})  # fmt: skip
     graph = onnx.load(str(path)).graph
-    assert [n.op_type for n in graph.node if n.domain == "ddtree"] == ["Int4MoE"]
+    (node,) = [n for n in graph.node if n.domain == "ddtree"]
+    assert node.op_type == "Int4MoE"
+    assert {a.name: a.i for a in node.attribute} == {"group_size": group, "rows": int(layout == "rows")}
     assert sorted(i.data_type for i in graph.initializer) == [onnx.TensorProto.FLOAT] * 3 + [onnx.TensorProto.INT32] * 3
     options = ort.SessionOptions()
     options.register_custom_ops_library(get_library_path())
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     for tokens in (1, 33):
-        x, (ids, weights) = torch.randn(tokens, 64), random_routing(tokens, 8, 2, seed=tokens)
+        x, (ids, weights) = torch.randn(tokens, hidden), random_routing(tokens, 8, 2, seed=tokens)
         (got,) = session.run(None, {"x": x.numpy(), "ids": ids.numpy(), "weights": weights.numpy()})
-        assert rel(got, int4_moe(x, ids, weights, *tensors, 8)) < TOLERANCE
+        assert rel(got, int4_moe(x, ids, weights, *tensors, group)) < TOLERANCE
+
+
+def test_reference_reads_both_layouts():
+    """The reference and the numpy op on the rows layout's words (`repack_rows`) give what they give on the
+    checkpoint's words; an unknown layout is an error that names it."""
+    from plugins.int4_moe.kernel import repack_rows
+    from plugins.int4_moe.ort_op import int4_moe_numpy
+
+    tensors = random_experts(6, 128, 128, 32, seed=7)
+    rows = [repack_rows(t) if t.dtype == torch.int32 else t for t in tensors]
+    assert not torch.equal(rows[0], tensors[0])
+    x, (ids, weights) = torch.randn(9, 128, dtype=torch.float64), random_routing(9, 6, 3, seed=9)
+    wide = [t if t.dtype == torch.int32 else t.double() for t in tensors]
+    want = int4_moe(x, ids, weights.double(), *wide, 32)
+    got = int4_moe(x, ids, weights.double(), *[t if t.dtype == torch.int32 else t.double() for t in rows], 32,
+                   layout="rows")  # fmt: skip
+    assert torch.equal(got, want)
+    numpy = int4_moe_numpy(x.float().numpy(), ids.numpy(), weights.numpy(), *[t.numpy() for t in rows], 32, True)
+    assert rel(numpy, want) < TOLERANCE
+    with pytest.raises(ValueError, match="layout must be one of .*'columns'"):
+        int4_moe(x, ids, weights.double(), *wide, 32, layout="columns")
 
 
 def test_w4a16_kernel_matches_reference_under_the_interpreter():

@@ -1,4 +1,5 @@
-"""TensorRT plugin `ddtree::Int4MoE` (version 1): field `group_size` (int32).
+"""TensorRT plugin `ddtree::Int4MoE` (version 1): fields `group_size` (int32) and `rows` (int32: 1 when the packed
+words are in the "rows" layout, `kernel.repack_rows`, which the exported graphs carry where the dimensions allow).
 
 Inputs  x [T, H] (fp32/fp16/bf16), expert_ids [T, k] int64, expert_weights [T, k] float32,
         gate_packed, up_packed [E, W, H / 8] int32, gate_scale, up_scale [E, W, H / group_size] (the type of x),
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from plugins.trt_base import OpSpec, make_plugin_class
 
-FIELDS = {"group_size": "int"}
+FIELDS = {"group_size": "int", "rows": "int"}
 PACKED, SCALES = (3, 5, 7), (4, 6, 8)
 
 
@@ -38,7 +39,8 @@ class _Spec(OpSpec):
 
         tensors = [as_torch(d, p) for d, p in zip(input_desc, inputs)]
         out = as_torch(output_desc[0], outputs[0])
-        int4_moe_cuda(*tensors, int(plugin.fields["group_size"]), out=out, stream=torch_stream(stream))
+        layout = "rows" if plugin.fields["rows"] else "compressed-tensors"
+        int4_moe_cuda(*tensors, int(plugin.fields["group_size"]), out=out, stream=torch_stream(stream), layout=layout)
 
 
 def creator(trt):
