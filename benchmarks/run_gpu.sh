@@ -43,6 +43,8 @@
 #             tests against the reference and their algorithm, int4_token_probe.py's launch shapes, int4_moe_gpu.py at
 #             T = 1, 8, 16, 33 (the Triton forms beside), and on a GPU that holds the whole rank (> 120 GB) the
 #             kimi-rank-int4 forwards with each form
+#   plugins   benchmarks/plugin_enqueue_gpu.py under mpirun on every GPU: the TensorRT plugins' enqueue bodies without
+#             TensorRT (TreeAttention, the collectives, Int4MoE in both word layouts, timed on rank 0)
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
 #             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share)
 set -uo pipefail
@@ -244,6 +246,10 @@ if has token; then
       --compare-int4-kernels > "$OUT/token_rank.log" 2>&1; echo "token rank rc=$?"
     grep -E "^target T=|INT4 (token|block)_kernel" "$OUT/token_rank.log"
   fi
+fi
+if has plugins; then
+  limit 300 mpirun -np "$GPUS" python3 benchmarks/plugin_enqueue_gpu.py --out "$OUT" > "$OUT/plugin_enqueue.log" 2>&1
+  echo "plugins rc=$?"; tail -4 "$OUT/plugin_enqueue.log" | cut -c1-2000
 fi
 if has kernel; then
   python3 benchmarks/tree_attention_gpu.py "$OUT" > "$OUT/kernel.log" 2>&1; echo "kernel rc=$?"
