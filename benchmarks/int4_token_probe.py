@@ -39,11 +39,12 @@ from plugins.int4_moe.kernel import Int4MoEKernel  # noqa: E402
 from plugins.int4_moe.reference import int4_moe  # noqa: E402
 
 VARIANTS = 8
-# the block form's launch shapes timed: (gate/up form, down form, constants); the first is the forms before streaming
+# the block form's launch shapes timed: (gate/up form, down form, constants); the first is the forms before streaming,
+# the second what runs (runs of tiles even in work), the third the bulk form's tiles from a queue instead
 BLOCK_SHAPES = (
     ("tiles", "tiles", {}),
     ("bulk", "stream", {}),
-    ("bulk", "stream", {"BALANCE": 1}),
+    ("bulk", "stream", {"BALANCE": 0}),
 )
 # where the bulk-copy gate/up kernel's time goes: its source changed so that it only copies (the column passes never
 # run) or only multiplies (no copies past the first tiles: the sums are wrong, the time is the passes'); timed, not
@@ -160,8 +161,7 @@ def compile_seconds(hidden: int, width: int, k: int, repeats: int) -> dict:
     a name ("one_a_name"), each a fresh compile (nothing cached)."""
     import time
 
-    defines = token_cuda._defines(hidden, width, GROUP, k, torch.int32)
-    source = "".join(f"#define {n} {v}\n" for n, v in defines.items()) + token_cuda.SOURCE
+    source = token_cuda.kernel_source(token_cuda._defines(hidden, width, GROUP, k, torch.int32))
     major, minor = torch.cuda.get_device_capability()
     out = {"kernels": len(token_cuda.TOKEN_KERNELS) + len(token_cuda.BLOCK_KERNELS)}
     token_cuda.compile_source(source, ("sum_pairs",), f"{major}{minor}")  # NVRTC and the driver loaded first

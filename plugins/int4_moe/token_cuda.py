@@ -640,7 +640,8 @@ gate_up_mma_stream(const bf16* __restrict__ x, const int* __restrict__ token, co
     cp_async_wait<0>();
 }
 
-// ---- the same tiles by bulk copies (Hopper's TMA unit, one-dimensional: no tensor map), the tiles taken from a
+// ---- the same tiles by bulk copies (Hopper's TMA unit, one-dimensional: no tensor map), each block a run of tiles
+// even in work (`balanced_tiles`, BALANCE = 1: every thread counts the run), or, BALANCE = 0, the tiles taken from a
 // `TaskQueue` by lane 0 of warp 0, which writes each stage's task (or -1: no more) into shared memory before the
 // stage's mbarrier arrival. Lane i of warp 0 copies row i % 8 of gate's words, up's words, gate's scales or up's
 // scales (i / 8) of the tile into the stage, each row padded so that a quarter warp's 16-byte reads of rows g and
@@ -1062,11 +1063,16 @@ def kernels(device: torch.device, hidden: int, width: int, group_size: int, top_
     key = (device, hidden, width, group_size, top_k, ids_dtype, names, tuple(sorted(overrides.items())))
     if key not in _COMPILED:
         defines = {**_defines(hidden, width, group_size, top_k, ids_dtype), **overrides}
-        source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
+        source = kernel_source(defines)
         major, minor = torch.cuda.get_device_capability(device)
         with torch.cuda.device(device):
             _COMPILED[key] = (defines, compile_source(source, names, f"{major}{minor}"))
     return _COMPILED[key]
+
+
+def kernel_source(defines: dict) -> str:
+    """`SOURCE` with its compile-time constants defined first."""
+    return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + SOURCE
 
 
 NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math")
