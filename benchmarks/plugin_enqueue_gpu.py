@@ -95,9 +95,11 @@ def main(argv=None) -> int:
     stream.synchronize()
     ok &= bool((reduced == world * (world + 1) / 2).all())
     ok &= all(bool((gathered[:, r * 5 : (r + 1) * 5] == r).all()) for r in range(world))
+    collectives = (f"AllReduce sum {reduced[0, 0].item()} (want {world * (world + 1) / 2}); AllGather slices "
+                   f"{[gathered[0, r * 5].item() for r in range(world)]}" if world > 1
+                   else "AllReduce and AllGather not run (one rank)")  # fmt: skip
     print(f"[rank {rank}] TreeAttention enqueue rel error {error:.1e}, under CUDA-graph replay {graph_error:.1e}; "
-          f"AllReduce sum {reduced[0, 0].item()} (want {world * (world + 1) / 2}); AllGather slices "
-          f"{[gathered[0, r * 5].item() for r in range(world)]}: {'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
+          f"{collectives}: {'PASS' if ok else 'FAIL'}", flush=True)  # fmt: skip
     int4_ok, rows = int4_moe_enqueue(fake_trt, device, stream, timed=rank == 0)
     print(f"[rank {rank}] Int4MoE enqueue: {json.dumps(rows)}: {'PASS' if int4_ok else 'FAIL'}", flush=True)
     if rank == 0 and args.out is not None:

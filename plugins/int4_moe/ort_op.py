@@ -14,11 +14,12 @@ ort_pyop.install()  # outputs handed back as arrays, not lists
 _F, _I32, _I64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
 
 
-def dequantize_numpy(packed: np.ndarray, scale: np.ndarray, group_size: int, rows: bool = False) -> np.ndarray:
-    """packed [..., out, in / 8] (the "rows" layout where `rows`, else the checkpoint's) -> float32 [..., out, in]."""
+def dequantize_numpy(packed: np.ndarray, scale: np.ndarray, group_size: int, rows_layout: bool = False) -> np.ndarray:
+    """packed [..., out, in / 8] (the "rows" layout where `rows_layout`, else the checkpoint's) -> float32
+    [..., out, in]."""
     shifts = np.arange(0, 32, 4, dtype=np.uint32)
     values = ((packed.view(np.uint32)[..., None] >> shifts) & 0xF).astype(np.int32) - 8  # nibble j of word w
-    if rows:  # nibble j of word w is input j * words + w
+    if rows_layout:  # nibble j of word w is input j * words + w
         values = values.swapaxes(-1, -2)
     *lead, rows, words = packed.shape
     grouped = values.reshape(*lead, rows, -1, group_size).astype(np.float32)
