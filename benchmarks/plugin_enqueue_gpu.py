@@ -1,4 +1,5 @@
-"""The TensorRT plugins' `enqueue` bodies on a GPU, without TensorRT (none is installable on the lent machines).
+"""The TensorRT plugins' `enqueue` bodies on a GPU, without TensorRT (none is installable on the GPU machines this
+project is tested on).
 
     mpirun -np 2 python3 benchmarks/plugin_enqueue_gpu.py [--out DIR]     (OMPI_ALLOW_RUN_AS_ROOT=1 ... as root)
 
