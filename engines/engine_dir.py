@@ -21,7 +21,9 @@ from pathlib import Path
 from engines.io import ROLES
 from engines.spec import BuildConfig, Profile, SpecConfig
 
-ENGINE_SCHEMA = 1
+# 2: the graphs' and plans' Int4MoE nodes carry `rows` (the experts' word layout), which the ONNX Runtime op and the
+# TensorRT plugin require; an engine directory of schema 1 lacks it and is refused with the rebuild advice below
+ENGINE_SCHEMA = 2
 
 
 @dataclass

@@ -40,6 +40,20 @@ def test_tp8_engines_record_the_plugin_and_both_token_counts(demo_engine):
     assert engine.config["profiles"]["verify_tree"]["dims"]["tokens"] == [33, 33, 33]
 
 
+def test_an_engine_directory_of_an_older_schema_is_refused_with_the_rebuild_advice(demo_engine, tmp_path):
+    """Schema 1's Int4MoE nodes lack `rows`, which the ONNX Runtime op and the plugin require: such a directory is
+    refused by name before any graph loads."""
+    from engines.engine_dir import ENGINE_SCHEMA
+
+    config = json.loads((demo_engine(1) / "config.json").read_text())
+    assert config["schema_version"] == ENGINE_SCHEMA == 2
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({**config, "schema_version": 1}))
+    with pytest.raises(ValueError, match=r"schema_version 1 is not supported \(expected 2\); rebuild the engines"):
+        load_engine_dir(old)
+
+
 def test_inspect_shows_profiles_and_plugins(demo_engine, capsys):
     assert cli_main(["inspect", str(demo_engine(8))]) == 0
     text = capsys.readouterr().out
