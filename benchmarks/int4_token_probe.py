@@ -1,7 +1,8 @@
 """Launch shapes of the INT4 one-token CUDA C kernels (`plugins/int4_moe/token_cuda.py`) at Kimi K2.x per-rank TP-8
 dimensions on one GPU: each gate/up and down form timed alone and the pair in a sequence, with its registers.
 
-    PYTHONPATH=. python3 benchmarks/int4_token_probe.py OUT_DIR [--repeats 3] [--block-only] [--diagnostics]
+    PYTHONPATH=. python3 benchmarks/int4_token_probe.py OUT_DIR [--repeats 3] [--block-only | --token-only]
+        [--diagnostics]
         [--compile REPEATS]
 
 Forms: `split` (`gate_up_split`, a warp a 16-byte chunk of RPB row pairs, SPLIT_MIN_BLOCKS: blocks an SM the
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block-only", action="store_true", help="only the block form's shapes (`block_rows`)")
+    parser.add_argument("--token-only", action="store_true", help="only the one-token forms (no `block_rows`)")
     parser.add_argument("--diagnostics", action="store_true", help="also the bulk gate/up form's `DIAGNOSTICS`")
     parser.add_argument("--compile", type=int, default=0, metavar="REPEATS",
                         help="also time compiling the kernels, the median of REPEATS (`compile_s`)")  # fmt: skip
@@ -114,23 +116,38 @@ def main(argv=None) -> int:
         info["compile_s"] = compile_seconds(hidden, width, k, args.compile)
         print(json.dumps({"compile_s": info["compile_s"]}), flush=True)
     split = "split"
-    shapes = [("mma", {}), ("mma", {"KSPLIT": 7}), ("mma", {"KSPLIT": 28}), ("mma", {"KSPLIT": 4})]
-    shapes += [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), (split, {"RPB": 4, "ROWS": 2})]
+    shapes = [(split, {"RPB": 4, "ROWS": 4, "SPLIT_MIN_BLOCKS": 2}), ("bulk", {}), ("bulk", {"TB_MATH": 0})]
+    shapes += [("bulk", {"TB_ROWS": 1}), ("bulk", {"TB_ROWS": 4}), ("mma", {})]
     shapes = [] if args.block_only else shapes
+    split_out = None  # the split form's output for calls[0]: the one-launch form must give the same bits
     for form, overrides in shapes:
         defines, compiled = token_cuda.kernels(device, hidden, width, GROUP, k, ids0.dtype, **overrides)
-        mma = form == "mma"
+        mma, bulk = form == "mma", form == "bulk"
         gate_name, down_name = ("gate_up_mma", "down_mma") if mma else ("gate_up_split", "down")
+        if bulk:
+            gate_name = down_name = "token_bulk"
         row = {"gate_form": form, **overrides, "gate_regs": attributes(compiled[gate_name]),
                "down_regs": attributes(compiled[down_name])}  # fmt: skip
+        if bulk:
+            row["fits"] = token_cuda.token_bulk_fits(defines, device, *ready)
+            row["shared_bytes"] = token_cuda._token_bulk_bytes(
+                defines, torch.cuda.get_device_properties(device).multi_processor_count)
 
         def both(c, form=form, overrides=overrides):
             token_cuda.launch(c[0], c[1], c[2], *ready, act, out, GROUP, gate_form=form, **overrides)
 
+        out.fill_(float("nan"))
         both(calls[0])
+        torch.cuda.synchronize()
         row["relative_error"] = float((out.float() - want).norm() / want.norm())
+        if form == split and split_out is None:
+            split_out = out.clone()
+        elif split_out is not None and not mma:
+            row["equal_to_split"] = bool(torch.equal(out, split_out))
         row["kernel_us"] = kernel_time_us(lambda: both(calls[0]))
-        if row["relative_error"] > 1e-2:  # wrong: recorded, not timed
+        if overrides.get("TB_MATH") == 0:  # copies and the wait only: timed, its output not written
+            row["relative_error"] = None
+        elif row["relative_error"] > 1e-2:  # wrong: recorded, not timed
             row["wrong"] = True
             info["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -145,12 +162,12 @@ def main(argv=None) -> int:
         # each kernel alone: the gate/up launch, and the down launch over the act it left
         gate = lambda g=compiled["gate_up_split"], d=defines: _gate(g, d, calls[0], ready, act, k, width)  # noqa: E731
         down = lambda g=compiled["down"], d=defines: _down(g, d, calls[0], ready, act, out, hidden)  # noqa: E731
-        for name, fn in (("gate_us", gate), ("down_us", down)) if not mma else ():
+        for name, fn in (("gate_us", gate), ("down_us", down)) if form == split else ():
             row[name] = statistics.median(graph_time_us(fn, device, False, flush="read") for _ in range(args.repeats))
         info["rows"].append(row)
         print(json.dumps(row), flush=True)
-    info["block_rows"] = block_rows(tensors, ready, hidden, experts, k, gen, device, dtype, args.repeats,
-                                    args.diagnostics)  # fmt: skip
+    info["block_rows"] = [] if args.token_only else block_rows(tensors, ready, hidden, experts, k, gen, device, dtype,
+                                                                args.repeats, args.diagnostics)  # fmt: skip
     (args.out_dir / "int4_token_probe.json").write_text(json.dumps(info, indent=1) + "\n")
     return 1 if any(r.get("wrong") for r in info["rows"] + info["block_rows"]) else 0
 
@@ -266,7 +283,7 @@ def kernel_times_us(fn, calls: int = 20) -> dict:
 def kernel_time_us(fn, calls: int = 20) -> float:
     """Median over `calls` of the GPU time of fn's kernels alone (the profiler's kernel durations, summed a call;
     no launch), the L2 left clean before each call."""
-    names = ("gate_up_split", "down", "gate_up_mma", "down_mma")
+    names = ("gate_up_split", "down", "gate_up_mma", "down_mma", "token_bulk")
     times = [e.device_time for e in _profiled(fn, calls) if e.device_time > 0 and e.name in names]
     per_call = len(times) // calls
     sums = [sum(times[i * per_call : (i + 1) * per_call]) for i in range(calls)]

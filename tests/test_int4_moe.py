@@ -589,8 +589,16 @@ def test_cuda_token_kernels_on_a_gpu():
         # the tensor-core form too
         act = torch.empty(8, width, dtype=torch.bfloat16, device="cuda")
         assert token_cuda.mma_fits(hidden, width, group, 8)
-        for form in ("split", "mma"):
+        defines, _ = token_cuda.kernels(torch.device("cuda"), hidden, width, group, 8, id_dtype)
+        if torch.cuda.get_device_capability() >= (9, 0):  # the one-launch form runs (else `launch` falls back)
+            assert token_cuda.token_bulk_fits(defines, torch.device("cuda"), *(t.cuda() for t in ready))
+        outs = {}
+        for form in ("split", "mma", "bulk"):
             out = torch.full((1, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
             token_cuda.launch(x.cuda(), ids.reshape(-1).to(id_dtype).cuda(), weights.reshape(-1).float().cuda(),
                               *(t.cuda() for t in ready), act, out, group, gate_form=form)  # fmt: skip
             assert rel(out.cpu().float(), want) < 1e-2, form
+            outs[form] = out.cpu()
+        # the one-launch form adds the split form's products in its order: the same bits (twice: its grid counters
+        # are back at zero after a call)
+        assert torch.equal(outs["bulk"], outs["split"])

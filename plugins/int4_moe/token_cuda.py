@@ -66,6 +66,7 @@ DOWN_CHUNK = 4  # `down_mma_stream`: tasks a warp takes from the queue at a time
 DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
 DOWN_WARPS = 16  # `down_mma_stream`: warps a block
 DOWN_BLOCKS = 1  # `down_mma_stream`: blocks an SM (the grid, and the registers the compiler may take)
+TOKEN_BULK_ROWS = 2  # `token_bulk`: down rows a warp at a time (4 spill registers at its 14 warps a block)
 
 SOURCE = r"""
 typedef unsigned short bf16;
@@ -996,6 +997,188 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
         if (lane == 0 && row < HIDDEN) out[row] = to_bf16(sum);
     }
 }
+
+// ---- one token in one launch (`token_bulk`): block b of the grid's G takes row pairs [p0, p1) of the k x WIDTH
+// (gate's and up's rows) and down's rows [r0, r1) of every chosen expert, and warp 0 asks the TMA unit for all of
+// their words and scales at once (bulk copies into shared memory, an mbarrier a pair and one for down's rows), so every
+// byte of the call is in flight from its start, down's too. Each pair is multiplied as it lands, exactly as
+// `gate_up_split` does (warp (c, h): chunk c of every second pair from h, its x slice in registers; the chunks' sums in
+// chunk order), its act written; a grid-wide wait (an arrival counter: every block is resident, one an SM, the grid
+// no larger than the SMs); then each block's down rows from shared memory, exactly as `down` does. The same sums in
+// the same order as the two launches: the same bits. The counters return to zero when the last block leaves.
+#define TB_WARPS (2 * CHUNKS)
+#define PAIR_BYTES (2 * WORDS_IN * 4 + 2 * (HIDDEN / GROUP) * 2)  // a pair's gate and up words, then their scales
+#define DROW_BYTES (WORDS_W * 4)
+#define DSROW_BYTES ((WIDTH / GROUP) * 2)
+#ifndef TB_MATH
+#define TB_MATH 1  // 0: copies and the grid-wide wait only (a probe of the loads' time; the output is not written)
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * TB_WARPS, 1)
+token_bulk(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float* __restrict__ weights,
+           const uint4* __restrict__ gate_p, const bf16* __restrict__ gate_s, const uint4* __restrict__ up_p,
+           const bf16* __restrict__ up_s, const uint4* __restrict__ down_p, const bf16* __restrict__ down_s,
+           bf16* act, bf16* __restrict__ out, int* sync, int p_stride_e, int p_stride_r, int s_stride_e,
+           int s_stride_r, int d_stride_e, int ds_stride_e) {
+#if __CUDA_ARCH__ >= 900 && ONE_GROUP && WORDS_IN % GROUP == 0
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int PAIRS = TOP_K * WIDTH;
+    const int blocks = gridDim.x, b = blockIdx.x;
+    const int p0 = (int)((long long)b * PAIRS / blocks), np = (int)((long long)(b + 1) * PAIRS / blocks) - p0;
+    const int r0 = (int)((long long)b * HIDDEN / blocks), nr = (int)((long long)(b + 1) * HIDDEN / blocks) - r0;
+    const int most_pairs = (PAIRS + blocks - 1) / blocks, most_rows = (HIDDEN + blocks - 1) / blocks;
+    unsigned long long* bars = (unsigned long long*)smem;  // [most_pairs + 1]: a pair's, then down's
+    float (*part)[CHUNKS][2] = (float (*)[CHUNKS][2])(smem + 8 * (most_pairs + 1));
+    unsigned char* pair_at = smem + ((8 * (most_pairs + 1) + most_pairs * CHUNKS * 8 + 127) & ~127);
+    unsigned char* down_words = pair_at + most_pairs * PAIR_BYTES;  // [TOP_K][most_rows] rows of words
+    unsigned char* down_scales = down_words + TOP_K * most_rows * DROW_BYTES;  // [TOP_K][most_rows] rows of scales
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i <= np; ++i)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(smem_at(bars + i)));
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) {  // every copy of the block: the pairs' in order, then down's rows
+        if (lane == 0) {
+            for (int i = 0; i < np; ++i)
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                             :: "r"(smem_at(bars + i)), "r"(PAIR_BYTES) : "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+                         :: "r"(smem_at(bars + np)), "r"(TOP_K * nr * (DROW_BYTES + DSROW_BYTES)) : "memory");
+        }
+        __syncwarp();
+        for (int task = lane; task < 4 * np + 2 * TOP_K; task += 32) {
+            if (task < 4 * np) {  // pair i's gate words, up words, gate scales, up scales
+                const int i = task >> 2, kind = task & 3, p = p0 + i;
+                const long long e = (long long)ids[p / WIDTH], row = p % WIDTH;
+                unsigned char* slot = pair_at + i * PAIR_BYTES;
+                if (kind < 2)
+                    bulk_copy(slot + kind * WORDS_IN * 4,
+                              (kind ? up_p : gate_p) + (e * p_stride_e + row * p_stride_r) / 4, WORDS_IN * 4, bars + i);
+                else
+                    bulk_copy(slot + 2 * WORDS_IN * 4 + (kind - 2) * (HIDDEN / GROUP) * 2,
+                              (kind == 3 ? up_s : gate_s) + e * s_stride_e + row * s_stride_r, (HIDDEN / GROUP) * 2,
+                              bars + i);
+            } else {  // expert k's rows [r0, r0 + nr) of down: words, scales
+                const int t = task - 4 * np, k = t >> 1;
+                const long long e = (long long)ids[k];
+                if (t & 1)
+                    bulk_copy(down_scales + k * most_rows * DSROW_BYTES,
+                              down_s + e * ds_stride_e + (long long)r0 * (WIDTH / GROUP), nr * DSROW_BYTES, bars + np);
+                else
+                    bulk_copy(down_words + k * most_rows * DROW_BYTES,
+                              down_p + (e * d_stride_e + (long long)r0 * WORDS_W) / 4, nr * DROW_BYTES, bars + np);
+            }
+        }
+    }
+    // gate and up: warp (c, h) takes chunk c of pairs h, h + 2, ... (`gate_up_split`'s lane sums)
+    const int c = warp % CHUNKS, h = warp / CHUNKS;
+    const int w = 4 * (lane + 32 * c);
+    float4 xv[8];
+    float x_sum[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const uint2 two = __ldg((const uint2*)(x + j * WORDS_IN + w));
+        xv[j] = make_float4(__uint_as_float(two.x << 16), __uint_as_float(two.x & 0xFFFF0000u),
+                            __uint_as_float(two.y << 16), __uint_as_float(two.y & 0xFFFF0000u));
+        x_sum[j] = (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
+    }
+    for (int i = h; i < np; i += 2) {
+        while (!bar_done(bars + i, 0)) {}
+#if TB_MATH
+        const unsigned char* slot = pair_at + i * PAIR_BYTES;
+        const uint4 g = *(const uint4*)(slot + 16 * (lane + 32 * c));
+        const uint4 u = *(const uint4*)(slot + WORDS_IN * 4 + 16 * (lane + 32 * c));
+        const bf16* gs = (const bf16*)(slot + 2 * WORDS_IN * 4) + w / GROUP;
+        const bf16* us = gs + HIDDEN / GROUP;
+        float acc_g[2] = {0.0f, 0.0f}, acc_u[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
+#define GATE_UP(J) {                                                                                                \
+        acc_g[J & 1] = fmaf(from_bf16(gs[J * (WORDS_IN / GROUP)]), nibble_dot_biased<J>(g, xv[J], x_sum[J]),           \
+                            acc_g[J & 1]);                                                                           \
+        acc_u[J & 1] = fmaf(from_bf16(us[J * (WORDS_IN / GROUP)]), nibble_dot_biased<J>(u, xv[J], x_sum[J]),           \
+                            acc_u[J & 1]); }
+        FOR_NIBBLES(GATE_UP)
+#undef GATE_UP
+        const float sum_g = warp_sum(acc_g[0] + acc_g[1]);
+        const float sum_u = warp_sum(acc_u[0] + acc_u[1]);
+        if (lane == 0) { part[i][c][0] = sum_g; part[i][c][1] = sum_u; }
+#endif
+    }
+    __syncthreads();
+#if TB_MATH
+    if (threadIdx.x < np) {
+        const int i = threadIdx.x;
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int k = 0; k < CHUNKS; ++k) { gate += part[i][k][0]; up += part[i][k][1]; }
+        act[p0 + i] = to_bf16(gate / (1.0f + __expf(-gate)) * up);
+    }
+    __syncthreads();
+#endif
+    // every block's act written: the grid-wide wait
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(sync, 1);
+        while (*(volatile int*)sync < blocks) {}
+        __threadfence();
+        if (atomicAdd(sync + 1, 1) == blocks - 1) { sync[0] = 0; sync[1] = 0; }  // the last to leave: for the next call
+    }
+    __syncthreads();
+    while (!bar_done(bars + np, 0)) {}
+#if TB_MATH
+    // down: warp w takes TB_ROWS rows at a time from w * TB_ROWS (`down`'s lane sums: lane l, expert l / (32 / k))
+    const int pair = lane / LANES_PER_PAIR, w0 = (lane % LANES_PER_PAIR) * WORDS_PER_LANE;
+    float a[8][WORDS_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int i = 0; i < WORDS_PER_LANE; i += 4) {
+            const uint2 two = __ldcg((const uint2*)(act + pair * WIDTH + j * WORDS_W + w0 + i));  // other blocks' act
+            a[j][i] = __uint_as_float(two.x << 16);
+            a[j][i + 1] = __uint_as_float(two.x & 0xFFFF0000u);
+            a[j][i + 2] = __uint_as_float(two.y << 16);
+            a[j][i + 3] = __uint_as_float(two.y & 0xFFFF0000u);
+        }
+    float a_sum[8][CHUNKS_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int cc = 0; cc < CHUNKS_PER_LANE; ++cc)
+            a_sum[j][cc] = (a[j][4 * cc] + a[j][4 * cc + 1]) + (a[j][4 * cc + 2] + a[j][4 * cc + 3]);
+    const float weight = weights[pair];
+    const unsigned char* dw = down_words + pair * most_rows * DROW_BYTES + w0 * 4;
+    const bf16* ds = (const bf16*)(down_scales + pair * most_rows * DSROW_BYTES) + w0 / GROUP;
+    for (int first = warp * TB_ROWS; first < nr; first += TB_WARPS * TB_ROWS) {
+        uint4 q[TB_ROWS][CHUNKS_PER_LANE];
+        bf16 sd[TB_ROWS][8];
+#pragma unroll
+        for (int r = 0; r < TB_ROWS; ++r) {
+            const int row = min(first + r, nr - 1);
+#pragma unroll
+            for (int cc = 0; cc < CHUNKS_PER_LANE; ++cc) q[r][cc] = *(const uint4*)(dw + row * DROW_BYTES + 16 * cc);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sd[r][j] = ds[row * (WIDTH / GROUP) + j * (WORDS_W / GROUP)];
+        }
+#pragma unroll
+        for (int r = 0; r < TB_ROWS; ++r) {
+            float acc[2] = {0.0f, 0.0f};
+#define DOT(J, C) nibble_dot_biased<J>(q[r][C], make_float4(a[J][4 * C], a[J][4 * C + 1], a[J][4 * C + 2],         \
+                                                            a[J][4 * C + 3]), a_sum[J][C])
+#define DOWN(J) {                                                                                                   \
+            float t = DOT(J, 0);                                                                                     \
+            _Pragma("unroll") for (int cc = 1; cc < CHUNKS_PER_LANE; ++cc) t += DOT(J, cc);                          \
+            acc[J & 1] = fmaf(from_bf16(sd[r][J]), t, acc[J & 1]); }
+            FOR_NIBBLES(DOWN)
+#undef DOWN
+#undef DOT
+            const float sum = warp_sum((acc[0] + acc[1]) * weight);
+            if (lane == 0 && first + r < nr) out[r0 + first + r] = to_bf16(sum);
+        }
+    }
+#endif
+#endif
+}
 """
 
 
@@ -1023,7 +1206,7 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
         "KSPLIT": mma_ksplit(hidden, group_size),
         "STAGES": STAGES, "PARTS": PARTS, "CHUNK": CHUNK, "BALANCE": BALANCE, "DCHUNK": DOWN_CHUNK,
         "DSTAGES": DOWN_STAGES,
-        "DWARPS": DOWN_WARPS, "DBLOCKS": DOWN_BLOCKS,
+        "DWARPS": DOWN_WARPS, "DBLOCKS": DOWN_BLOCKS, "TB_ROWS": TOKEN_BULK_ROWS,
         # a lane's words of a down row lie in one group for every nibble: its scale loaded once a nibble
         "ONE_GROUP": int(words_w % group_size == 0 and group_size % (words_w // per_pair) == 0),
     }  # fmt: skip
@@ -1035,7 +1218,7 @@ _COMPILED: dict[tuple, tuple[dict, dict]] = {}  # (constants, {name: kernel}) a 
 GATE_FORM = "split"
 
 
-TOKEN_KERNELS = ("gate_up_split", "down", "gate_up_mma", "down_mma")  # one token's forms
+TOKEN_KERNELS = ("gate_up_split", "down", "gate_up_mma", "down_mma", "token_bulk")  # one token's forms
 # a block of tokens' forms
 BLOCK_KERNELS = (
     "gate_up_mma_tokens",
@@ -1103,6 +1286,18 @@ def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_p
     defines, compiled = kernels(x.device, hidden, width, group_size, top_k, ids.dtype, **overrides)
     gate_args = [x, ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
                  gate_packed.stride(1), gate_scale.stride(0), gate_scale.stride(1)]  # fmt: skip
+    if gate_form == "bulk" and token_bulk_fits(defines, x.device, gate_packed, gate_scale, up_packed, up_scale,
+                                               down_packed, down_scale):  # fmt: skip
+        blocks = torch.cuda.get_device_properties(x.device).multi_processor_count
+        kernel, smem = compiled["token_bulk"], _token_bulk_bytes(defines, blocks)
+        _allow_shared_memory(kernel, smem)
+        kernel(grid=(blocks, 1, 1), block=(LANES * 2 * defines["CHUNKS"], 1, 1), shared_mem=smem,
+               args=[x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, out,
+                     _grid_counters(x.device), gate_packed.stride(0), gate_packed.stride(1), gate_scale.stride(0),
+                     gate_scale.stride(1), down_packed.stride(0), down_scale.stride(0)])  # fmt: skip
+        return
+    if gate_form == "bulk":
+        gate_form = "split"  # what the one-launch form cannot take (`token_bulk_fits`): the two launches
     if gate_form == "mma":  # the tensor-core pair of launches
         compiled["gate_up_mma"](
             grid=(top_k * width // 8, 1, 1), block=(LANES * defines["KSPLIT"], 1, 1), args=gate_args
@@ -1112,13 +1307,57 @@ def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_p
                                    down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)])  # fmt: skip
         return
     if gate_form != "split":
-        raise ValueError(f"gate_form: expected 'split' or 'mma', got {gate_form!r}")
+        raise ValueError(f"gate_form: expected 'bulk', 'split' or 'mma', got {gate_form!r}")
     compiled["gate_up_split"](grid=(top_k * width // defines["RPB"], 1, 1), block=(LANES * defines["CHUNKS"], 1, 1),
                               args=gate_args)  # fmt: skip
     rows = defines["WARPS"] * defines["ROWS"]
     compiled["down"](grid=(-(-hidden // rows), 1, 1), block=(LANES * defines["WARPS"], 1, 1),
                      args=[act, ids, weights, down_packed, down_scale, out, down_packed.stride(0),
                            down_packed.stride(1), down_scale.stride(0), down_scale.stride(1)])  # fmt: skip
+
+
+def _token_bulk_bytes(defines: dict, blocks: int) -> int:
+    """`token_bulk`'s shared memory with `blocks` blocks: a block's mbarriers and chunk sums (to 128 bytes), its row
+    pairs' words and scales, and down's rows of every chosen expert."""
+    pairs = -(-defines["TOP_K"] * defines["WIDTH"] // blocks)
+    rows = -(-defines["HIDDEN"] // blocks)
+    head = (8 * (pairs + 1) + pairs * defines["CHUNKS"] * 8 + 127) // 128 * 128
+    pair_bytes = 2 * defines["WORDS_IN"] * 4 + 2 * (defines["HIDDEN"] // defines["GROUP"]) * 2
+    row_bytes = defines["WORDS_W"] * 4 + (defines["WIDTH"] // defines["GROUP"]) * 2
+    return head + pairs * pair_bytes + defines["TOP_K"] * rows * row_bytes
+
+
+def token_bulk_fits(defines: dict, device: torch.device, gate_packed, gate_scale, up_packed, up_scale, down_packed,
+                    down_scale) -> bool:  # fmt: skip
+    """Whether `token_bulk` runs here: bulk copies (sm_90 and later) of 16-byte aligned rows (`_bulk_fits`; down's
+    rows contiguous, an expert's run of them one copy), a lane's down words in one group (`ONE_GROUP`) and nibbles'
+    groups at constant offsets (`WORDS_IN` a multiple of the group), and a block's share in the shared memory a block
+    may have, one block an SM."""
+    if torch.cuda.get_device_capability(device) < (9, 0) or not defines["ONE_GROUP"]:
+        return False
+    if defines["WORDS_IN"] % defines["GROUP"] or not _bulk_fits(defines["HIDDEN"], defines["GROUP"], gate_packed,
+                                                                 up_packed, gate_scale, up_scale):  # fmt: skip
+        return False
+    if not _bulk_fits(defines["WIDTH"], defines["GROUP"], down_packed, down_scale):
+        return False
+    if down_packed.stride(1) != defines["WORDS_W"] or down_scale.stride(1) != defines["WIDTH"] // defines["GROUP"]:
+        return False
+    blocks = torch.cuda.get_device_properties(device).multi_processor_count
+    return _token_bulk_bytes(defines, blocks) <= _shared_memory_limit(device)
+
+
+_COUNTERS: dict = {}  # device index -> `token_bulk`'s two grid counters (zero between calls)
+
+
+def _grid_counters(device: torch.device) -> torch.Tensor:
+    """`token_bulk`'s arrival and departure counters on `device`: made once (zeros), each call leaves them at zero.
+    Calls on one device run one after another (one stream's order), as the forwards make them."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COUNTERS:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("token_bulk's counters are made by a call before any CUDA graph captures one")
+        _COUNTERS[index] = torch.zeros(2, dtype=torch.int32, device=device)
+    return _COUNTERS[index]
 
 
 def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_packed, up_scale, down_packed,
