@@ -131,7 +131,8 @@ def main(argv=None) -> int:
         if bulk:
             row["fits"] = token_cuda.token_bulk_fits(defines, device, *ready)
             row["shared_bytes"] = token_cuda._token_bulk_bytes(
-                defines, torch.cuda.get_device_properties(device).multi_processor_count)
+                defines, torch.cuda.get_device_properties(device).multi_processor_count
+            )
 
         def both(c, form=form, overrides=overrides):
             token_cuda.launch(c[0], c[1], c[2], *ready, act, out, GROUP, gate_form=form, **overrides)
