@@ -489,6 +489,18 @@ def test_cuda_block_kernels_reject_what_they_cannot_take():
         token_cuda.int4_moe_block(x.to(torch.bfloat16), wrong, weights, *ready, group)
 
 
+def test_cuda_token_bulk_share_fits_a_block_of_shared_memory():
+    """The one-launch token form's shared memory at Kimi K2.x per-rank TP-8 dimensions: a block's row pairs (16 of
+    the 2048 on 132 SMs) and its down rows of the 8 chosen experts (55 of 7168), under the 227 KB a Hopper block may
+    have, on the H100 SXM and H200 (132 SMs) and the H100 PCIe (114)."""
+    from plugins.int4_moe import token_cuda
+
+    defines = token_cuda._defines(7168, 256, 32, 8, torch.int32)
+    pair, row = 2 * 896 * 4 + 2 * 224 * 2, 32 * 4 + 8 * 2
+    assert token_cuda._token_bulk_bytes(defines, 132) == 1152 + 16 * pair + 8 * 55 * row == 193_536
+    assert token_cuda._token_bulk_bytes(defines, 114) <= 227 * 1024 < token_cuda._token_bulk_bytes(defines, 96)
+
+
 def test_cuda_block_forms_fall_back_to_what_the_gpu_and_tensors_allow():
     """`block_forms` (what `launch_block` runs): bulk copies on sm_90 and later only; each persistent form only where
     its shared memory fits a block and the tensors' alignment allows its copies, else the next form; names it does
