@@ -1279,9 +1279,11 @@ def compile_source(source: str, names: tuple[str, ...], capability: str, togethe
 
 
 def launch(x, ids, weights, gate_packed, gate_scale, up_packed, up_scale, down_packed, down_scale, act, out, group_size,
-           gate_form: str = GATE_FORM, **overrides) -> None:  # fmt: skip
-    """The two launches into `act` [k, width] and `out` [1, hidden] (ids and weights flat, as `int4_moe_token`
-    prepares them)."""
+           gate_form: str | None = None, **overrides) -> None:  # fmt: skip
+    """The launches into `act` [k, width] and `out` [1, hidden] (ids and weights flat, as `int4_moe_token` prepares
+    them): `gate_form` (None: `GATE_FORM`, read at the call) "bulk" (one launch, `token_bulk`, where it fits), "split"
+    or "mma" (two)."""
+    gate_form = GATE_FORM if gate_form is None else gate_form
     hidden, width, top_k = x.shape[1], gate_packed.shape[1], ids.numel()
     defines, compiled = kernels(x.device, hidden, width, group_size, top_k, ids.dtype, **overrides)
     gate_args = [x, ids, gate_packed, gate_scale, up_packed, up_scale, act, gate_packed.stride(0),
@@ -1380,10 +1382,10 @@ def int4_moe_token(x, expert_ids, expert_weights, gate_packed, gate_scale, up_pa
 
 
 def block_form() -> dict:
-    """What a block of tokens runs now: its gate/up and down forms and their launch constants (for a benchmark's
-    record)."""
+    """What a block of tokens runs now: its gate/up and down forms and their launch constants, and one token's form
+    (for a benchmark's record)."""
     names = ("STAGES", "PARTS", "CHUNK", "BALANCE", "DOWN_CHUNK", "DOWN_STAGES", "DOWN_WARPS", "DOWN_BLOCKS")
-    return {"gate": BLOCK_GATE, "down": BLOCK_DOWN, **{name: globals()[name] for name in names}}
+    return {"gate": BLOCK_GATE, "down": BLOCK_DOWN, **{name: globals()[name] for name in names}, "token": GATE_FORM}
 
 
 def block_fits(hidden: int, width: int, group_size: int, top_k: int) -> bool:
