@@ -1,0 +1,198 @@
+"""What the serving path adds to a request: the same requests through the runner's serving pipe and through
+tritonserver, one at a time.
+
+    PYTHONPATH=. python benchmarks/serving_overhead.py OUT_DIR [--device cpu|cuda] [--tokens 64] [--requests 12]
+        [--modes "DDTree 8,DDTree auto,autoregressive"] [--smoke]
+
+The trained pair's TP-1 engine (built as `benchmarks/concurrency.py` builds it: budgets 32, 8 and 16, float32 on a
+CPU, bf16 on a GPU) served two ways, the in-flight batched form a deployment runs (`--max_batch_size 16 --loop
+device`), each request alone (the next sent when the last one's reply is in):
+1. **pipe**: `mpirun -np 1 python -m runner --serve --engine_dir E --backend torch ...`, the job the Triton model
+   starts, its requests written to its stdin; a request's time from its line to its done event. The done event's
+   `elapsed` is the runner's own time (prefill to last token), so pipe - elapsed is the runner's request handling
+   (parsing, tokenizing, the events' JSON).
+2. **triton**: the model repository of the same engine (`runner.serving.triton_repo`), the real server, `/generate`
+   and `/generate_stream` over HTTP (a connection a request, as `urllib` makes); a request's time from sending to its
+   whole reply (streamed: also to its first token).
+Each mode's DDTree requests name their budget (`ddtree_budget`); autoregressive is a job and a model of its own
+(`--autoregressive`). Both paths run side by side: each prompt goes through the pipe, `/generate` and
+`/generate_stream` in turn (the order rotating from prompt to prompt, so a drifting machine touches each alike),
+after one warm-up request each; per mode the medians and, paired by prompt, what Triton adds over the pipe. Writes
+OUT_DIR/serving_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import environment  # noqa: E402
+from benchmarks.concurrency import build_engine, free_port, prompts  # noqa: E402
+
+MODES = {"DDTree 8": "8", "DDTree auto": "auto", "DDTree 32": "32", "autoregressive": None}
+SLOTS = 16  # the batched form's slots (a deployment's `max_batch_size`)
+
+
+def request_body(text: str, tokens: int, budget: str | None) -> dict:
+    body = {"text_input": text, "max_tokens": tokens, "end_id": -1}
+    if budget is not None:
+        body["ddtree_budget"] = budget
+    return body
+
+
+class PipeJob:
+    """A serving job (`python -m runner --serve`) and its pipes: `time(body)` sends one request and waits for its done
+    event."""
+
+    def __init__(self, engine: Path, env: dict, autoregressive: bool, log: Path):
+        launcher = Path(sys.executable).parent / "mpirun"
+        command = [str(launcher if launcher.exists() else "mpirun"), "-np", "1", sys.executable, "-m", "runner",
+                   "--serve", "--engine_dir", str(engine), "--backend", "torch", "--max_batch_size", str(SLOTS),
+                   "--loop", "device", *(["--autoregressive"] if autoregressive else [])]  # fmt: skip
+        with open(log, "a") as err:
+            self.job = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                        bufsize=1, env=env, cwd=ROOT)  # fmt: skip
+        self.count = 0
+        while json.loads(self.job.stdout.readline() or '{"event": "exited"}').get("event") not in ("ready", "exited"):
+            pass
+        if self.job.poll() is not None:
+            raise RuntimeError(f"the serving job exited (code {self.job.returncode}); see {log}")
+
+    def time(self, body: dict) -> tuple[float, float]:
+        """(seconds from the request's line to its done event, the runner's own elapsed)."""
+        self.count += 1
+        line = json.dumps({"id": f"r{self.count}", **body})
+        started = time.perf_counter()
+        self.job.stdin.write(line + "\n")
+        self.job.stdin.flush()
+        while True:
+            event = json.loads(self.job.stdout.readline())
+            if event.get("event") in ("done", "error"):
+                break
+        if event["event"] == "error":
+            raise RuntimeError(f"the runner refused a request: {event['error']}")
+        return time.perf_counter() - started, event["elapsed"]
+
+    def close(self) -> None:
+        self.job.stdin.close()
+        self.job.wait(timeout=60)
+
+
+def triton_time(port: int, model: str, body: dict, stream: bool) -> tuple[float, float | None]:
+    """(seconds to the whole reply, seconds to the first streamed line or None) of one request."""
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/{endpoint}",
+                                     data=json.dumps({**body, **({"stream": True} if stream else {})}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    started, first = time.perf_counter(), None
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        if stream:
+            for _ in reply:
+                first = first or time.perf_counter() - started
+        else:
+            reply.read()
+    return time.perf_counter() - started, first
+
+
+def start_triton(engine: Path, out: Path, models: dict[str, bool]):
+    """tritonserver on a repository of `models` ({name: autoregressive}) of `engine`: (process, HTTP port)."""
+    from runner.serving.triton_repo import write_repository
+    from runner.serving.triton_server import start_server, wait_ready
+
+    venv = Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton"))
+    repo = out / "repo"
+    shutil.rmtree(repo, ignore_errors=True)
+    repo.mkdir(parents=True)
+    for name, autoregressive in models.items():
+        staging = out / f"staging-{name}"
+        write_repository(engine, staging, model_name=name, backend="torch", force=True, max_batch_size=SLOTS,
+                         autoregressive=autoregressive, max_queue=4 * SLOTS)  # fmt: skip
+        (staging / name).rename(repo / name)
+    ports = [free_port() for _ in range(3)]
+    process = start_server(venv, repo, out, *ports, out / "server.log")
+    wait_ready(process, ports[0], out / "server.log", timeout=900)
+    return process, ports[0]
+
+
+def ms(values) -> float:
+    return round(statistics.median(values) * 1e3, 3)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens a request (no end token)")
+    parser.add_argument("--requests", type=int, default=12, help="prompts through each path and mode")
+    parser.add_argument("--modes", default="DDTree 8,DDTree auto,autoregressive",
+                        help=f"comma-separated, among {', '.join(MODES)}")  # fmt: skip
+    parser.add_argument("--smoke", action="store_true", help="the tiny demo model, 4 requests of 8 tokens")
+    args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: expected names among {list(MODES)}, got {unknown}")
+    out = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    requests, tokens = (4, 8) if args.smoke else (args.requests, args.tokens)
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    engine = build_engine(out, args.smoke, dtype)
+    texts = prompts(requests, args.smoke)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the server's runner too
+    info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "tokens": tokens,
+            "requests": requests, "dtype": dtype, "rows": []}  # fmt: skip
+    speculative = any(MODES[m] is not None for m in modes)
+    models = {**({"ddtree": False} if speculative else {}), **({"ar": True} if "autoregressive" in modes else {})}
+    jobs = {name: PipeJob(engine, env, autoregressive, out / "pipe.log") for name, autoregressive in models.items()}
+    from runner.serving.triton_server import stop_server
+
+    process, port = start_triton(engine, out, models)
+    timed: dict = {}
+    try:  # each prompt through the three paths in turn, the order rotating (a drifting machine touches each alike)
+        for mode in modes:
+            budget, model = MODES[mode], "ar" if MODES[mode] is None else "ddtree"
+            paths = {"pipe": lambda b, m=model: jobs[m].time(b),
+                     "triton": lambda b, m=model: triton_time(port, m, b, False),
+                     "triton_stream": lambda b, m=model: triton_time(port, m, b, True)}  # fmt: skip
+            for name in paths:  # warm-up: each path once
+                paths[name](request_body(texts[0], tokens, budget))
+            for i, text in enumerate(texts):
+                names = list(paths)[i % 3 :] + list(paths)[: i % 3]
+                for name in names:
+                    timed.setdefault((mode, name), []).append(paths[name](request_body(text, tokens, budget)))
+    finally:
+        stop_server(process)
+        for job in jobs.values():
+            job.close()
+    print("| mode | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | first streamed "
+          "(ms) | triton - pipe, paired (ms) |\n|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
+    for mode in modes:
+        pipe, whole, streamed = timed[(mode, "pipe")], timed[(mode, "triton")], timed[(mode, "triton_stream")]
+        row = {"mode": mode, "elapsed_ms": ms(e for _, e in pipe), "pipe_ms": ms(p for p, _ in pipe),
+               "triton_ms": ms(t for t, _ in whole), "triton_stream_ms": ms(t for t, _ in streamed),
+               "first_streamed_ms": ms(f for _, f in streamed),
+               "triton_minus_pipe_ms": ms(t - p for (t, _), (p, _) in zip(whole, pipe)),
+               "pipe": pipe, "triton": whole, "triton_stream": streamed}  # fmt: skip
+        info["rows"].append(row)
+        print(f"| {mode} | {row['elapsed_ms']} | {row['pipe_ms']} | {row['triton_ms']} | {row['triton_stream_ms']} | "
+              f"{row['first_streamed_ms']} | {row['triton_minus_pipe_ms']} |", flush=True)  # fmt: skip
+    (out / "serving_overhead.json").write_text(json.dumps(info, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
