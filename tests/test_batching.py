@@ -260,7 +260,8 @@ def test_batched_slots_with_several_budgets(demo_ckpt):
 def test_serve_batches_requests_in_flight(demo_ckpt, demo_engine):
     """`--serve` with max_batch_size 3: requests are served in one batch, their events interleaved, each output
     the one a one-at-a-time server gives (greedy and seeded sampled); a bad_words request runs alone on the host
-    loop, a malformed one gets its error, a cancelled one never starts."""
+    loop, a malformed one gets its error, a cancelled one never starts; one that does not stream gets its done event
+    alone."""
     import io
     import json
 
@@ -279,7 +280,9 @@ def test_serve_batches_requests_in_flight(demo_ckpt, demo_engine):
                 {"id": "d", "text_input": "Kimi is", "max_tokens": 8, "bad_words": ["a"]},
                 {"id": "e", "text_input": "Hi", "max_tokens": 0},
                 {"id": "f", "text_input": "Hi", "max_tokens": 5}, {"cancel": "f"},
-                {"id": "g", "text_input": "One more", "max_tokens": 16}]  # fmt: skip
+                {"id": "g", "text_input": "One more", "max_tokens": 16},
+                {"id": "h", "text_input": "Hello world", "max_tokens": 30, "stream": False},
+                {"id": "i", "text_input": "Hi", "max_tokens": 4, "stream": "no"}]  # fmt: skip
     lines = "\n".join(map(json.dumps, requests))
 
     class Output(io.StringIO):  # counts the flushes: a batched step's events go out in one
@@ -305,8 +308,11 @@ def test_serve_batches_requests_in_flight(demo_ckpt, demo_engine):
     assert flushes[3] < len(batched) * 2 // 3, (flushes, len(batched))  # batched: a step's events together
     finals = {e["id"]: e for e in batched if e["event"] != "tokens"}
     expected = {e["id"]: e for e in alone if e["event"] != "tokens"}
-    for name in "abcdg":
+    for name in "abcdgh":
         assert finals[name]["event"] == "done" and finals[name]["output_ids"] == expected[name]["output_ids"], name
+    assert finals["h"]["output_ids"] == finals["a"]["output_ids"] and finals["h"]["text"] == finals["a"]["text"]
+    assert not [e for e in batched + alone if e["id"] == "h" and e["event"] == "tokens"]  # not streamed
+    assert finals["i"]["event"] == "error" and "stream must be true or false" in finals["i"]["error"]
     assert "batched: up to 3 requests a step" in finals["a"]["mode"] and "host loop" in finals["d"]["mode"]
     assert finals["e"]["event"] == "error" and finals["f"]["event"] == "cancelled"
     order = [e["id"] for e in batched if e["event"] == "tokens"]

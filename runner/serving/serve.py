@@ -10,7 +10,8 @@ the input while a request runs, so a cancellation is seen at once.
     request  {"id": "r1", "text_input": "...", "max_tokens": 32, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
               "seed": 0, "end_id": 481, "stop_words": ["..."], "bad_words": ["..."]}
              or "messages": [{"role": "user", "content": "..."}] (+ "thinking": false) instead of text_input;
-             sampling settings left out take generation_config.json's (the done event says which)
+             sampling settings left out take generation_config.json's (the done event says which); "stream": false
+             sends no tokens events (nothing is detokenized a step), only the done event
     events   {"event": "ready", "tp_size": 2, "backend": "ort", ...}
              {"id": "r1", "event": "tokens", "text": "new text", "output_ids": [...], "accept_length": 3}
              {"id": "r1", "event": "done", "text": "all new text", "output_ids": [...], "accept_lengths": [...], ...}
@@ -94,6 +95,10 @@ class Request:
             banned += ids
         self.banned = tuple(banned)
         self.budget = request_budget(raw.get("ddtree_budget"), engine, spec)
+        stream = raw.get("stream", True)
+        if not isinstance(stream, bool):
+            raise ValueError(f"stream must be true or false, got {stream!r}")
+        self.stream = stream  # false: no tokens events (nothing detokenized a step), the done event alone
 
 
 def request_budget(value, engine, spec) -> int | str | None:
@@ -243,7 +248,8 @@ def serve(generator, tokenizer, engine, spec, backend: str, startup: dict | None
         def on_tokens(new: list[int], request=request, detokenizer=detokenizer) -> None:
             if request.id in inbox.cancelled:
                 raise RequestCancelled(request.id)
-            send(_tokens_event(request, detokenizer, new))
+            if request.stream:
+                send(_tokens_event(request, detokenizer, new))
 
         try:
             result = generator.generate(
@@ -285,7 +291,7 @@ def _tokens_event(request, detokenizer, new: list[int]) -> dict:
 
 def _finish(send, generator, tokenizer, request, detokenizer, result) -> None:
     text = tokenizer.decode(result.tokens, skip_special_tokens=True)
-    rest = detokenizer.finish()
+    rest = detokenizer.finish() if request.stream else ""
     if rest:  # text held back for a partial character
         send({"id": request.id, "event": "tokens", "text": rest, "output_ids": [], "accept_length": 0})
     send(
@@ -357,7 +363,9 @@ def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send: Events) -> N
                     send({"id": request.id, "event": "cancelled", "output_ids": []})
                     continue
                 detokenizer = Detokenizer(tokenizer)
-                on_tokens = lambda new, r=request, d=detokenizer: send(_tokens_event(r, d, new))  # noqa: E731
+                on_tokens = None  # a request that does not stream: its done event alone
+                if request.stream:
+                    on_tokens = lambda new, r=request, d=detokenizer: send(_tokens_event(r, d, new))  # noqa: E731
                 if not generator.on_device(request.params, request.banned, request.budget):
                     send.release()  # a request alone on the host loop streams its tokens as they come
                     result = generator.generate(

@@ -13,8 +13,9 @@ Requests are queued, at most `max_queue` (a parameter of config.pbtxt) at once; 
 once. The runner serves them one at a time, or with `max_batch_size` > 1 (torch backend) up to that many together:
 each joins the batch at the next step after its prefill and leaves when done (in-flight batching). A request whose
 client goes away (Triton marks it cancelled) is cancelled in the runner too, queued or running, so it does not hold
-up the requests behind it. A malformed request gets its own error response; if the runner dies, every in-flight
-request gets an error and the runner is started again.
+up the requests behind it. A malformed request gets its own error response; if the runner dies, every request that
+has streamed output gets an error, the runner is started again, and the others (queued, or not streamed) go to it
+once.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class TritonPythonModel:
             entry = self.pending.get(event.get("id"))
             if entry is None:
                 return
-            entry["started"] = True  # the runner has taken it up: a runner crash from now on fails it
+            entry["started"] = True  # output has gone to the client: a runner crash from now on fails it
             if event["event"] != "tokens":
                 del self.pending[event["id"]]
         if event["event"] == "error":
@@ -222,7 +223,7 @@ class TritonPythonModel:
                 self._respond(entry, text=prefix + event["text"], accept=event["accept_lengths"], final=True)
 
     def _on_exit(self, job, code):
-        """The running request fails; requests still queued (no output yet, not sent before) go to the new runner."""
+        """Requests that have streamed output fail; the rest (no output yet, not sent before) go to the new runner."""
         restart = not self.shutting_down and job is self.job
         with self.lock:
             orphans, self.pending = self.pending, {}
@@ -271,6 +272,7 @@ class TritonPythonModel:
                 if messages is not None:
                     payload["messages"] = json.loads(messages)  # a JSON list of {role, content}
                 stream = bool(_scalar(request, "stream", False))
+                payload["stream"] = stream  # not streamed: the runner sends the done event alone (no text a step)
                 exclude = bool(_scalar(request, "exclude_input_in_output", False))
             except (ValueError, TypeError) as err:
                 sender.send(
