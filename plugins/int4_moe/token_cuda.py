@@ -27,6 +27,14 @@ m16n8k16, bfloat16 fragments made from the words by one lop3 and two bfloat16 fm
 fewer instructions a weight than the split form (sm_90 SASS). Their computation is checked on the CPU fragment by
 fragment (`algorithm_mma`); on one H100 they took as long as the split form, so it is not the default.
 
+"bulk" (`launch(..., gate_form="bulk")`, `token_bulk`): the same two computations in one launch, a block an SM.
+Each block asks the TMA unit for all of its share at once (its row pairs of gate and up, and its rows of down for
+every chosen expert: about 190 KB of shared memory at Kimi K2.x's per-rank dimensions), multiplies each pair as its
+copies land, waits for every block's act (a grid-wide arrival counter), then computes its down rows from shared memory,
+so down's bytes are read while gate/up computes and there is one launch instead of two. Its sums are the split
+form's, in its order (the same bits: the GPU test checks it; `algorithm` is its computation too). Where it does not
+fit (`token_bulk_fits`: sm_90, the rows aligned and contiguous, one group a lane's down words) the split form runs.
+
 A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_bulk` (persistent
 blocks, one an SM, each taking a contiguous run of the chosen experts' 8-row tiles of gate and up, the runs even in work
 whatever the routing (a tile's work: its expert's passes of 8 tokens), mostly one or two experts a block, whose tokens'
@@ -66,7 +74,7 @@ DOWN_CHUNK = 4  # `down_mma_stream`: tasks a warp takes from the queue at a time
 DOWN_STAGES = 4  # `down_mma_stream`: tasks in shared memory a warp
 DOWN_WARPS = 16  # `down_mma_stream`: warps a block
 DOWN_BLOCKS = 1  # `down_mma_stream`: blocks an SM (the grid, and the registers the compiler may take)
-TOKEN_BULK_ROWS = 2  # `token_bulk`: down rows a warp at a time (4 spill registers at its 14 warps a block)
+TOKEN_BULK_ROWS = 2  # `token_bulk`: down rows a warp at a time (at 4 the compiler spills: 14 warps leave 128 registers)
 
 SOURCE = r"""
 typedef unsigned short bf16;
@@ -1213,8 +1221,8 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
 
 
 _COMPILED: dict[tuple, tuple[dict, dict]] = {}  # (constants, {name: kernel}) a key
-# what `int4_moe_token` launches: "split" (`gate_up_split` then `down`: the fastest measured, BENCHMARKS.md section 8)
-# or "mma" (`gate_up_mma` then `down_mma`)
+# what `int4_moe_token` launches: "split" (`gate_up_split` then `down`: the fastest measured, BENCHMARKS.md section 8),
+# "mma" (`gate_up_mma` then `down_mma`) or "bulk" (`token_bulk`, one launch: not timed on a GPU yet)
 GATE_FORM = "split"
 
 
