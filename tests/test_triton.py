@@ -520,3 +520,34 @@ def test_a_packed_server_unpacked_over_another_python_starts_and_refuses_a_misma
     with pytest.raises(ValueError, match=f"stub for Python {other}.*this is Python {version}"):
         unpack(wrong, tmp_path / "other-venv")
     assert not (tmp_path / "other-venv").exists()
+
+
+def test_a_runner_crash_sends_a_request_that_streamed_nothing_to_the_new_runner(server):
+    """In the batched model a rank dies while two requests are in the batch: the streamed one ends with an error,
+    the one that streams nothing (`/generate`: the runner sends it no tokens events) is served whole by the new
+    runner, its text what the same request gives after."""
+    import http.client
+
+    long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1, "stream": True}
+    quiet = {"text_input": PROMPTS[1], "max_tokens": 200, "end_id": -1, "exclude_input_in_output": True}
+    connection = http.client.HTTPConnection("127.0.0.1", server["http"], timeout=120)
+    connection.request("POST", "/v2/models/ddtree-batched/generate_stream", json.dumps(long),
+                       {"Content-Type": "application/json"})  # fmt: skip
+    stream = connection.getresponse()
+    assert stream.status == 200 and stream.readline().startswith(b"data: ")  # generating now
+    reply = {}
+    waiter = threading.Thread(target=lambda: reply.update(q=post(server["http"], "generate", quiet, "ddtree-batched")))
+    waiter.start()
+    time.sleep(0.5)  # in the batch beside the long one, a few steps in
+    ranks = rank_pids(server["engine"], "torch")
+    assert ranks, "no MPI rank of the batched runner found"
+    os.kill(ranks[-1], 9)
+    rest = stream.read().decode()
+    connection.close()
+    waiter.join(240)
+    events = [json.loads(line[len("data: ") :]) for line in rest.splitlines() if line.startswith("data: ")]
+    assert events and "the ddtree runner exited" in events[-1].get("error", ""), rest[-500:]
+    status, text = reply["q"]
+    assert status == 200, text
+    again = post(server["http"], "generate", quiet, "ddtree-batched")
+    assert again[0] == 200 and json.loads(text)["text_output"] == json.loads(again[1])["text_output"]
