@@ -34,6 +34,8 @@ copies land, waits for every block's act (a grid-wide arrival counter), then com
 so down's bytes are read while gate/up computes and there is one launch instead of two. Its sums are the split
 form's, in its order (the same bits: the GPU test checks it; `algorithm` is its computation too). Where it does not
 fit (`token_bulk_fits`: sm_90, the rows aligned and contiguous, one group a lane's down words) the split form runs.
+Measured on one H100 it is 1.55x slower than the split form (its copies alone take 1.53x the byte floor, and its
+multiplies on one block an SM are not hidden behind them): not the default (BENCHMARKS.md, section 8).
 
 A block of T tokens (`int4_moe_block`, the pairs sorted by expert by `kernel.route`): `gate_up_mma_bulk` (persistent
 blocks, one an SM, each taking a contiguous run of the chosen experts' 8-row tiles of gate and up, the runs even in work
@@ -1222,7 +1224,8 @@ def _defines(hidden: int, width: int, group_size: int, top_k: int, ids_dtype: to
 
 _COMPILED: dict[tuple, tuple[dict, dict]] = {}  # (constants, {name: kernel}) a key
 # what `int4_moe_token` launches: "split" (`gate_up_split` then `down`: the fastest measured, BENCHMARKS.md section 8),
-# "mma" (`gate_up_mma` then `down_mma`) or "bulk" (`token_bulk`, one launch: not timed on a GPU yet)
+# "mma" (`gate_up_mma` then `down_mma`: as fast) or "bulk" (`token_bulk`, one launch: 28.2 against 18.2 us a call on
+# one H100, its copies alone 13.5)
 GATE_FORM = "split"
 
 
