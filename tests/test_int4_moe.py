@@ -582,7 +582,8 @@ def test_cuda_block_kernels_on_a_gpu():
 def test_cuda_token_kernels_on_a_gpu():
     """The compiled kernels against the reference and against their algorithm, at Kimi K2.x's per-rank TP-8
     dimensions (hidden 7168, width 256, top-8 of 384 experts, groups of 32) and int64 and int32 expert ids: each
-    input twice through the default form (the same bits), and through both forms ("split", "mma")."""
+    input twice through the default form (the same bits), and through every form ("split", "mma", and "bulk", one
+    launch, which gives the split form's bits)."""
     from plugins.int4_moe import token_cuda
 
     hidden, width, group, experts = 7168, 256, 32, 24
