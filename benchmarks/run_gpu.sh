@@ -33,6 +33,8 @@
 #   triton    benchmarks/concurrency.py --device cuda with the Triton rows: the CLI and a real tritonserver, unpacked
 #             from $TRITON_BUNDLE (`python -m runner.serving.triton_bundle pack --python 3.12 B.tar.xz` on a machine
 #             with a package index; the archive travels with the tree) into a venv over this machine's python3
+#   serving   benchmarks/serving_overhead.py --device cuda: the same requests through the runner's serving pipe and
+#             through tritonserver (from $TRITON_BUNDLE, as 'triton'), side by side: what the server's path adds
 #   policy    benchmarks/batch_policy.py: CLI jobs of 16 requests in-flight batched, in the order $ORDER (default
 #             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved), each mode's median
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
@@ -214,6 +216,15 @@ if has triton; then
     DDTREE_TRITON_VENV=/tmp/ddtree-triton-venv limit python3 benchmarks/concurrency.py "$OUT/triton" --device cuda \
       ${CONC_FLAGS:-} > "$OUT/concurrency_triton.log" 2>&1
     echo "triton rc=$?"; tail -30 "$OUT/concurrency_triton.log"
+  fi
+fi
+if has serving; then
+  rm -rf /tmp/ddtree-triton-venv && mkdir -p "$OUT/serving"
+  if python3 -m runner.serving.triton_bundle unpack "${TRITON_BUNDLE:?TRITON_BUNDLE: the packed tritonserver}" \
+      /tmp/ddtree-triton-venv; then
+    DDTREE_TRITON_VENV=/tmp/ddtree-triton-venv limit python3 benchmarks/serving_overhead.py "$OUT/serving" \
+      --device cuda ${SERVING_FLAGS:-} > "$OUT/serving_overhead.log" 2>&1
+    echo "serving rc=$?"; tail -8 "$OUT/serving_overhead.log"
   fi
 fi
 if has rankbatch || has batch; then

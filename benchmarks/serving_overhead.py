@@ -162,6 +162,8 @@ def main(argv=None) -> int:
 
     process, port = start_triton(engine, out, models)
     timed: dict = {}
+    print("| mode | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | first streamed "
+          "(ms) | triton - pipe, paired (ms) |\n|---|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
     try:  # each prompt through the three paths in turn, the order rotating (a drifting machine touches each alike)
         for mode in modes:
             budget, model = MODES[mode], "ar" if MODES[mode] is None else "ddtree"
@@ -174,22 +176,20 @@ def main(argv=None) -> int:
                 names = list(paths)[i % 3 :] + list(paths)[: i % 3]
                 for name in names:
                     timed.setdefault((mode, name), []).append(paths[name](request_body(text, tokens, budget)))
+            pipe, whole, streamed = timed[(mode, "pipe")], timed[(mode, "triton")], timed[(mode, "triton_stream")]
+            row = {"mode": mode, "elapsed_ms": ms(e for _, e in pipe), "pipe_ms": ms(p for p, _ in pipe),
+                   "triton_ms": ms(t for t, _ in whole), "triton_stream_ms": ms(t for t, _ in streamed),
+                   "first_streamed_ms": ms(f for _, f in streamed),
+                   "triton_minus_pipe_ms": ms(t - p for (t, _), (p, _) in zip(whole, pipe)),
+                   "pipe": pipe, "triton": whole, "triton_stream": streamed}  # fmt: skip
+            info["rows"].append(row)
+            print(f"| {mode} | {row['elapsed_ms']} | {row['pipe_ms']} | {row['triton_ms']} | {row['triton_stream_ms']} "
+                  f"| {row['first_streamed_ms']} | {row['triton_minus_pipe_ms']} |", flush=True)  # fmt: skip
+            (out / "serving_overhead.json").write_text(json.dumps(info, indent=1) + "\n")  # each mode as it ends
     finally:
         stop_server(process)
         for job in jobs.values():
             job.close()
-    print("| mode | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | first streamed "
-          "(ms) | triton - pipe, paired (ms) |\n|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
-    for mode in modes:
-        pipe, whole, streamed = timed[(mode, "pipe")], timed[(mode, "triton")], timed[(mode, "triton_stream")]
-        row = {"mode": mode, "elapsed_ms": ms(e for _, e in pipe), "pipe_ms": ms(p for p, _ in pipe),
-               "triton_ms": ms(t for t, _ in whole), "triton_stream_ms": ms(t for t, _ in streamed),
-               "first_streamed_ms": ms(f for _, f in streamed),
-               "triton_minus_pipe_ms": ms(t - p for (t, _), (p, _) in zip(whole, pipe)),
-               "pipe": pipe, "triton": whole, "triton_stream": streamed}  # fmt: skip
-        info["rows"].append(row)
-        print(f"| {mode} | {row['elapsed_ms']} | {row['pipe_ms']} | {row['triton_ms']} | {row['triton_stream_ms']} | "
-              f"{row['first_streamed_ms']} | {row['triton_minus_pipe_ms']} |", flush=True)  # fmt: skip
     (out / "serving_overhead.json").write_text(json.dumps(info, indent=1) + "\n")
     return 0
 
