@@ -106,9 +106,10 @@ def triton_time(port: int, model: str, body: dict, stream: bool) -> tuple[float,
 
 
 def start_triton(engine: Path, out: Path, models: dict[str, bool]):
-    """tritonserver on a repository of `models` ({name: autoregressive}) of `engine`: (process, HTTP port)."""
+    """tritonserver on a repository of `models` ({name: autoregressive}) of `engine`, started (its models warm up
+    while the caller goes on; `wait_ready` before a request): (process, HTTP port)."""
     from runner.serving.triton_repo import write_repository
-    from runner.serving.triton_server import start_server, wait_ready
+    from runner.serving.triton_server import start_server
 
     venv = Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton"))
     repo = out / "repo"
@@ -120,9 +121,7 @@ def start_triton(engine: Path, out: Path, models: dict[str, bool]):
                          autoregressive=autoregressive, max_queue=4 * SLOTS)  # fmt: skip
         (staging / name).rename(repo / name)
     ports = [free_port() for _ in range(3)]
-    process = start_server(venv, repo, out, *ports, out / "server.log")
-    wait_ready(process, ports[0], out / "server.log", timeout=900)
-    return process, ports[0]
+    return start_server(venv, repo, out, *ports, out / "server.log"), ports[0]
 
 
 def ms(values) -> float:
@@ -157,10 +156,20 @@ def main(argv=None) -> int:
             "requests": requests, "dtype": dtype, "rows": []}  # fmt: skip
     speculative = any(MODES[m] is not None for m in modes)
     models = {**({"ddtree": False} if speculative else {}), **({"ar": True} if "autoregressive" in modes else {})}
-    jobs = {name: PipeJob(engine, env, autoregressive, out / "pipe.log") for name, autoregressive in models.items()}
-    from runner.serving.triton_server import stop_server
+    from runner.serving.triton_server import stop_server, wait_ready
 
+    # the server's models and the pipe jobs warm up at once (on a GPU with a cold kernel cache: minutes each)
     process, port = start_triton(engine, out, models)
+    jobs: dict = {}
+    try:
+        for name, autoregressive in models.items():
+            jobs[name] = PipeJob(engine, env, autoregressive, out / "pipe.log")
+        wait_ready(process, port, out / "server.log", timeout=900)
+    except BaseException:
+        stop_server(process)
+        for job in jobs.values():
+            job.close()
+        raise
     timed: dict = {}
     print("| mode | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | first streamed "
           "(ms) | triton - pipe, paired (ms) |\n|---|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
