@@ -277,3 +277,20 @@ def test_batch_policy_benchmark_smoke(tmp_path):
     assert not jobs[1]["policy"] and not jobs[1]["first_request_budgets"]  # a fixed budget: no policy
     medians = [line for line in done.stdout.splitlines() if line.startswith("median ")]
     assert len(medians) == 3 and "x autoregressive" in medians[0], done.stdout[-2000:]
+
+
+def test_serving_overhead_benchmark_smoke(tmp_path):
+    """The serving-path benchmark on the tiny model: the runner's pipe and a real tritonserver side by side, every
+    mode's row complete (each path's four requests timed, the runner's own time under the pipe's)."""
+    if not (Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton")) / "bin" / "python").exists():
+        pytest.skip("no Triton venv (`make test` creates it)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "benchmarks/serving_overhead.py", str(tmp_path), "--smoke"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "serving_overhead.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["DDTree 8", "DDTree auto", "autoregressive"]
+    for r in rows:
+        assert len(r["pipe"]) == len(r["triton"]) == len(r["triton_stream"]) == 4
+        assert all(0 < elapsed <= whole for whole, elapsed in r["pipe"])
+        assert all(first is not None and 0 < first <= whole for whole, first in r["triton_stream"])
