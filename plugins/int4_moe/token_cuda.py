@@ -124,6 +124,86 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// the split forms' pieces, shared by `gate_up_split` / `down` and `token_bulk` (the same sums: the same bits)
+// a gate/up lane's x slice at word w: nibble j's four inputs j * WORDS_IN + w .. + 3, and their sum
+__device__ __forceinline__ void x_slice(const bf16* __restrict__ x, int w, float4 (&xv)[8], float (&x_sum)[8]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const uint2 two = __ldg((const uint2*)(x + j * WORDS_IN + w));
+        xv[j] = make_float4(__uint_as_float(two.x << 16), __uint_as_float(two.x & 0xFFFF0000u),
+                            __uint_as_float(two.y << 16), __uint_as_float(two.y & 0xFFFF0000u));
+        x_sum[j] = (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
+    }
+}
+
+// gate's and up's sums over a warp's 16-byte chunk of one row pair: each lane's words g, u and its scales a nibble
+// (sg[j], su[j]: registers, or shared memory through `Spaced`), the lanes summed by the butterfly
+template <class Scales>
+__device__ __forceinline__ float2 chunk_sums(uint4 g, uint4 u, const Scales& sg, const Scales& su,
+                                             const float4 (&xv)[8], const float (&x_sum)[8]) {
+    float acc_g[2] = {0.0f, 0.0f}, acc_u[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
+#define GATE_UP(J) {                                                                                                \
+    acc_g[J & 1] = fmaf(from_bf16(sg[J]), nibble_dot_biased<J>(g, xv[J], x_sum[J]), acc_g[J & 1]);                   \
+    acc_u[J & 1] = fmaf(from_bf16(su[J]), nibble_dot_biased<J>(u, xv[J], x_sum[J]), acc_u[J & 1]); }
+    FOR_NIBBLES(GATE_UP)
+#undef GATE_UP
+    return make_float2(warp_sum(acc_g[0] + acc_g[1]), warp_sum(acc_u[0] + acc_u[1]));
+}
+
+struct Spaced {  // nibble j's scale of a staged row: j * (WORDS_IN / GROUP) values on
+    const bf16* p;
+    __device__ __forceinline__ bf16 operator[](int j) const { return p[j * (WORDS_IN / GROUP)]; }
+};
+
+// a row pair's act from its chunks' (gate, up) sums, added in chunk order: silu(gate) * up in bfloat16
+__device__ __forceinline__ bf16 act_value(const float (&chunks)[CHUNKS][2]) {
+    float gate = 0.0f, up = 0.0f;
+#pragma unroll
+    for (int k = 0; k < CHUNKS; ++k) { gate += chunks[k][0]; up += chunks[k][1]; }
+    return to_bf16(gate / (1.0f + __expf(-gate)) * up);
+}
+
+// a down lane's act inputs (nibble j of word w0 + i is input j * WORDS_W + w0 + i of its pair's row `row`) and each
+// (nibble, chunk)'s four inputs summed; COHERENT: read past L1 (act written by other blocks of the same launch)
+template <bool COHERENT>
+__device__ __forceinline__ void act_slice(const bf16* row, int w0, float (&a)[8][WORDS_PER_LANE],
+                                          float (&a_sum)[8][CHUNKS_PER_LANE]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int i = 0; i < WORDS_PER_LANE; i += 4) {
+            const uint2* at = (const uint2*)(row + j * WORDS_W + w0 + i);
+            const uint2 two = COHERENT ? __ldcg(at) : *at;
+            a[j][i] = __uint_as_float(two.x << 16);
+            a[j][i + 1] = __uint_as_float(two.x & 0xFFFF0000u);
+            a[j][i + 2] = __uint_as_float(two.y << 16);
+            a[j][i + 3] = __uint_as_float(two.y & 0xFFFF0000u);
+        }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int c = 0; c < CHUNKS_PER_LANE; ++c)
+            a_sum[j][c] = (a[j][4 * c] + a[j][4 * c + 1]) + (a[j][4 * c + 2] + a[j][4 * c + 3]);
+}
+
+// a down lane's sum over its words q of one row, its words in one group a nibble (`ONE_GROUP`: sd[j] each nibble's
+// scale), the even and odd nibbles' chains added
+__device__ __forceinline__ float down_row_one_group(const uint4 (&q)[CHUNKS_PER_LANE],
+                                                    const float (&a)[8][WORDS_PER_LANE],
+                                                    const float (&a_sum)[8][CHUNKS_PER_LANE], const bf16 (&sd)[8]) {
+    float acc[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
+#define DOT(J, C) nibble_dot_biased<J>(q[C], make_float4(a[J][4 * C], a[J][4 * C + 1], a[J][4 * C + 2],            \
+                                                         a[J][4 * C + 3]), a_sum[J][C])
+#define DOWN(J) {                                                                                                   \
+    float t = DOT(J, 0);                                                                                             \
+    _Pragma("unroll") for (int c = 1; c < CHUNKS_PER_LANE; ++c) t += DOT(J, c);                                      \
+    acc[J & 1] = fmaf(from_bf16(sd[J]), t, acc[J & 1]); }
+    FOR_NIBBLES(DOWN)
+#undef DOWN
+#undef DOT
+    return acc[0] + acc[1];
+}
+
 // gate and up with the K dimension split over the block's warps: warp c reads chunk c (16 bytes a lane) of each of
 // the block's RPB row pairs, its x slice held in registers for all of them; the warps' sums meet in shared memory and
 // are added in chunk order.
@@ -146,13 +226,7 @@ gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const ui
     }
     float4 xv[8];
     float x_sum[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const uint2 two = __ldg((const uint2*)(x + j * WORDS_IN + w));
-        xv[j] = make_float4(__uint_as_float(two.x << 16), __uint_as_float(two.x & 0xFFFF0000u),
-                            __uint_as_float(two.y << 16), __uint_as_float(two.y & 0xFFFF0000u));
-        x_sum[j] = (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
-    }
+    x_slice(x, w, xv, x_sum);
     // every scale the lane multiplies by, loaded with the words before any math (a second round trip to DRAM
     // otherwise waits behind the first multiplies)
     bf16 sg[RPB][8], su[RPB][8];
@@ -172,23 +246,13 @@ gate_up_split(const bf16* __restrict__ x, const id_t* __restrict__ ids, const ui
     }
 #pragma unroll
     for (int r = 0; r < RPB; ++r) {
-        float acc_g[2] = {0.0f, 0.0f}, acc_u[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
-#define GATE_UP(J) {                                                                                                \
-        acc_g[J & 1] = fmaf(from_bf16(sg[r][J]), nibble_dot_biased<J>(g[r], xv[J], x_sum[J]), acc_g[J & 1]);          \
-        acc_u[J & 1] = fmaf(from_bf16(su[r][J]), nibble_dot_biased<J>(u[r], xv[J], x_sum[J]), acc_u[J & 1]); }
-        FOR_NIBBLES(GATE_UP)
-#undef GATE_UP
-        const float sum_g = warp_sum(acc_g[0] + acc_g[1]);
-        const float sum_u = warp_sum(acc_u[0] + acc_u[1]);
-        if (lane == 0) { part[r][c][0] = sum_g; part[r][c][1] = sum_u; }
+        const float2 sums = chunk_sums(g[r], u[r], sg[r], su[r], xv, x_sum);
+        if (lane == 0) { part[r][c][0] = sums.x; part[r][c][1] = sums.y; }
     }
     __syncthreads();
     if (threadIdx.x < RPB) {
         const int r = threadIdx.x;
-        float gate = 0.0f, up = 0.0f;
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) { gate += part[r][k][0]; up += part[r][k][1]; }
-        act[pair * WIDTH + row0 + r] = to_bf16(gate / (1.0f + __expf(-gate)) * up);
+        act[pair * WIDTH + row0 + r] = act_value(part[r]);
     }
 }
 
@@ -953,23 +1017,8 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
 #pragma unroll
         for (int c = 0; c < CHUNKS_PER_LANE; ++c) q[r][c] = __ldg(down_p + p_off + c);
     }
-    float a[8][WORDS_PER_LANE];  // the lane's act inputs: nibble j of word w0 + i is input j * WORDS_W + w0 + i
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int i = 0; i < WORDS_PER_LANE; i += 4) {
-            const uint2 two = *(const uint2*)(act + pair * WIDTH + j * WORDS_W + w0 + i);
-            a[j][i] = __uint_as_float(two.x << 16);
-            a[j][i + 1] = __uint_as_float(two.x & 0xFFFF0000u);
-            a[j][i + 2] = __uint_as_float(two.y << 16);
-            a[j][i + 3] = __uint_as_float(two.y & 0xFFFF0000u);
-        }
-    float a_sum[8][CHUNKS_PER_LANE];  // each (nibble, chunk)'s four inputs summed, for `nibble_dot_biased`
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int c = 0; c < CHUNKS_PER_LANE; ++c)
-            a_sum[j][c] = (a[j][4 * c] + a[j][4 * c + 1]) + (a[j][4 * c + 2] + a[j][4 * c + 3]);
+    float a[8][WORDS_PER_LANE], a_sum[8][CHUNKS_PER_LANE];
+    act_slice<false>(act + pair * WIDTH, w0, a, a_sum);
     const float weight = weights[pair];
 #if ONE_GROUP
     bf16 sd[ROWS][8];  // the rows' scales, loaded before any math (as gate_up_split's)
@@ -983,27 +1032,24 @@ down(const bf16* __restrict__ act, const id_t* __restrict__ ids, const float* __
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int row = row0 + r;
+#if ONE_GROUP  // the lane's words of a row lie in one group for each nibble: one scale a nibble (`sd`)
+        const float lane_sum = down_row_one_group(q[r], a, a_sum, sd[r]);
+#else
         const long long s_off = e * s_stride_e + (long long)min(row, HIDDEN - 1) * s_stride_r;
         float acc[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
 #define DOT(J, C) nibble_dot_biased<J>(q[r][C], make_float4(a[J][4 * C], a[J][4 * C + 1], a[J][4 * C + 2],         \
                                                             a[J][4 * C + 3]), a_sum[J][C])
-#if ONE_GROUP  // the lane's words of a row lie in one group for each nibble: one scale a nibble (`sd`)
-#define DOWN(J) {                                                                                                   \
-            float t = DOT(J, 0);                                                                                     \
-            _Pragma("unroll") for (int c = 1; c < CHUNKS_PER_LANE; ++c) t += DOT(J, c);                              \
-            acc[J & 1] = fmaf(from_bf16(sd[r][J]), t, acc[J & 1]); }
-        FOR_NIBBLES(DOWN)
-#else
 #pragma unroll
         for (int c = 0; c < CHUNKS_PER_LANE; ++c) {
 #define DOWN(J) acc[J & 1] = fmaf(from_bf16(__ldg(down_s + s_off + (J * WORDS_W + w0 + 4 * c) / GROUP)), DOT(J, c),  \
                                   acc[J & 1]);
             FOR_NIBBLES(DOWN)
         }
-#endif
 #undef DOWN
 #undef DOT
-        const float sum = warp_sum((acc[0] + acc[1]) * weight);
+        const float lane_sum = acc[0] + acc[1];
+#endif
+        const float sum = warp_sum(lane_sum * weight);
         if (lane == 0 && row < HIDDEN) out[row] = to_bf16(sum);
     }
 }
@@ -1087,13 +1133,7 @@ token_bulk(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float
     const int w = 4 * (lane + 32 * c);
     float4 xv[8];
     float x_sum[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        const uint2 two = __ldg((const uint2*)(x + j * WORDS_IN + w));
-        xv[j] = make_float4(__uint_as_float(two.x << 16), __uint_as_float(two.x & 0xFFFF0000u),
-                            __uint_as_float(two.y << 16), __uint_as_float(two.y & 0xFFFF0000u));
-        x_sum[j] = (xv[j].x + xv[j].y) + (xv[j].z + xv[j].w);
-    }
+    x_slice(x, w, xv, x_sum);
     for (int i = h; i < np; i += 2) {
         while (!bar_done(bars + i, 0)) {}
 #if TB_MATH
@@ -1101,28 +1141,15 @@ token_bulk(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float
         const uint4 g = *(const uint4*)(slot + 16 * (lane + 32 * c));
         const uint4 u = *(const uint4*)(slot + WORDS_IN * 4 + 16 * (lane + 32 * c));
         const bf16* gs = (const bf16*)(slot + 2 * WORDS_IN * 4) + w / GROUP;
-        const bf16* us = gs + HIDDEN / GROUP;
-        float acc_g[2] = {0.0f, 0.0f}, acc_u[2] = {0.0f, 0.0f};  // even and odd nibbles: two chains
-#define GATE_UP(J) {                                                                                                \
-        acc_g[J & 1] = fmaf(from_bf16(gs[J * (WORDS_IN / GROUP)]), nibble_dot_biased<J>(g, xv[J], x_sum[J]),           \
-                            acc_g[J & 1]);                                                                           \
-        acc_u[J & 1] = fmaf(from_bf16(us[J * (WORDS_IN / GROUP)]), nibble_dot_biased<J>(u, xv[J], x_sum[J]),           \
-                            acc_u[J & 1]); }
-        FOR_NIBBLES(GATE_UP)
-#undef GATE_UP
-        const float sum_g = warp_sum(acc_g[0] + acc_g[1]);
-        const float sum_u = warp_sum(acc_u[0] + acc_u[1]);
-        if (lane == 0) { part[i][c][0] = sum_g; part[i][c][1] = sum_u; }
+        const float2 sums = chunk_sums(g, u, Spaced{gs}, Spaced{gs + HIDDEN / GROUP}, xv, x_sum);
+        if (lane == 0) { part[i][c][0] = sums.x; part[i][c][1] = sums.y; }
 #endif
     }
     __syncthreads();
 #if TB_MATH
     if (threadIdx.x < np) {
         const int i = threadIdx.x;
-        float gate = 0.0f, up = 0.0f;
-#pragma unroll
-        for (int k = 0; k < CHUNKS; ++k) { gate += part[i][k][0]; up += part[i][k][1]; }
-        act[p0 + i] = to_bf16(gate / (1.0f + __expf(-gate)) * up);
+        act[p0 + i] = act_value(part[i]);
     }
     __syncthreads();
 #endif
@@ -1139,23 +1166,8 @@ token_bulk(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float
 #if TB_MATH
     // down: warp w takes TB_ROWS rows at a time from w * TB_ROWS (`down`'s lane sums: lane l, expert l / (32 / k))
     const int pair = lane / LANES_PER_PAIR, w0 = (lane % LANES_PER_PAIR) * WORDS_PER_LANE;
-    float a[8][WORDS_PER_LANE];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int i = 0; i < WORDS_PER_LANE; i += 4) {
-            const uint2 two = __ldcg((const uint2*)(act + pair * WIDTH + j * WORDS_W + w0 + i));  // other blocks' act
-            a[j][i] = __uint_as_float(two.x << 16);
-            a[j][i + 1] = __uint_as_float(two.x & 0xFFFF0000u);
-            a[j][i + 2] = __uint_as_float(two.y << 16);
-            a[j][i + 3] = __uint_as_float(two.y & 0xFFFF0000u);
-        }
-    float a_sum[8][CHUNKS_PER_LANE];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int cc = 0; cc < CHUNKS_PER_LANE; ++cc)
-            a_sum[j][cc] = (a[j][4 * cc] + a[j][4 * cc + 1]) + (a[j][4 * cc + 2] + a[j][4 * cc + 3]);
+    float a[8][WORDS_PER_LANE], a_sum[8][CHUNKS_PER_LANE];
+    act_slice<true>(act + pair * WIDTH, w0, a, a_sum);  // other blocks' act
     const float weight = weights[pair];
     const unsigned char* dw = down_words + pair * most_rows * DROW_BYTES + w0 * 4;
     const bf16* ds = (const bf16*)(down_scales + pair * most_rows * DSROW_BYTES) + w0 / GROUP;
@@ -1172,17 +1184,7 @@ token_bulk(const bf16* __restrict__ x, const id_t* __restrict__ ids, const float
         }
 #pragma unroll
         for (int r = 0; r < TB_ROWS; ++r) {
-            float acc[2] = {0.0f, 0.0f};
-#define DOT(J, C) nibble_dot_biased<J>(q[r][C], make_float4(a[J][4 * C], a[J][4 * C + 1], a[J][4 * C + 2],         \
-                                                            a[J][4 * C + 3]), a_sum[J][C])
-#define DOWN(J) {                                                                                                   \
-            float t = DOT(J, 0);                                                                                     \
-            _Pragma("unroll") for (int cc = 1; cc < CHUNKS_PER_LANE; ++cc) t += DOT(J, cc);                          \
-            acc[J & 1] = fmaf(from_bf16(sd[r][J]), t, acc[J & 1]); }
-            FOR_NIBBLES(DOWN)
-#undef DOWN
-#undef DOT
-            const float sum = warp_sum((acc[0] + acc[1]) * weight);
+            const float sum = warp_sum(down_row_one_group(q[r], a, a_sum, sd[r]) * weight);
             if (lane == 0 && first + r < nr) out[r0 + first + r] = to_bf16(sum);
         }
     }
