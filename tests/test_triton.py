@@ -441,31 +441,39 @@ def test_a_client_that_goes_away_does_not_hold_up_the_next(server, cli_outputs):
     assert waited < whole / 2, f"the next request waited {waited:.2f} s; a whole abandoned one takes {whole:.2f} s"
 
 
-def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs):
-    """A rank dies mid-request (after the request's first streamed tokens): that request ends with an error; the one
-    queued behind it is served by the new runner."""
+def crash_mid_stream(server, model: str, backend: str, other: dict, settle: float, join: float):
+    """A long streamed request on `model` (400 tokens, no end token) generating, `other` sent to `/generate` beside it
+    and given `settle` seconds, then the runner's last rank killed: (the stream's events, its raw rest, `other`'s
+    (status, text))."""
     import http.client
 
-    reply = {}
-    long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1, "stream": True}  # no early end token
-    queued = {"text_input": PROMPTS[1], "max_tokens": 16, "exclude_input_in_output": True}
+    long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1, "stream": True}
     connection = http.client.HTTPConnection("127.0.0.1", server["http"], timeout=120)
-    connection.request("POST", "/v2/models/ddtree/generate_stream", json.dumps(long),
+    connection.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(long),
                        {"Content-Type": "application/json"})  # fmt: skip
     stream = connection.getresponse()
     assert stream.status == 200 and stream.readline().startswith(b"data: ")  # generating now
-    waiter = threading.Thread(target=lambda: reply.update(q=post(server["http"], "generate", queued)))
+    reply = {}
+    waiter = threading.Thread(target=lambda: reply.update(q=post(server["http"], "generate", other, model)))
     waiter.start()
-    time.sleep(0.3)  # queued behind the long one (a whole long request takes about 3 s on the CI machine kind)
-    ranks = rank_pids(server["engine"], "ort")
-    assert ranks, "no MPI rank of the runner found"
+    time.sleep(settle)
+    ranks = rank_pids(server["engine"], backend)
+    assert ranks, f"no MPI rank of the {model} model's runner found"
     os.kill(ranks[-1], 9)  # a rank dies mid-request
     rest = stream.read().decode()
     connection.close()
-    waiter.join(180)
+    waiter.join(join)
     events = [json.loads(line[len("data: ") :]) for line in rest.splitlines() if line.startswith("data: ")]
+    return events, rest, reply["q"]
+
+
+def test_a_runner_crash_is_reported_and_the_runner_restarts(server, cli_outputs):
+    """A rank dies mid-request (after the request's first streamed tokens): that request ends with an error; the one
+    queued behind it is served by the new runner."""
+    queued = {"text_input": PROMPTS[1], "max_tokens": 16, "exclude_input_in_output": True}
+    # queued behind the long one (a whole long request takes about 3 s on the CI machine kind)
+    events, rest, (status, text) = crash_mid_stream(server, "ddtree", "ort", queued, 0.3, 180)
     assert events and "the ddtree runner exited" in events[-1].get("error", ""), rest[-500:]
-    status, text = reply["q"]
     assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][1]
     deadline, last = time.monotonic() + 120, None
     while time.monotonic() < deadline:  # the model starts a new runner
@@ -526,28 +534,10 @@ def test_a_runner_crash_sends_a_request_that_streamed_nothing_to_the_new_runner(
     """In the batched model a rank dies while two requests are in the batch: the streamed one ends with an error,
     the one that streams nothing (`/generate`: the runner sends it no tokens events) is served whole by the new
     runner, its text what the same request gives after."""
-    import http.client
-
-    long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1, "stream": True}
     quiet = {"text_input": PROMPTS[1], "max_tokens": 200, "end_id": -1, "exclude_input_in_output": True}
-    connection = http.client.HTTPConnection("127.0.0.1", server["http"], timeout=120)
-    connection.request("POST", "/v2/models/ddtree-batched/generate_stream", json.dumps(long),
-                       {"Content-Type": "application/json"})  # fmt: skip
-    stream = connection.getresponse()
-    assert stream.status == 200 and stream.readline().startswith(b"data: ")  # generating now
-    reply = {}
-    waiter = threading.Thread(target=lambda: reply.update(q=post(server["http"], "generate", quiet, "ddtree-batched")))
-    waiter.start()
-    time.sleep(0.5)  # in the batch beside the long one, a few steps in
-    ranks = rank_pids(server["engine"], "torch")
-    assert ranks, "no MPI rank of the batched runner found"
-    os.kill(ranks[-1], 9)
-    rest = stream.read().decode()
-    connection.close()
-    waiter.join(240)
-    events = [json.loads(line[len("data: ") :]) for line in rest.splitlines() if line.startswith("data: ")]
+    # in the batch beside the long one, a few steps in
+    events, rest, (status, text) = crash_mid_stream(server, "ddtree-batched", "torch", quiet, 0.5, 240)
     assert events and "the ddtree runner exited" in events[-1].get("error", ""), rest[-500:]
-    status, text = reply["q"]
     assert status == 200, text
     again = post(server["http"], "generate", quiet, "ddtree-batched")
     assert again[0] == 200 and json.loads(text)["text_output"] == json.loads(again[1])["text_output"]
