@@ -3,6 +3,7 @@ generated model repository: generate, generate_stream, gRPC streaming, concurren
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -541,3 +542,36 @@ def test_a_runner_crash_sends_a_request_that_streamed_nothing_to_the_new_runner(
     assert status == 200, text
     again = post(server["http"], "generate", quiet, "ddtree-batched")
     assert again[0] == 200 and json.loads(text)["text_output"] == json.loads(again[1])["text_output"]
+
+
+def test_a_runner_that_is_not_ready_fails_the_load_and_says_why(demo_engine, tmp_path):
+    """A model whose runner takes longer than the repository's `ready_timeout_s` to warm up, and one whose runner
+    exits at start-up (its ONNX graphs truncated after the repository was written): the server's load fails, the log
+    names the timeout and its parameter, or the exit code, and no runner job outlives the server."""
+    slow, broken = tmp_path / "slow-engine", tmp_path / "broken-engine"
+    for copy in (slow, broken):
+        shutil.copytree(demo_engine(2), copy)
+    repo = tmp_path / "repo"
+    write_repository(slow, tmp_path / "a", model_name="slow", ready_timeout_s=0.05)
+    write_repository(broken, tmp_path / "b", model_name="broken")
+    repo.mkdir()
+    (tmp_path / "a" / "slow").rename(repo / "slow")
+    (tmp_path / "b" / "broken").rename(repo / "broken")
+    for graph in broken.glob("rank*/*.onnx"):
+        graph.write_bytes(graph.read_bytes()[:100])
+    ports = [free_port() for _ in range(3)]
+    log = tmp_path / "server.log"
+    process = start_server(TRITON_VENV, repo, tmp_path / "work", *ports, log)
+    try:
+        with pytest.raises(RuntimeError, match="exited with code"):
+            wait_ready(process, ports[0], log, timeout=240)
+    finally:
+        stop_server(process)
+    text = log.read_text(errors="replace")
+    assert "the runner was not ready within ready_timeout_s = 0.05 s" in text, text[-3000:]
+    assert "--ready_timeout_s" in text
+    assert "the runner exited with code" in text and "before it was ready" in text, text[-3000:]
+    deadline = time.monotonic() + 30
+    while (runner_pids(slow) or runner_pids(broken)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not runner_pids(slow) and not runner_pids(broken)

@@ -31,7 +31,7 @@ import uuid
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-READY_TIMEOUT_S = 300
+READY_TIMEOUT_S = 1800.0  # for a repository without the `ready_timeout_s` parameter (triton_repo's default)
 # The runner job is local to the server's node: MPI may use shared memory and loopback only, so no rank listens on an
 # external interface (UCX for MPICH's ch4:ucx and Open MPI's pml/ucx; Open MPI's own TCP paths on loopback).
 LOCAL_ONLY = {"UCX_TLS": "self,sm", "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_btl_tcp_if_include": "lo"}
@@ -146,6 +146,7 @@ class TritonPythonModel:
         )
         self.log_path = params.get("runner_log", "/tmp/ddtree-runner.log")
         self.max_queue = int(params.get("max_queue", "64"))
+        self.ready_timeout_s = float(params.get("ready_timeout_s", READY_TIMEOUT_S))
         self.pending: dict[str, dict] = {}
         self.lock = threading.Lock()
         self.shutting_down = False
@@ -177,9 +178,18 @@ class TritonPythonModel:
 
     def _start_job(self):
         job = RunnerJob(self.command, self.env, self.log_path, self._on_event, self._on_exit)
-        if not job.ready.wait(READY_TIMEOUT_S) or not job.info:
+        if not job.ready.wait(self.ready_timeout_s):
             job.stop()
-            raise pb_utils.TritonModelException(f"the runner did not start; see {self.log_path}")
+            raise pb_utils.TritonModelException(
+                f"the runner was not ready within ready_timeout_s = {self.ready_timeout_s:g} s (its warm-up; with an "
+                f"empty kernel cache a GPU's takes minutes: write the repository with a larger --ready_timeout_s); "
+                f"see {self.log_path}"
+            )
+        if not job.info:
+            code = job.process.wait()
+            job.stop()
+            raise pb_utils.TritonModelException(f"the runner exited with code {code} before it was ready; see "
+                                                f"{self.log_path}")  # fmt: skip
         self.job = job
         pb_utils.Logger.log_info(f"ddtree runner ready: {job.info}")
 

@@ -18,6 +18,10 @@ from pathlib import Path
 
 from engines.engine_dir import load_engine_dir
 
+# Seconds the model waits for the runner's warm-up (its CUDA graphs; on a GPU with an empty kernel cache also every
+# kernel's compilation, minutes) before its load fails; a runner that exits first fails it at once.
+READY_TIMEOUT_S = 1800.0
+
 CONFIG = """name: "{name}"
 backend: "python"
 # Triton sends each request on its own (max_batch_size 0); the runner batches: up to the "max_batch_size" parameter
@@ -58,17 +62,21 @@ parameters {{ key: "runner_log" value: {{ string_value: "{runner_log}" }} }}
 parameters {{ key: "max_queue" value: {{ string_value: "{max_queue}" }} }}
 parameters {{ key: "max_batch_size" value: {{ string_value: "{max_batch_size}" }} }}
 parameters {{ key: "autoregressive" value: {{ string_value: "{autoregressive}" }} }}
+parameters {{ key: "ready_timeout_s" value: {{ string_value: "{ready_timeout_s}" }} }}
 """
 
 
 def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtree", backend: str = "ort",
                      force: bool = False, max_queue: int = 64, max_batch_size: int = 1,
-                     autoregressive: bool = False) -> Path:  # fmt: skip
+                     autoregressive: bool = False, ready_timeout_s: float = READY_TIMEOUT_S) -> Path:  # fmt: skip
     """max_queue: requests queued or running at once; one more gets a "busy" error at once. max_batch_size: requests
     the runner steps together (in-flight batching on the torch backend's device loop; 1: one at a time).
-    autoregressive: the runner decodes without the drafter (the baseline, as the CLI's --autoregressive)."""
+    autoregressive: the runner decodes without the drafter (the baseline, as the CLI's --autoregressive).
+    ready_timeout_s: how long the model waits for the runner's warm-up before its load fails."""
     if max_queue < 1:
         raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if not ready_timeout_s > 0:
+        raise ValueError(f"ready_timeout_s must be > 0 seconds, got {ready_timeout_s}")
     if max_batch_size < 1 or (max_batch_size > 1 and backend != "torch"):
         raise ValueError(f"max_batch_size must be >= 1, and 1 unless the backend is torch (batched steps run on its "
                          f"device loop); got {max_batch_size} with backend {backend}")  # fmt: skip
@@ -84,12 +92,13 @@ def write_repository(engine_dir: Path, output_dir: Path, model_name: str = "ddtr
         mpirun = Path(shutil.which("mpirun") or "mpirun")
     with staged_output_dir(output_dir, force) as staging:
         _write_model(staging / model_name, engine, model_name, backend, python, mpirun, output_dir, max_queue,
-                     max_batch_size, autoregressive)  # fmt: skip
+                     max_batch_size, autoregressive, ready_timeout_s)  # fmt: skip
     return output_dir / model_name
 
 
 def _write_model(model_dir: Path, engine, model_name: str, backend: str, python: Path, mpirun: Path,
-                 output_dir: Path, max_queue: int, max_batch_size: int, autoregressive: bool) -> None:  # fmt: skip
+                 output_dir: Path, max_queue: int, max_batch_size: int, autoregressive: bool,
+                 ready_timeout_s: float) -> None:  # fmt: skip
     (model_dir / "1").mkdir(parents=True)
     build = engine.build_config
     (model_dir / "config.pbtxt").write_text(
@@ -107,6 +116,7 @@ def _write_model(model_dir: Path, engine, model_name: str, backend: str, python:
             max_queue=max_queue,
             max_batch_size=max_batch_size,
             autoregressive=str(autoregressive).lower(),
+            ready_timeout_s=ready_timeout_s,
         )
     )
     shutil.copy2(Path(__file__).with_name("triton_model.py"), model_dir / "1" / "model.py")
@@ -123,10 +133,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max_batch_size", type=int, default=1, help="requests stepped together (in-flight batching; "
                         "torch backend)")  # fmt: skip
     parser.add_argument("--autoregressive", action="store_true", help="the baseline: no drafter, a token a step")
+    parser.add_argument("--ready_timeout_s", type=float, default=READY_TIMEOUT_S,
+                        help="seconds the model waits for the runner's warm-up (minutes on a GPU with an empty kernel "
+                        "cache)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         path = write_repository(args.engine_dir, args.output_dir, args.model_name, args.backend, args.force,
-                                args.max_queue, args.max_batch_size, args.autoregressive)  # fmt: skip
+                                args.max_queue, args.max_batch_size, args.autoregressive,
+                                args.ready_timeout_s)  # fmt: skip
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
