@@ -1,7 +1,7 @@
 """What the serving path adds to a request: the same requests through the runner's serving pipe and through
 tritonserver, one at a time.
 
-    PYTHONPATH=. python benchmarks/serving_overhead.py OUT_DIR [--device cpu|cuda] [--tokens 64] [--requests 12]
+    PYTHONPATH=. python benchmarks/serving_overhead.py OUT_DIR [--device cpu|cuda] [--tokens 1,64] [--requests 12]
         [--modes "DDTree 8,DDTree auto,autoregressive"] [--smoke]
 
 The trained pair's TP-1 engine (built as `benchmarks/concurrency.py` builds it: budgets 32, 8 and 16, float32 on a
@@ -17,8 +17,8 @@ device`), each request alone (the next sent when the last one's reply is in):
 Each mode's DDTree requests name their budget (`ddtree_budget`); autoregressive is a job and a model of its own
 (`--autoregressive`). Both paths run side by side: each prompt goes through the pipe, `/generate` and
 `/generate_stream` in turn (the order rotating from prompt to prompt, so a drifting machine touches each alike),
-after one warm-up request each; per mode the medians and, paired by prompt, what Triton adds over the pipe. Writes
-OUT_DIR/serving_overhead.json.
+after one warm-up request each; per mode and request length (`--tokens`: one token shows the fixed cost a request
+pays) the medians and, paired by prompt, what Triton adds over the pipe. Writes OUT_DIR/serving_overhead.json.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens a request (no end token)")
+    parser.add_argument("--tokens", default="64", help="tokens a request (no end token), comma-separated lengths")
     parser.add_argument("--requests", type=int, default=12, help="prompts through each path and mode")
     parser.add_argument("--modes", default="DDTree 8,DDTree auto,autoregressive",
                         help=f"comma-separated, among {', '.join(MODES)}")  # fmt: skip
@@ -142,9 +142,15 @@ def main(argv=None) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"--modes: expected names among {list(MODES)}, got {unknown}")
+    try:
+        lengths = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        parser.error(f"--tokens: expected comma-separated positive token counts, got {args.tokens!r}")
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    requests, tokens = (4, 8) if args.smoke else (args.requests, args.tokens)
+    requests, lengths = (4, [8]) if args.smoke else (args.requests, lengths)
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     engine = build_engine(out, args.smoke, dtype)
     texts = prompts(requests, args.smoke)
@@ -152,7 +158,7 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the server's runner too
-    info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "tokens": tokens,
+    info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "tokens": lengths,
             "requests": requests, "dtype": dtype, "rows": []}  # fmt: skip
     speculative = any(MODES[m] is not None for m in modes)
     models = {**({"ddtree": False} if speculative else {}), **({"ar": True} if "autoregressive" in modes else {})}
@@ -171,10 +177,11 @@ def main(argv=None) -> int:
             job.close()
         raise
     timed: dict = {}
-    print("| mode | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | first streamed "
-          "(ms) | triton - pipe, paired (ms) |\n|---|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
+    print("| mode | tokens | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | "
+          "first streamed (ms) | triton - pipe, paired (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|",
+          flush=True)  # fmt: skip
     try:  # each prompt through the three paths in turn, the order rotating (a drifting machine touches each alike)
-        for mode in modes:
+        for mode, tokens in ((m, t) for m in modes for t in lengths):
             budget, model = MODES[mode], "ar" if MODES[mode] is None else "ddtree"
             paths = {"pipe": lambda b, m=model: jobs[m].time(b),
                      "triton": lambda b, m=model: triton_time(port, m, b, False),
@@ -184,16 +191,18 @@ def main(argv=None) -> int:
             for i, text in enumerate(texts):
                 names = list(paths)[i % 3 :] + list(paths)[: i % 3]
                 for name in names:
-                    timed.setdefault((mode, name), []).append(paths[name](request_body(text, tokens, budget)))
-            pipe, whole, streamed = timed[(mode, "pipe")], timed[(mode, "triton")], timed[(mode, "triton_stream")]
-            row = {"mode": mode, "elapsed_ms": ms(e for _, e in pipe), "pipe_ms": ms(p for p, _ in pipe),
+                    timed.setdefault((mode, tokens, name), []).append(paths[name](request_body(text, tokens, budget)))
+            pipe, whole, streamed = (timed[(mode, tokens, name)] for name in paths)
+            row = {"mode": mode, "tokens": tokens, "elapsed_ms": ms(e for _, e in pipe),
+                   "pipe_ms": ms(p for p, _ in pipe),
                    "triton_ms": ms(t for t, _ in whole), "triton_stream_ms": ms(t for t, _ in streamed),
                    "first_streamed_ms": ms(f for _, f in streamed),
                    "triton_minus_pipe_ms": ms(t - p for (t, _), (p, _) in zip(whole, pipe)),
                    "pipe": pipe, "triton": whole, "triton_stream": streamed}  # fmt: skip
             info["rows"].append(row)
-            print(f"| {mode} | {row['elapsed_ms']} | {row['pipe_ms']} | {row['triton_ms']} | {row['triton_stream_ms']} "
-                  f"| {row['first_streamed_ms']} | {row['triton_minus_pipe_ms']} |", flush=True)  # fmt: skip
+            print(f"| {mode} | {tokens} | {row['elapsed_ms']} | {row['pipe_ms']} | {row['triton_ms']} "
+                  f"| {row['triton_stream_ms']} | {row['first_streamed_ms']} | {row['triton_minus_pipe_ms']} |",
+                  flush=True)  # fmt: skip
             (out / "serving_overhead.json").write_text(json.dumps(info, indent=1) + "\n")  # each mode as it ends
     finally:
         stop_server(process)

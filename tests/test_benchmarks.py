@@ -289,7 +289,7 @@ def test_serving_overhead_benchmark_smoke(tmp_path):
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "serving_overhead.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["DDTree 8", "DDTree auto", "autoregressive"]
+    assert [(r["mode"], r["tokens"]) for r in rows] == [("DDTree 8", 8), ("DDTree auto", 8), ("autoregressive", 8)]
     for r in rows:
         assert len(r["pipe"]) == len(r["triton"]) == len(r["triton_stream"]) == 4
         assert all(0 < elapsed <= whole for whole, elapsed in r["pipe"])
