@@ -6,6 +6,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -547,7 +548,9 @@ def test_a_runner_crash_sends_a_request_that_streamed_nothing_to_the_new_runner(
 def test_a_runner_that_is_not_ready_fails_the_load_and_says_why(demo_engine, tmp_path):
     """A model whose runner takes longer than the repository's `ready_timeout_s` to warm up, and one whose runner
     exits at start-up (its ONNX graphs truncated after the repository was written): the server's load fails, the log
-    names the timeout and its parameter, or the exit code, and no runner job outlives the server."""
+    names the timeout and its parameter, or the exit code, and no runner job outlives the server. Through what
+    `make serve` runs (`python -m runner.serving.triton_server`, which waits as long as the server loads): exit 1 and
+    an error."""
     slow, broken = tmp_path / "slow-engine", tmp_path / "broken-engine"
     for copy in (slow, broken):
         shutil.copytree(demo_engine(2), copy)
@@ -559,15 +562,13 @@ def test_a_runner_that_is_not_ready_fails_the_load_and_says_why(demo_engine, tmp
     (tmp_path / "b" / "broken").rename(repo / "broken")
     for graph in broken.glob("rank*/*.onnx"):
         graph.write_bytes(graph.read_bytes()[:100])
-    ports = [free_port() for _ in range(3)]
-    log = tmp_path / "server.log"
-    process = start_server(TRITON_VENV, repo, tmp_path / "work", *ports, log)
-    try:
-        with pytest.raises(RuntimeError, match="exited with code"):
-            wait_ready(process, ports[0], log, timeout=240)
-    finally:
-        stop_server(process)
-    text = log.read_text(errors="replace")
+    ports = [str(free_port()) for _ in range(3)]
+    done = subprocess.run([sys.executable, "-m", "runner.serving.triton_server", "--triton_venv", str(TRITON_VENV),
+                           "--model_repository", str(repo), "--work_dir", str(tmp_path / "work"), "--http_port",
+                           ports[0], "--grpc_port", ports[1], "--metrics_port", ports[2]],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert done.returncode == 1 and "error: tritonserver exited with code" in done.stderr, done.stderr[-3000:]
+    text = (tmp_path / "work" / "tritonserver.log").read_text(errors="replace")
     assert "the runner was not ready within ready_timeout_s = 0.05 s" in text, text[-3000:]
     assert "--ready_timeout_s" in text
     assert "the runner exited with code" in text and "before it was ready" in text, text[-3000:]

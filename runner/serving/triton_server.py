@@ -72,9 +72,11 @@ def start_server(
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def wait_ready(process: subprocess.Popen, http_port: int, log_path: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_ready(process: subprocess.Popen, http_port: int, log_path: Path, timeout: float | None = 300.0) -> None:
+    """Returns once the server answers ready; raises when it exits first (a model's load failed) or after `timeout`
+    seconds (None: as long as it runs; each model's own wait for its runner, `ready_timeout_s`, bounds its load)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"tritonserver exited with code {process.returncode}:\n{_tail(log_path)}")
         try:
@@ -119,6 +121,9 @@ def main(argv=None) -> int:
     parser.add_argument("--grpc_port", type=int, default=8001)
     parser.add_argument("--metrics_port", type=int, default=8002)
     parser.add_argument("--work_dir", type=Path, default=Path("out/triton"))
+    parser.add_argument("--wait_s", type=float, default=None,
+                        help="seconds to wait for the models to load (default: while the server runs; each model's "
+                        "own wait for its runner's warm-up is the repository's ready_timeout_s)")  # fmt: skip
     args = parser.parse_args(argv)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     log = args.work_dir / "tritonserver.log"
@@ -127,7 +132,9 @@ def main(argv=None) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        wait_ready(process, args.http_port, log)
+        print(f"tritonserver started (pid {process.pid}); its models load while their runners warm up (minutes on a "
+              f"GPU with an empty kernel cache); log {log}", flush=True)  # fmt: skip
+        wait_ready(process, args.http_port, log, args.wait_s)
         print(
             f"tritonserver ready (pid {process.pid}): http://127.0.0.1:{args.http_port}/v2/models "
             f"grpc 127.0.0.1:{args.grpc_port}; log {log}; Ctrl-C stops it",
@@ -136,6 +143,9 @@ def main(argv=None) -> int:
         process.wait()
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError) as err:  # a model's load failed, or --wait_s passed: the log's tail says why
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         stop_server(process)
     return 0
