@@ -324,6 +324,61 @@ def test_serve_batches_requests_in_flight(demo_ckpt, demo_engine):
     assert all(streamed[name] == finals[name]["output_ids"] for name in "abcg")
 
 
+def test_a_new_requests_first_token_goes_out_before_the_next_step(demo_ckpt, demo_engine):
+    """The batched server writes the token a request's prefill chose as soon as the prefill ends, before the batch's
+    next step, instead of holding it with that step's events: a streamed request's first token arrives a step
+    sooner (on two CPU cores through tritonserver 44.9 ms after the request, where one step took about 20 ms). The
+    same for a request that joins a batch already stepping."""
+    import io
+    import json
+    import time
+
+    from engines.engine_dir import load_engine_dir
+    from runner.factory import CheckpointWeights, RankOptions, local_ranks
+    from runner.generator import Generator
+    from runner.serving.serve import serve
+    from runner.tokenizer import load_tokenizer
+
+    engine = load_engine_dir(demo_engine(2))
+    tokenizer = load_tokenizer(engine.tokenizer_dir, 512)
+    options = RankOptions(device="cpu", device_loop=True, max_batch_size=2)
+    generator = Generator(
+        local_ranks(CheckpointWeights(demo_ckpt(1)), options, engine.spec, BuildConfig(**ENGINE_LIMITS))
+    )
+    out = io.StringIO()
+    batcher = generator.batcher
+
+    def marked_batcher():  # each step writes a marker line first, past the events the server may be holding
+        made = batcher()
+        step = made.step
+
+        def marked_step():
+            out.write(json.dumps({"event": "step", "members": sorted(m.tag for m in made.members.values())}) + "\n")
+            return step()
+
+        made.step = marked_step
+        return made
+
+    generator.batcher = marked_batcher
+
+    class Inbox(io.StringIO):  # "b" arrives once "a" has stepped twice: it joins a batch already stepping
+        def __iter__(self):
+            yield json.dumps({"id": "a", "text_input": "Hello world", "max_tokens": 24}) + "\n"
+            deadline = time.monotonic() + 120
+            while out.getvalue().count('"event": "step"') < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            yield json.dumps({"id": "b", "text_input": "The quick brown fox", "max_tokens": 12}) + "\n"
+
+    serve(generator, tokenizer, engine, engine.spec, "torch", inp=Inbox(), out=out)
+    generator.ranks.close()
+    events = [json.loads(line) for line in out.getvalue().splitlines()][1:]
+    for name in "ab":
+        first = next(i for i, e in enumerate(events) if e.get("id") == name and e["event"] == "tokens")
+        stepped = next(i for i, e in enumerate(events) if e["event"] == "step" and name in e["members"])
+        assert first < stepped, (name, [(e["event"], e.get("id"), e.get("members")) for e in events])
+    assert sorted(e["id"] for e in events if e["event"] == "done") == ["a", "b"]
+
+
 def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, demo_engine):
     """`{"cancel": id}` while its request is in the batch (after its first tokens): it ends with "cancelled" and
     the tokens it streamed; the request beside it finishes, and a request sent after the cancellation is served

@@ -382,6 +382,9 @@ def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send: Events) -> N
                 if member.result.elapsed:  # done at its first token
                     request, detokenizer = streams.pop(member.tag)
                     _finish(send, generator, tokenizer, request, detokenizer, member.result)
+            if admissions:  # their first tokens (the prefills') go out now, not a step later with the step's events
+                send.release()
+                send.hold()
             for member in batcher.step():
                 request, detokenizer = streams.pop(member.tag)
                 _finish(send, generator, tokenizer, request, detokenizer, member.result)
