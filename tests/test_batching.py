@@ -377,6 +377,7 @@ def test_a_new_requests_first_token_goes_out_before_the_next_step(demo_ckpt, dem
         stepped = next(i for i, e in enumerate(events) if e["event"] == "step" and name in e["members"])
         assert first < stepped, (name, [(e["event"], e.get("id"), e.get("members")) for e in events])
     assert sorted(e["id"] for e in events if e["event"] == "done") == ["a", "b"]
+    assert any(e["event"] == "step" and e["members"] == ["a", "b"] for e in events)  # b joined a's batch
 
 
 def test_a_request_cancelled_mid_batch_leaves_and_the_others_finish(demo_ckpt, demo_engine):
