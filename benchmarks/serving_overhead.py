@@ -2,7 +2,7 @@
 tritonserver, one at a time.
 
     PYTHONPATH=. python benchmarks/serving_overhead.py OUT_DIR [--device cpu|cuda] [--tokens 1,64] [--requests 12]
-        [--modes "DDTree 8,DDTree auto,autoregressive"] [--smoke]
+        [--modes "DDTree 8,DDTree auto,autoregressive"] [--direct] [--smoke]
 
 The trained pair's TP-1 engine (built as `benchmarks/concurrency.py` builds it: budgets 32, 8 and 16, float32 on a
 CPU, bf16 on a GPU) served two ways, the in-flight batched form a deployment runs (`--max_batch_size 16 --loop
@@ -17,8 +17,10 @@ device`), each request alone (the next sent when the last one's reply is in):
 Each mode's DDTree requests name their budget (`ddtree_budget`); autoregressive is a job and a model of its own
 (`--autoregressive`). Both paths run side by side: each prompt goes through the pipe, `/generate` and
 `/generate_stream` in turn (the order rotating from prompt to prompt, so a drifting machine touches each alike),
-after one warm-up request each; per mode and request length (`--tokens`: one token shows the fixed cost a request
-pays) the medians and, paired by prompt, what Triton adds over the pipe. Writes OUT_DIR/serving_overhead.json.
+after one warm-up request each (`--direct`: a fourth path, the same job started without mpirun, so what the
+launcher's forwarding of the pipes costs shows apart); per mode and request length (`--tokens`: one token shows the
+fixed cost a request pays) the medians and, paired by prompt, what Triton adds over the pipe. Writes
+OUT_DIR/serving_overhead.json.
 """
 
 from __future__ import annotations
@@ -55,11 +57,14 @@ class PipeJob:
     """A serving job (`python -m runner --serve`) and its pipes: `time(body)` sends one request and waits for its done
     event."""
 
-    def __init__(self, engine: Path, env: dict, autoregressive: bool, log: Path):
-        launcher = Path(sys.executable).parent / "mpirun"
-        command = [str(launcher if launcher.exists() else "mpirun"), "-np", "1", sys.executable, "-m", "runner",
-                   "--serve", "--engine_dir", str(engine), "--backend", "torch", "--max_batch_size", str(SLOTS),
-                   "--loop", "device", *(["--autoregressive"] if autoregressive else [])]  # fmt: skip
+    def __init__(self, engine: Path, env: dict, autoregressive: bool, log: Path, launcher: bool = True):
+        """launcher: under `mpirun -np 1`, as the Triton model starts it; else the one rank started directly (its
+        pipes without the launcher's forwarding of standard input and output)."""
+        mpirun = Path(sys.executable).parent / "mpirun"
+        command = [*([str(mpirun if mpirun.exists() else "mpirun"), "-np", "1"] if launcher else []),
+                   sys.executable, "-m", "runner", "--serve", "--engine_dir", str(engine), "--backend", "torch",
+                   "--max_batch_size", str(SLOTS), "--loop", "device",
+                   *(["--autoregressive"] if autoregressive else [])]  # fmt: skip
         with open(log, "a") as err:
             self.job = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                         bufsize=1, env=env, cwd=ROOT)  # fmt: skip
@@ -136,6 +141,11 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=12, help="prompts through each path and mode")
     parser.add_argument("--modes", default="DDTree 8,DDTree auto,autoregressive",
                         help=f"comma-separated, among {', '.join(MODES)}")  # fmt: skip
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="also a serving job started without mpirun: what the launcher's forwarding costs",
+    )
     parser.add_argument("--smoke", action="store_true", help="the tiny demo model, 4 requests of 8 tokens")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -170,6 +180,8 @@ def main(argv=None) -> int:
     try:
         for name, autoregressive in models.items():
             jobs[name] = PipeJob(engine, env, autoregressive, out / "pipe.log")
+            if args.direct:
+                jobs[f"{name}-direct"] = PipeJob(engine, env, autoregressive, out / "pipe.log", launcher=False)
         wait_ready(process, port, out / "server.log", timeout=900)
     except BaseException:
         stop_server(process)
@@ -178,31 +190,37 @@ def main(argv=None) -> int:
         raise
     timed: dict = {}
     print("| mode | tokens | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | "
-          "first streamed (ms) | triton - pipe, paired (ms) |\n|---|---:|---:|---:|---:|---:|---:|---:|",
-          flush=True)  # fmt: skip
+          "first streamed (ms) | triton - pipe, paired (ms) | pipe - pipe without mpirun, paired (ms) |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
     try:  # each prompt through the three paths in turn, the order rotating (a drifting machine touches each alike)
         for mode, tokens in ((m, t) for m in modes for t in lengths):
             budget, model = MODES[mode], "ar" if MODES[mode] is None else "ddtree"
             paths = {"pipe": lambda b, m=model: jobs[m].time(b),
                      "triton": lambda b, m=model: triton_time(port, m, b, False),
                      "triton_stream": lambda b, m=model: triton_time(port, m, b, True)}  # fmt: skip
+            if args.direct:
+                paths["direct"] = lambda b, m=model: jobs[f"{m}-direct"].time(b)
             for name in paths:  # warm-up: each path once
                 paths[name](request_body(texts[0], tokens, budget))
             for i, text in enumerate(texts):
-                names = list(paths)[i % 3 :] + list(paths)[: i % 3]
+                names = list(paths)[i % len(paths) :] + list(paths)[: i % len(paths)]
                 for name in names:
                     timed.setdefault((mode, tokens, name), []).append(paths[name](request_body(text, tokens, budget)))
-            pipe, whole, streamed = (timed[(mode, tokens, name)] for name in paths)
+            pipe, whole, streamed = (timed[(mode, tokens, name)] for name in ("pipe", "triton", "triton_stream"))
+            direct = timed.get((mode, tokens, "direct"))
             row = {"mode": mode, "tokens": tokens, "elapsed_ms": ms(e for _, e in pipe),
                    "pipe_ms": ms(p for p, _ in pipe),
                    "triton_ms": ms(t for t, _ in whole), "triton_stream_ms": ms(t for t, _ in streamed),
                    "first_streamed_ms": ms(f for _, f in streamed),
                    "triton_minus_pipe_ms": ms(t - p for (t, _), (p, _) in zip(whole, pipe)),
                    "pipe": pipe, "triton": whole, "triton_stream": streamed}  # fmt: skip
+            if direct:
+                row.update(direct_ms=ms(d for d, _ in direct), direct=direct,
+                           launcher_ms=ms(p - d for (p, _), (d, _) in zip(pipe, direct)))  # fmt: skip
             info["rows"].append(row)
             print(f"| {mode} | {tokens} | {row['elapsed_ms']} | {row['pipe_ms']} | {row['triton_ms']} "
-                  f"| {row['triton_stream_ms']} | {row['first_streamed_ms']} | {row['triton_minus_pipe_ms']} |",
-                  flush=True)  # fmt: skip
+                  f"| {row['triton_stream_ms']} | {row['first_streamed_ms']} | {row['triton_minus_pipe_ms']} "
+                  f"| {row.get('launcher_ms', '')} |", flush=True)  # fmt: skip
             (out / "serving_overhead.json").write_text(json.dumps(info, indent=1) + "\n")  # each mode as it ends
     finally:
         stop_server(process)
