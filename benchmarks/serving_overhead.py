@@ -18,9 +18,9 @@ Each mode's DDTree requests name their budget (`ddtree_budget`); autoregressive 
 (`--autoregressive`). Both paths run side by side: each prompt goes through the pipe, `/generate` and
 `/generate_stream` in turn (the order rotating from prompt to prompt, so a drifting machine touches each alike),
 after one warm-up request each (`--direct`: a fourth path, the same job started without mpirun, so what the
-launcher's forwarding of the pipes costs shows apart: the two jobs' handling, pipe less own time); per mode and request length (`--tokens`: one token shows the
-fixed cost a request pays) the medians and, paired by prompt, what Triton adds over the pipe. Writes
-OUT_DIR/serving_overhead.json.
+launcher's forwarding of the pipes costs shows apart: the two jobs' handling, pipe less own time); per mode and
+request length (`--tokens`: one token shows the fixed cost a request pays) the medians and, paired by prompt, what
+Triton adds over the pipe. Writes OUT_DIR/serving_overhead.json.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     print("| mode | tokens | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | "
           "first streamed (ms) | triton - pipe, paired (ms) | the launcher's forwarding (ms) |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
-    try:  # each prompt through the three paths in turn, the order rotating (a drifting machine touches each alike)
+    try:  # each prompt through the paths in turn, the order rotating (a drifting machine touches each alike)
         for mode, tokens in ((m, t) for m in modes for t in lengths):
             budget, model = MODES[mode], "ar" if MODES[mode] is None else "ddtree"
             paths = {"pipe": lambda b, m=model: jobs[m].time(b),
