@@ -183,16 +183,10 @@ def main(argv=None) -> int:
             if args.direct:
                 jobs[f"{name}-direct"] = PipeJob(engine, env, autoregressive, out / "pipe.log", launcher=False)
         wait_ready(process, port, out / "server.log", timeout=900)
-    except BaseException:
-        stop_server(process)
-        for job in jobs.values():
-            job.close()
-        raise
-    timed: dict = {}
-    print("| mode | tokens | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | "
-          "first streamed (ms) | triton - pipe, paired (ms) | the launcher's forwarding (ms) |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
-    try:  # each prompt through the paths in turn, the order rotating (a drifting machine touches each alike)
+        print("| mode | tokens | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | "
+              "first streamed (ms) | triton - pipe, paired (ms) | the launcher's forwarding (ms) |\n"
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
+        # each prompt through the paths in turn, the order rotating (a drifting machine touches each alike)
         for mode, tokens in ((m, t) for m in modes for t in lengths):
             budget, model = MODES[mode], "ar" if MODES[mode] is None else "ddtree"
             paths = {"pipe": lambda b, m=model: jobs[m].time(b),
@@ -202,12 +196,12 @@ def main(argv=None) -> int:
                 paths["direct"] = lambda b, m=model: jobs[f"{m}-direct"].time(b)
             for name in paths:  # warm-up: each path once
                 paths[name](request_body(texts[0], tokens, budget))
+            timed: dict = {name: [] for name in paths}
             for i, text in enumerate(texts):
                 names = list(paths)[i % len(paths) :] + list(paths)[: i % len(paths)]
                 for name in names:
-                    timed.setdefault((mode, tokens, name), []).append(paths[name](request_body(text, tokens, budget)))
-            pipe, whole, streamed = (timed[(mode, tokens, name)] for name in ("pipe", "triton", "triton_stream"))
-            direct = timed.get((mode, tokens, "direct"))
+                    timed[name].append(paths[name](request_body(text, tokens, budget)))
+            pipe, whole, streamed, direct = (timed.get(name) for name in ("pipe", "triton", "triton_stream", "direct"))
             row = {"mode": mode, "tokens": tokens, "elapsed_ms": ms(e for _, e in pipe),
                    "pipe_ms": ms(p for p, _ in pipe),
                    "triton_ms": ms(t for t, _ in whole), "triton_stream_ms": ms(t for t, _ in streamed),
