@@ -576,3 +576,14 @@ def test_a_runner_that_is_not_ready_fails_the_load_and_says_why(demo_engine, tmp
     while (runner_pids(slow) or runner_pids(broken)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not runner_pids(slow) and not runner_pids(broken)
+
+
+def test_triton_server_refuses_a_wait_that_is_not_positive(tmp_path, capsys):
+    """`--wait_s 0` is refused before a server starts, naming the flag and the value."""
+    from runner.serving import triton_server
+
+    with pytest.raises(SystemExit) as exited:
+        triton_server.main(["--model_repository", str(tmp_path), "--work_dir", str(tmp_path / "w"), "--wait_s", "0"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--wait_s: expected seconds > 0" in err and "got 0.0" in err, err
+    assert not (tmp_path / "w").exists()  # refused before anything was made

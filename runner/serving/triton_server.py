@@ -125,6 +125,8 @@ def main(argv=None) -> int:
                         help="seconds to wait for the models to load (default: while the server runs; each model's "
                         "own wait for its runner's warm-up is the repository's ready_timeout_s)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.wait_s is not None and not args.wait_s > 0:
+        parser.error(f"--wait_s: expected seconds > 0 (or leave it out: wait while the server runs), got {args.wait_s}")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     log = args.work_dir / "tritonserver.log"
     process = start_server(
