@@ -10,7 +10,9 @@ vocab-parallel head's shard, and the DFlash drafter's rank share, built in memor
 random weights (no files), ranks built for a 131072-token sequence (the latent cache of every layer). Reported:
 the bytes of the weights and of the caches, and peak GPU memory. Then, for each context length (a random prompt of
 that many tokens, prefilled for real; with --synthetic-context, random cached rows and then a --prompt-token prompt):
-autoregressive decoding vs DFlash chain vs DDTree 8/16/32, with the random
+autoregressive decoding vs DFlash chain vs DDTree 8/16/32 (--preset kimi-rank: the same rank with kimi-rank's dense
+MLPs, which read a token's expert bytes but not a verify's spread over experts: the attention and the cache as the
+INT4 rank's, on a GPU of 80 GB), with the random
 drafter and with an oracle drafter (probes: every stage runs, then the logits follow the autoregressive
 continuation), on the device loop; decode tokens/s (median of --repeats), mean acceptance, the per-phase split and
 the verify-to-decode cost ratio. --auto-budget adds, per drafter, an engine spec with budgets 8, 16 and 32 on the
@@ -75,6 +77,9 @@ def main(argv=None) -> int:
         "request in-flight batched (autoregressive, DDTree 8 and 32; random and oracle drafters)",
     )
     parser.add_argument("--drafters", default="random,oracle", help="the drafters of the speculative rows")
+    parser.add_argument("--preset", default="kimi-rank-int4", choices=["kimi-rank-int4", "kimi-rank"],
+                        help="the rank: with its INT4 experts (default; 98.8 GB at its peak on one H200), or with "
+                             "kimi-rank's bf16 MLPs of a token's expert bytes (for a GPU of 80 GB)")  # fmt: skip
     parser.add_argument("--no-fixed", action="store_true", help="skip the fixed-budget rows (chain, DDTree 8/16/32): "
                         "the autoregressive row, then only what --auto-budget and --batches add")  # fmt: skip
     add_setup_args(parser)
@@ -91,13 +96,14 @@ def main(argv=None) -> int:
     limits = BuildConfig(max_input_len=prompt_cap, max_seq_len=sequence)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    info = {**environment(setup.smoke), "command": " ".join(sys.argv), "sequence": sequence, "rows": []}
+    info = {**environment(setup.smoke), "command": " ".join(sys.argv), "preset": args.preset, "sequence": sequence,
+            "rows": []}  # fmt: skip
 
     def save() -> None:
         info["seconds"] = round(time.time() - started, 1)
         (args.out_dir / "kimi_rank_int4.json").write_text(json.dumps(info, indent=1) + "\n")
 
-    weights = PresetWeights("kimi-rank-int4", setup.dtype, seed=3, smoke=setup.smoke)
+    weights = PresetWeights(args.preset, setup.dtype, seed=3, smoke=setup.smoke)
     target_cfg, _ = weights.rank_configs(0)
     shard = target_cfg.vocab_size // target_cfg.mapping.tp_size
     with torch.no_grad():
@@ -105,7 +111,7 @@ def main(argv=None) -> int:
             synthetic = max(0, context - args.prompt) if args.synthetic_context else 0
             length = context - synthetic
             prompt = torch.randint(0, shard - 2, (length,), generator=torch.Generator().manual_seed(0)).tolist()
-            run = ModelRun("kimi-rank-int4", weights, prompt, new_tokens, limits=limits, context_rows=synthetic)
+            run = ModelRun(args.preset, weights, prompt, new_tokens, limits=limits, context_rows=synthetic)
             long_prefill = context - synthetic > 4096  # each timed request prefills it again
             row_setup = replace(setup, repeats=args.long_repeats) if long_prefill else setup
             ar = request_row(run, row_setup, "autoregressive (device loop)", "-", SpecConfig(8, 32), device_loop=True)
