@@ -337,12 +337,20 @@ class Generator:
         tokens = max(1, min(2 * block + 1, self.capacity - len(prompt) - 2 * block - 1))
         if self.on_gpu:
             timed("prefill lengths", self._warm_prefill_lengths, requests[0] if requests else GREEDY)
-        batched = []  # the forms whose batched steps were warmed
+        batched = []  # the forms whose batched steps were warmed (a GPU's graphs), or whose costs a CPU measures
+        # a CPU has no graphs to warm, but an all-`auto` batch there still needs its step costs: without them its
+        # policy takes each choice twice at the first batch's size to time it (the trained pair on two CPU cores, 16
+        # requests of 64 tokens: budget 8, 16 and 32 steps of 67, 95 and 144 ms where an autoregressive one takes 14,
+        # and `auto` at 0.72x autoregressive; seeded, 0.92x). Measured where `auto` can be asked for: a server, or a
+        # job whose requests take it (`enable_auto_budget`)
+        cpu_costs = not self.on_gpu and (serving or self.policy is not None)
         for params in requests:
             form = _form_name(params)
             timed(f"requests, {form}", self._warm_requests, prompt, tokens, params)
             if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
                 timed(f"batched steps, {form}", self._warm_batch, prompt, params)
+                batched.append(params)
+            elif self.batch_slots > 1 and cpu_costs and self.on_device(params):
                 batched.append(params)
         if batched and len(self.device_budgets) > 1 and not self.autoregressive:
             # once, at the first form's costs (a server's: greedy)

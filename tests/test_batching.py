@@ -827,6 +827,45 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     ranks.close()
 
 
+def test_the_cpu_warm_up_times_a_batchs_choices_where_auto_can_be_asked_for(demo_ckpt):
+    """On the CPU (no graphs to warm) the warm-up still times an all-`auto` batch's choices at each slot count
+    (`Generator.measure_batch_costs`) where `auto` can be asked for: a server's warm-up, or a job whose requests take
+    it (`enable_auto_budget`); then an `auto` batch's steps take no choice only to time it. A job that cannot ask for
+    `auto` is not slowed by it."""
+    from runner.device.budget import DECODE
+    from runner.generator import Generator
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    GREEDY = SamplingParams()
+    spec = SpecConfig(8, 16, extra_budgets=(4, 8))
+    ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
+    pairs = {(c, b) for c in (1, 2, 3) for b in (DECODE, 4, 8, 16)}
+    plain = Generator(ranks)
+    plain.warm_up()
+    assert plain.batch_policy is None and "batch costs" not in plain.warm_up_phases
+    for serving in (True, False):
+        generator = Generator(ranks)
+        if not serving:
+            generator.enable_auto_budget()
+        generator.warm_up(serving=serving)
+        policy = generator.batch_policy
+        assert "batch costs" in generator.warm_up_phases and policy.seeded == pairs
+        timing, choose = [], policy.choose
+
+        def spy(busy=1, count=1, policy=policy, choose=choose, timing=timing):
+            budget = choose(busy, count)
+            timing.append(policy.timing)
+            return budget
+
+        policy.choose = spy
+        results = generator.generate_many(PROMPTS[:3], 16, [GREEDY] * 3, budget="auto")
+        for prompt, result in zip(PROMPTS, results):
+            assert result.tokens == generate_autoregressive(ranks, prompt, 16, Sampler(GREEDY)).tokens
+        assert timing and not any(timing)
+    ranks.close()
+
+
 def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
     """The GPU forms inside a batched forward (the Triton TreeAttention kernel in the GPU MLA form, the drafter
     attention kernel), under the Triton interpreter: two requests' rows in one forward give each request's own
