@@ -340,9 +340,9 @@ class Generator:
         batched = []  # the forms whose batched steps were warmed (a GPU's graphs), or whose costs a CPU measures
         # a CPU has no graphs to warm, but an all-`auto` batch there still needs its step costs: without them its
         # policy takes each choice twice at the first batch's size to time it (the trained pair on two CPU cores, 16
-        # requests of 64 tokens: budget 8, 16 and 32 steps of 67, 95 and 144 ms where an autoregressive one takes 14,
-        # and `auto` at 0.72x autoregressive; seeded, 0.92x). Measured where `auto` can be asked for: a server, or a
-        # job whose requests take it (`enable_auto_budget`)
+        # requests of 64 tokens: budget 8, 16 and 32 steps of 67, 95 and 144 ms where an autoregressive one takes 14
+        # ms; `auto` through the CLI 0.71x autoregressive, seeded 0.90x; BENCHMARKS.md 18). Measured where `auto` can
+        # be asked for: a server, or a job whose requests take it (`enable_auto_budget`)
         cpu_costs = not self.on_gpu and (serving or self.policy is not None)
         for params in requests:
             form = _form_name(params)
