@@ -77,6 +77,8 @@ def main(argv=None) -> int:
         "request in-flight batched (autoregressive, DDTree 8 and 32; random and oracle drafters)",
     )
     parser.add_argument("--drafters", default="random,oracle", help="the drafters of the speculative rows")
+    parser.add_argument("--modes", default=",".join(m for m, _ in SPEC_MODES),
+                        help="the fixed-budget rows, comma-separated (default: every one of them)")  # fmt: skip
     parser.add_argument("--preset", default="kimi-rank-int4", choices=["kimi-rank-int4", "kimi-rank"],
                         help="the rank: with its INT4 experts (default; 98.8 GB at its peak on one H200), or with "
                              "kimi-rank's bf16 MLPs of a token's expert bytes (for a GPU of 80 GB)")  # fmt: skip
@@ -84,6 +86,9 @@ def main(argv=None) -> int:
                         "the autoregressive row, then only what --auto-budget and --batches add")  # fmt: skip
     add_setup_args(parser)
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.modes.split(",")) - {m for m, _ in SPEC_MODES})
+    if unknown:
+        parser.error(f"--modes: expected names among {[m for m, _ in SPEC_MODES]}, got {unknown}")
     setup = Setup.from_args(args)
     contexts = [int(c) for c in (args.contexts or ("40,100" if setup.smoke else "1024,32768")).split(",")]
     new_tokens = args.new_tokens or (16 if setup.smoke else 128)
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
                 }  # fmt: skip
                 print("memory", info["memory"], flush=True)
             decode_ms = ar.get("step_ms") or (1e3 / ar["tokens_per_s"] if ar["tokens_per_s"] else None)
-            modes = [] if args.no_fixed else [(m, s, None) for m, s in SPEC_MODES]
+            modes = [] if args.no_fixed else [(m, s, None) for m, s in SPEC_MODES if m in args.modes.split(",")]
             if args.auto_budget:
                 several = SpecConfig(8, 32, extra_budgets=(8, 16))
                 modes += [("ddtree auto of 8/16/32", several, "auto"), ("ddtree 8 of 8/16/32", several, 8)]

@@ -49,7 +49,8 @@
 #             TensorRT (TreeAttention, the collectives, Int4MoE in both word layouts, timed on rank 0)
 #   long      long context without long prefills: kimi_rank_int4.py --synthetic-context at 32k and 128k (random cached
 #             rows, then a 1024-token prompt), and the forward's profile over 32k and 128k cached rows (attention's share):
-#             the INT4 rank where the GPU holds it (> 120 GB), else kimi-rank
+#             the INT4 rank where the GPU holds it (> 120 GB), else kimi-rank; LONG_MODES the fixed-budget rows (default: all;
+#             'ddtree 32': the autoregressive and DDTree 32 rows)
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
@@ -238,7 +239,8 @@ if has long; then
   MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   MODEL=kimi-rank; [ "$MEM" -gt 120000 ] && MODEL=kimi-rank-int4  # the INT4 rank where the GPU holds it
   limit python3 benchmarks/kimi_rank_int4.py "$OUT" --preset $MODEL --synthetic-context --contexts 32768,131072 \
-    --repeats "${REPEATS:-3}" > "$OUT/kimi_rank_long.log" 2>&1; echo "long rc=$?"; tail -20 "$OUT/kimi_rank_long.log"
+    --repeats "${REPEATS:-3}" --modes "${LONG_MODES:-dflash chain,ddtree 8,ddtree 16,ddtree 32}" \
+    > "$OUT/kimi_rank_long.log" 2>&1; echo "long rc=$?"; tail -20 "$OUT/kimi_rank_long.log"
   for S in 32768 131072; do
     mkdir -p "$OUT/profile_$S"
     limit python3 benchmarks/profile_forward.py "$OUT/profile_$S" --model $MODEL --cache-length $S --targets 1,33 \
