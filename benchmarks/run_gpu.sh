@@ -241,7 +241,7 @@ if has long; then
   limit python3 benchmarks/kimi_rank_int4.py "$OUT" --preset $MODEL --synthetic-context --contexts 32768,131072 \
     --repeats "${REPEATS:-3}" --modes "${LONG_MODES:-dflash chain,ddtree 8,ddtree 16,ddtree 32}" \
     > "$OUT/kimi_rank_long.log" 2>&1; echo "long rc=$?"; tail -20 "$OUT/kimi_rank_long.log"
-  for S in 32768 131072; do
+  for S in 131072 32768; do  # the longest first: a deadline cuts the shorter
     mkdir -p "$OUT/profile_$S"
     limit python3 benchmarks/profile_forward.py "$OUT/profile_$S" --model $MODEL --cache-length $S --targets 1,33 \
       > "$OUT/profile_$S.log" 2>&1
