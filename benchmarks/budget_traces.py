@@ -18,7 +18,9 @@
    loop)` is `runner.device.budget.StepBudgetPolicy`, what a GPU's device loop runs (it chooses before the step's
    launch, learns acceptance from its steps at the largest budget and explores on a share of the time; each step's
    time is its budget's cost). Tokens/s = tokens emitted over the steps' summed costs; autoregressive decoding = one
-   token a decode step. --traces reuses the traces of an earlier run's budget_traces.json.
+   token a decode step. The per-step bound: the most tokens a second any per-step choice among the budgets reaches
+   knowing each step's acceptance (`per_step_bound`), what a better per-step predictor could at most buy. --traces
+   reuses the traces of an earlier run's budget_traces.json.
 Writes OUT_DIR/budget_traces.json (the traces and the table) and prints the table.
 """
 
@@ -107,6 +109,22 @@ def step_costs(costs_file: Path) -> dict[int, dict]:
     return {c: v for c, v in costs.items() if all(b in v for b in (*BUDGETS, "autoregressive"))}
 
 
+def per_step_bound(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, np.ndarray]:
+    """The most tokens a second any choice of a budget per step reaches, knowing what each budget accepts at every
+    step (tokens [steps, budgets]; seconds [budgets]): (that rate, how many steps take each budget). The best rate r
+    is where the steps' best choices, each the most tokens less r times its seconds, sum to zero (Dinkelbach's
+    iteration from the best fixed budget's rate: it rises to r in a few rounds). An upper bound for every policy,
+    fixed or per step, that chooses among these budgets: what a drafter's per-step confidence could at most buy."""
+    rate = float((tokens.sum(axis=0) / (len(tokens) * seconds)).max())
+    for _ in range(100):
+        choice = (tokens - rate * seconds).argmax(axis=1)
+        better = float(tokens[np.arange(len(tokens)), choice].sum() / seconds[choice].sum())
+        if better <= rate * (1 + 1e-12):
+            break
+        rate = better
+    return rate, np.bincount(choice, minlength=len(seconds))
+
+
 def replay(traces: list[dict], costs: dict) -> dict:
     """Tokens/s of autoregressive decoding, each fixed budget and `auto` over the traces at these step costs."""
     steps = [s for t in traces for s in t["steps"]]
@@ -135,6 +153,8 @@ def replay(traces: list[dict], costs: dict) -> dict:
                       "drafted": dict(zip(BUDGETS, drafted))}]  # fmt: skip
         device.record(1, chosen, costs[chosen], stats)
     rates["auto (device loop)"] = emitted / seconds
+    tokens = np.array([[len(budget_path(s["path"], b)) for b in BUDGETS] for s in steps], dtype=np.float64)
+    rates["per-step bound"], bound_choices = per_step_bound(tokens, np.array([costs[b] for b in BUDGETS]))
     fixed = [rates[f"ddtree {b}"] for b in BUDGETS]
     return {"steps": len(steps), "tokens_per_s": {k: round(v, 2) for k, v in rates.items()},
             "auto_over_best": round(rates["auto"] / max(fixed), 4),
@@ -142,6 +162,8 @@ def replay(traces: list[dict], costs: dict) -> dict:
             "budgets_chosen": {b: policy.chosen[b] for b in BUDGETS},
             "device_auto_over_best": round(rates["auto (device loop)"] / max(fixed), 4),
             "device_budgets_chosen": {b: device.chosen[(1, b)] for b in BUDGETS},
+            "bound_over_best": round(rates["per-step bound"] / max(fixed), 4),
+            "bound_budgets": dict(zip(BUDGETS, bound_choices.tolist())),
             "mean_accept_length": {b: round(emitted_at[b] / len(steps), 3) for b in BUDGETS},
             "drafted_accepted_predicted_per_step": round(policy.predicted / len(steps), 3),
             "drafted_accepted_observed_per_step": round(policy.observed / len(steps), 3)}  # fmt: skip
@@ -181,16 +203,20 @@ def main(argv=None) -> int:
               "seconds": round(time.time() - started, 1), "rows": rows,
               "traces": {str(t): v for t, v in traces.items()}}  # fmt: skip
     (args.out_dir / "budget_traces.json").write_text(json.dumps(result) + "\n")
-    print("\n| temperature | context | autoregressive | DDTree 8 | DDTree 16 | DDTree 32 | auto | auto / best | "
-          "auto / worst | budgets auto chose (8 / 16 / 32) | auto (device loop) | its / best | its budgets |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|")  # fmt: skip
+    print(
+        "\n| temperature | context | autoregressive | DDTree 8 | DDTree 16 | DDTree 32 | auto | auto / best | "
+        "auto / worst | budgets auto chose (8 / 16 / 32) | auto (device loop) | its / best | its budgets | "
+        "per-step bound / best | its budgets |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|---|"
+    )
     for r in rows:
         t, c, d = r["tokens_per_s"], r["budgets_chosen"], r["device_budgets_chosen"]
         print(
             f"| {r['temperature']} | {r['context']} | {t['autoregressive']:.1f} | {t['ddtree 8']:.1f} | "
             f"{t['ddtree 16']:.1f} | {t['ddtree 32']:.1f} | {t['auto']:.1f} | {r['auto_over_best']:.3f} | "
             f"{r['auto_over_worst']:.2f} | {c[8]} / {c[16]} / {c[32]} | {t['auto (device loop)']:.1f} | "
-            f"{r['device_auto_over_best']:.3f} | {d[8]} / {d[16]} / {d[32]} |"
+            f"{r['device_auto_over_best']:.3f} | {d[8]} / {d[16]} / {d[32]} | {r['bound_over_best']:.3f} | "
+            f"{' / '.join(str(r['bound_budgets'][b]) for b in BUDGETS)} |"
         )
     return 0
 

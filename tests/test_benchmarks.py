@@ -199,6 +199,26 @@ def test_budget_traces_smoke(tmp_path):
         assert rates["auto"] <= max(rates[f"ddtree {b}"] for b in (8, 16, 32)) * 1.5
 
 
+def test_the_per_step_bound_is_the_best_any_per_step_choice_reaches():
+    """`budget_traces.per_step_bound`: on small random instances, the rate equals the best of every per-step choice
+    (all of them enumerated) and is at least every fixed budget's; its choice counts reach that rate."""
+    import itertools
+
+    import numpy as np
+
+    from benchmarks.budget_traces import per_step_bound
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        tokens = rng.integers(1, 9, size=(6, 3)).astype(np.float64)
+        seconds = np.sort(rng.uniform(1.0, 3.0, size=3))
+        best = max(tokens[np.arange(6), list(c)].sum() / seconds[list(c)].sum()
+                   for c in itertools.product(range(3), repeat=6))  # fmt: skip
+        rate, counts = per_step_bound(tokens, seconds)
+        assert abs(rate - best) <= 1e-9 * best and counts.sum() == 6
+        assert rate >= (tokens.sum(axis=0) / (6 * seconds)).max() - 1e-12
+
+
 def test_synthetic_context_rows_are_cached_and_attended():
     """`Probes.context_rows` (benchmarks' long context without a long prefill): every request starts after that many
     cached rows of seeded random K/V, the steps attend to them (the output differs from the same prompt without
