@@ -128,7 +128,9 @@ def per_step_bound(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, np.n
 def replay(traces: list[dict], costs: dict) -> dict:
     """Tokens/s of autoregressive decoding, each fixed budget and `auto` over the traces at these step costs."""
     steps = [s for t in traces for s in t["steps"]]
-    emitted_at = {b: sum(len(budget_path(s["path"], b)) for s in steps) for b in BUDGETS}  # tokens budget b emits
+    # the tokens each budget emits at each step [steps, budgets], and over all steps
+    tokens = np.array([[len(budget_path(s["path"], b)) for b in BUDGETS] for s in steps], dtype=np.float64)
+    emitted_at = dict(zip(BUDGETS, tokens.sum(axis=0).tolist()))
     rates = {"autoregressive": 1.0 / costs["autoregressive"]}
     for b in BUDGETS:
         rates[f"ddtree {b}"] = emitted_at[b] / (len(steps) * costs[b])
@@ -153,7 +155,6 @@ def replay(traces: list[dict], costs: dict) -> dict:
                       "drafted": dict(zip(BUDGETS, drafted))}]  # fmt: skip
         device.record(1, chosen, costs[chosen], stats)
     rates["auto (device loop)"] = emitted / seconds
-    tokens = np.array([[len(budget_path(s["path"], b)) for b in BUDGETS] for s in steps], dtype=np.float64)
     rates["per-step bound"], bound_choices = per_step_bound(tokens, np.array([costs[b] for b in BUDGETS]))
     fixed = [rates[f"ddtree {b}"] for b in BUDGETS]
     return {"steps": len(steps), "tokens_per_s": {k: round(v, 2) for k, v in rates.items()},

@@ -86,7 +86,8 @@ def main(argv=None) -> int:
                         "the autoregressive row, then only what --auto-budget and --batches add")  # fmt: skip
     add_setup_args(parser)
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.modes.split(",")) - {m for m, _ in SPEC_MODES})
+    fixed_modes = args.modes.split(",")
+    unknown = sorted(set(fixed_modes) - {m for m, _ in SPEC_MODES})
     if unknown:
         parser.error(f"--modes: expected names among {[m for m, _ in SPEC_MODES]}, got {unknown}")
     setup = Setup.from_args(args)
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
                 }  # fmt: skip
                 print("memory", info["memory"], flush=True)
             decode_ms = ar.get("step_ms") or (1e3 / ar["tokens_per_s"] if ar["tokens_per_s"] else None)
-            modes = [] if args.no_fixed else [(m, s, None) for m, s in SPEC_MODES if m in args.modes.split(",")]
+            modes = [] if args.no_fixed else [(m, s, None) for m, s in SPEC_MODES if m in fixed_modes]
             if args.auto_budget:
                 several = SpecConfig(8, 32, extra_budgets=(8, 16))
                 modes += [("ddtree auto of 8/16/32", several, "auto"), ("ddtree 8 of 8/16/32", several, 8)]

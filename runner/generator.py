@@ -343,14 +343,13 @@ class Generator:
         # requests of 64 tokens: budget 8, 16 and 32 steps of 67, 95 and 144 ms where an autoregressive one takes 14
         # ms; `auto` through the CLI 0.71x autoregressive, seeded 0.90x; BENCHMARKS.md 18). Measured where `auto` can
         # be asked for: a server, or a job whose requests take it (`enable_auto_budget`)
-        cpu_costs = not self.on_gpu and (serving or self.policy is not None)
+        batch_costs = self.on_gpu or serving or self.auto_default
         for params in requests:
             form = _form_name(params)
             timed(f"requests, {form}", self._warm_requests, prompt, tokens, params)
-            if self.batch_slots > 1 and self.on_gpu and self.on_device(params):
-                timed(f"batched steps, {form}", self._warm_batch, prompt, params)
-                batched.append(params)
-            elif self.batch_slots > 1 and cpu_costs and self.on_device(params):
+            if self.batch_slots > 1 and batch_costs and self.on_device(params):
+                if self.on_gpu:
+                    timed(f"batched steps, {form}", self._warm_batch, prompt, params)
                 batched.append(params)
         if batched and len(self.device_budgets) > 1 and not self.autoregressive:
             # once, at the first form's costs (a server's: greedy)
