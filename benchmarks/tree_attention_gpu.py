@@ -1,6 +1,6 @@
 """TreeAttention on the GPU, in one run: ceilings, correctness, CUDA-graph safety, timings vs floor and vs SDPA.
 
-    PYTHONPATH=. python3 benchmarks/tree_attention_gpu.py OUT_DIR [--variants | --variants-only]
+    PYTHONPATH=. python3 benchmarks/tree_attention_gpu.py OUT_DIR [--variants | --variants-only | --combine-only]
 
 1. Ceilings measured in this run: device-to-device copy bandwidth (bytes read + written) and the bf16 matrix rate
    (8192^3 product on random data); medians of repeats.
@@ -193,12 +193,23 @@ TILES = {  # other tiles at the verify shape, with and without tensor descriptor
     ],
 }
 
+# the merge of the splits' partial results where a launch has few query rows (a decode: T = 1 or 8 at 8 heads, up to
+# 256 splits over a long cache): columns a merge program takes (fewer: more programs), splits it loads at a time, and
+# fewer splits (less to write and merge, fewer programs in the split kernel)
+COMBINE = {
+    shape: [{}]
+    + [dict(combine_columns=c, split_group=g) for c in (128, 64, 32) for g in (16, 32, 64) if (c, g) != (128, 16)]
+    + [dict(splits=n) for n in (64, 128)]
+    for shape in ((1, 8, 131072), (1, 8, 32768), (8, 8, 131072), (8, 8, 32768), (1, 16, 131072))
+}
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--variants", action="store_true", help="also time other tile configurations")
     parser.add_argument("--variants-only", action="store_true", help="only the tile configurations (no table)")
+    parser.add_argument("--combine-only", action="store_true", help="only the merge's configurations at few rows")
     args = parser.parse_args(argv)
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -207,8 +218,9 @@ def main(argv=None) -> int:
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     variants = []
-    if args.variants or args.variants_only:
-        for shape, configs in [*VARIANTS.items(), *TILES.items()]:
+    if args.variants or args.variants_only or args.combine_only:
+        tried = COMBINE.items() if args.combine_only else [*VARIANTS.items(), *TILES.items()]
+        for shape, configs in tried:
             for config in configs:
                 try:
                     checked = check(*shape, scale, config)
@@ -221,11 +233,11 @@ def main(argv=None) -> int:
                 except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                     variants.append({"shape": shape, **config, "error": str(err)[:200]})
                     print(f"variant {shape} {config}: FAILED {str(err)[:120]}", flush=True)
-                if args.variants_only:  # after each variant: what is measured so far, should the run be cut short
+                if args.variants_only or args.combine_only:  # after each: what is measured so far, if the run is cut
                     (out_dir / "tree_attention_variants.json").write_text(
                         json.dumps({"ceilings": ceil, "variants": variants})
                     )
-    if args.variants_only:
+    if args.variants_only or args.combine_only:
         return 0
     checks = {f"{t}x{h}x{s}": check(t, h, s, scale) for t, h, s in SHAPES + ODD}
     graph = graph_check(scale)

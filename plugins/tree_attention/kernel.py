@@ -357,6 +357,7 @@ SMALL_TILE_CAPACITY = 8192  # cache rows up to which 16-row query tiles are used
 MEDIUM_TILE_ROWS = 264  # query rows (T x H) up to which 32-row tiles of 4 warps beat 64-row tiles of 8 (measured)
 COMBINE_COLUMNS, COMBINE_SPLIT_ROWS = 128, 128  # under 128 query rows a combine program merges 128 columns, not all
 # (more programs where there are few rows: T = 1 decode over a long cache; measured)
+SPLIT_GROUP = 16  # splits whose partial outputs a combine program loads at a time
 SHARED_MEMORY_BUDGET = 232448 - 8192  # Hopper allows 227 KB a block; Triton adds a few KB of its own (measured)
 
 
@@ -438,7 +439,7 @@ def tree_attention_cuda(
     config = {**default_config(rows, padded, q.element_size(), capacity), **config}
     block_m, block_n = config["block_m"], config["block_n"]
     min_blocks = config.get("min_blocks", default_min_blocks(rows, capacity))
-    splits = num_splits_for(rows, capacity, block_m, block_n, _sm_count(device), min_blocks)
+    splits = config.get("splits") or num_splits_for(rows, capacity, block_m, block_n, _sm_count(device), min_blocks)
     if capacity == 0:  # nothing cached: any valid pointer will do, no cache row is read
         cache = new_kv.view(requests, tokens, width) if batched else new_kv
     batch_stride = cache.stride(0) if batched else 0
@@ -487,8 +488,9 @@ def tree_attention_cuda(
             num_stages=config["num_stages"],
         )
         block_d = block_dl if rows >= COMBINE_SPLIT_ROWS else min(block_dl, COMBINE_COLUMNS)
+        block_d = config.get("combine_columns", block_d)
         combine_splits(parts, cache_length, out, rows * requests, splits, latent_dim, block_d, block_n, min_blocks,
-                       rows_per_request=rows)  # fmt: skip
+                       rows_per_request=rows, split_group=config.get("split_group", SPLIT_GROUP))  # fmt: skip
     return out
 
 
@@ -551,11 +553,12 @@ def split_partials(splits: int, rows: int, width: int, device) -> tuple[torch.Te
 
 
 def combine_splits(parts, cache_length, out, rows: int, splits: int, width: int, block_d: int, block_n: int,
-                   min_blocks: int, rows_per_request: int | None = None) -> None:  # fmt: skip
+                   min_blocks: int, rows_per_request: int | None = None,
+                   split_group: int = SPLIT_GROUP) -> None:  # fmt: skip
     """Merges `split_partials` into out [rows, width] (contiguous rows): the splits the device length used (cut as
     the split kernel cut them: block_n, min_blocks) and the new rows' split; a program per row and block_d columns.
     rows_per_request: several requests' rows, request by request, each with its own cache_length entry (None: one
-    request)."""
+    request); split_group: splits whose partial outputs a program loads at a time."""
     _combine_splits[(rows, triton.cdiv(width, block_d))](
         *parts,
         cache_length,
@@ -568,6 +571,6 @@ def combine_splits(parts, cache_length, out, rows: int, splits: int, width: int,
         BLOCK_N=block_n,
         MIN_BLOCKS=min_blocks,
         BLOCK_S=triton.next_power_of_2(splits + 1),
-        SPLIT_GROUP=16,
+        SPLIT_GROUP=split_group,
         num_warps=4,
     )
