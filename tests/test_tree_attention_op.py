@@ -110,6 +110,33 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
     assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
 
 
+def test_triton_kernel_merge_forms_match_the_reference():
+    """The merge of the splits' partial results in its other forms (fewer columns a program, other numbers of splits
+    loaded at a time, a split count given): the reference's result, and no row left unwritten."""
+    script = """
+        import torch
+        from plugins.tree_attention.kernel import tree_attention_cuda
+        from plugins.tree_attention.reference import tree_attention
+        from tests.test_tree_attention_op import random_case, rel
+        worst = 0.0
+        forms = [dict(combine_columns=8, split_group=4), dict(combine_columns=16, split_group=2, splits=5),
+                 dict(splits=1), dict(split_group=32, splits=9)]
+        for i, (shape, form) in enumerate([(s, f) for s in [(1, 8, 300, 290, 32, 8), (8, 2, 100, 100, 32, 16)]
+                                           for f in forms]):
+            q, cache, length, new_kv, mask = random_case(*shape, seed=i)
+            out = torch.full((shape[0], shape[1], shape[4]), float("nan"))
+            tree_attention_cuda(q, cache, length, new_kv, mask, 0.3, shape[4], out=out, block_m=16, block_n=16,
+                                num_warps=1, num_stages=1, min_blocks=1, **form)
+            expected = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, 0.3, shape[4])
+            assert not out.isnan().any(), (shape, form)
+            worst = max(worst, rel(out, expected))
+        print("worst", worst)
+    """
+    done = run_interpreted(script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
+
+
 def test_triton_kernel_whole_blocks_and_tensor_descriptors_match_the_reference():
     """The forms that take a split's whole key blocks without masks, by pointer loads and by tensor descriptors: the
     reference's result on every shape (rows past the device length NaN: never read), and several requests batched
