@@ -1,7 +1,7 @@
 """The cost-aware tree budget on a whole Kimi K2 rank's step costs, with acceptance traces of the trained pair.
 
     PYTHONPATH=. python3 benchmarks/budget_traces.py OUT_DIR [--prompts 64] [--tokens 64] [--temperatures 0 1.0]
-        [--costs benchmarks/results/kimi_rank_int4.json]
+        [--costs benchmarks/results/kimi_rank_int4.json] [--batch-costs benchmarks/results/kimi_rank_batch.json]
     PYTHONPATH=. python3 benchmarks/budget_traces.py OUT_DIR --smoke      (3 prompts: checks the script)
 
 1. Traces. The trained pair (`trained/`, float32, the CPU, the rank factory's host loop) generates the held-out
@@ -21,6 +21,10 @@
    token a decode step. The per-step bound: the most tokens a second any per-step choice among the budgets reaches
    knowing each step's acceptance (`per_step_bound`), what a better per-step predictor could at most buy. --traces
    reuses the traces of an earlier run's budget_traces.json.
+3. --batch-costs: the same traces in a batch of the whole rank (`kimi_rank_int4.py --batches`, its random-drafter
+   rows: a batched step's cost at each fixed budget it has): each request of the batch emits what its trace's steps
+   do at that budget, so the batch's tokens/s at budget b is the batch times the mean tokens a step over the batched
+   step's cost, against the batch's autoregressive steps.
 Writes OUT_DIR/budget_traces.json (the traces and the table) and prints the table.
 """
 
@@ -109,6 +113,38 @@ def step_costs(costs_file: Path) -> dict[int, dict]:
     return {c: v for c, v in costs.items() if all(b in v for b in (*BUDGETS, "autoregressive"))}
 
 
+def batch_step_costs(costs_file: Path) -> dict[tuple[int, int], dict]:
+    """(context, batch) -> {"autoregressive": s, b: s, ...}: a batched step's seconds (the batch's requests over
+    their tokens/s together) of the in-flight batched rows (`kimi_rank_int4.py --batches`), autoregressive and the
+    random drafter's fixed budgets: a random drafter's step accepts only the bonus token, one a request."""
+    costs: dict[tuple[int, int], dict] = {}
+    for r in json.loads(costs_file.read_text())["rows"]:
+        if not r.get("batch"):
+            continue
+        seconds = r["batch"] / r["tokens_per_s"]
+        key = (r["context"], r["batch"])
+        if r["mode"].startswith("autoregressive"):
+            costs.setdefault(key, {})["autoregressive"] = seconds
+        elif r["drafter"] == "random" and (fixed := re.fullmatch(r"ddtree (\d+)( \(device loop\))?", r["mode"])):
+            costs.setdefault(key, {})[int(fixed.group(1))] = seconds
+    return {k: v for k, v in costs.items() if "autoregressive" in v and len(v) > 1}
+
+
+def batch_rates(traces: list[dict], costs: dict, batch: int) -> dict:
+    """Tokens/s of a batch of `batch` requests at each fixed budget the costs have: each request's step emits what
+    its trace's step does at that budget (greedy: exactly what it would; a step of the batch costs what the batched
+    random-drafter row measured), so the batch emits `batch` times the traces' mean a step."""
+    steps = [s for t in traces for s in t["steps"]]
+    rates = {"autoregressive": batch / costs["autoregressive"]}
+    accept = {}
+    for b in sorted(k for k in costs if k != "autoregressive"):
+        accept[b] = sum(len(budget_path(s["path"], b)) for s in steps) / len(steps)
+        rates[f"ddtree {b}"] = batch * accept[b] / costs[b]
+    return {"tokens_per_s": {k: round(v, 2) for k, v in rates.items()},
+            "over_autoregressive": {k: round(v / rates["autoregressive"], 3) for k, v in rates.items()},
+            "mean_accept_length": {str(b): round(a, 3) for b, a in accept.items()}}  # fmt: skip
+
+
 def per_step_bound(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, np.ndarray]:
     """The most tokens a second any choice of a budget per step reaches, knowing what each budget accepts at every
     step (tokens [steps, budgets]; seconds [budgets]): (that rate, how many steps take each budget). The best rate r
@@ -178,15 +214,20 @@ def main(argv=None) -> int:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--costs", type=Path, default=RESULTS / "kimi_rank_int4.json")
     parser.add_argument("--traces", type=Path, default=None, help="an earlier budget_traces.json: its traces")
+    parser.add_argument("--batch-costs", type=Path, default=None,
+                        help="a kimi_rank_int4.py --batches result: the budgets' rates in its batches")  # fmt: skip
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
         args.prompts, args.tokens = 3, 16
     started = time.time()
     costs = step_costs(args.costs)
+    batched_costs = batch_step_costs(args.batch_costs) if args.batch_costs else {}
+    if args.batch_costs and not batched_costs:
+        raise SystemExit(f"{args.batch_costs}: no batch with autoregressive and random-drafter DDTree rows")
     if not costs:
         raise SystemExit(f"{args.costs}: no context with autoregressive and random-drafter DDTree {BUDGETS} rows")
-    rows, traces = [], {}
+    rows, batched, traces = [], [], {}
     earlier = json.loads(args.traces.read_text())["traces"] if args.traces else {}
     for temperature in args.temperatures:
         if str(temperature) in earlier:
@@ -199,9 +240,15 @@ def main(argv=None) -> int:
                    **replay(traces[temperature], cost)}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+        for (context, batch), cost in sorted(batched_costs.items()):
+            row = {"temperature": temperature, "context": context, "batch": batch,
+                   "step_ms": {str(k): round(v * 1e3, 2) for k, v in cost.items()},
+                   **batch_rates(traces[temperature], cost, batch)}  # fmt: skip
+            batched.append(row)
+            print(json.dumps(row), flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     result = {**environment(True), "command": " ".join(sys.argv), "costs_file": str(args.costs),
-              "seconds": round(time.time() - started, 1), "rows": rows,
+              "seconds": round(time.time() - started, 1), "rows": rows, "batched": batched,
               "traces": {str(t): v for t, v in traces.items()}}  # fmt: skip
     (args.out_dir / "budget_traces.json").write_text(json.dumps(result) + "\n")
     print(
@@ -219,6 +266,16 @@ def main(argv=None) -> int:
             f"{r['device_auto_over_best']:.3f} | {d[8]} / {d[16]} / {d[32]} | {r['bound_over_best']:.3f} | "
             f"{' / '.join(str(r['bound_budgets'][b]) for b in BUDGETS)} |"
         )
+    if batched:
+        print("\n| temperature | context | batch | mode | step (ms) | mean accepted a step | tokens/s | "
+              "over autoregressive |\n|---|---:|---:|---|---:|---:|---:|---:|")  # fmt: skip
+        for r in batched:
+            for mode, rate in r["tokens_per_s"].items():
+                budget = mode.removeprefix("ddtree ")
+                step = r["step_ms"]["autoregressive" if mode == "autoregressive" else budget]
+                print(f"| {r['temperature']} | {r['context']} | {r['batch']} | {mode} | {step:.2f} | "
+                      f"{r['mean_accept_length'].get(budget, 1.0)} | {rate:.1f} | "
+                      f"{r['over_autoregressive'][mode]:.3f} |")  # fmt: skip
     return 0
 
 

@@ -219,6 +219,21 @@ def test_the_per_step_bound_is_the_best_any_per_step_choice_reaches():
         assert rate >= (tokens.sum(axis=0) / (6 * seconds)).max() - 1e-12
 
 
+def test_budget_traces_batch_rates_from_the_batched_rows():
+    """`budget_traces --batch-costs`: a batched step's cost is the batch over the batched row's tokens/s (the random
+    drafter's rows, one token a request a step), and each budget's rate is the batch times the traces' mean tokens a
+    step at that budget (a path's nodes up to the budget) over that cost."""
+    from benchmarks.budget_traces import RESULTS, batch_rates, batch_step_costs
+
+    costs = batch_step_costs(RESULTS / "kimi_rank_batch.json")
+    assert set(costs) == {(1024, 4)} and set(costs[(1024, 4)]) == {"autoregressive", 8, 32}
+    assert abs(costs[(1024, 4)]["autoregressive"] - 4 / 283.9906233138556) < 1e-12
+    traces = [{"steps": [{"path": [0, 1, 2, 9]}, {"path": [0, 5]}]}]  # at 8: 3 and 2 tokens; at 32: 4 and 2
+    rates = batch_rates(traces, {"autoregressive": 0.01, 8: 0.02, 32: 0.05}, 4)
+    assert rates["tokens_per_s"] == {"autoregressive": 400.0, "ddtree 8": 500.0, "ddtree 32": 240.0}
+    assert rates["over_autoregressive"]["ddtree 8"] == 1.25 and rates["mean_accept_length"] == {"8": 2.5, "32": 3.0}
+
+
 def test_synthetic_context_rows_are_cached_and_attended():
     """`Probes.context_rows` (benchmarks' long context without a long prefill): every request starts after that many
     cached rows of seeded random K/V, the steps attend to them (the output differs from the same prompt without
