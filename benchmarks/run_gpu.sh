@@ -3,11 +3,15 @@
 # $OUT (default out/gpu). STEPS picks what runs (default: all):
 #   tiny      the tiny demo through the CLI on the GPU (device loop) == the same run on the CPU; TP-2 == TP-1 (2 GPUs)
 #   lossless  benchmarks/gpu_lossless.py: float32 greedy speculative == autoregressive, host and device loops
+#   longlossless  the same over $LOSSLESS_ROWS (default 131072) seeded random cached rows (--context-rows: the long
+#             cache's kernel paths), device loop, preset $LOSSLESS_PRESET (default moe; kimi-rank: its 61 layers)
 #   cli       benchmarks/cli_vs_inprocess.py: the CLI's decode tokens/s next to the in-process rows (TP-1; TP-2 too
 #             on two GPUs)
 #   e2e       benchmarks/gpu_runtime.py --e2e-only: every mode on the moe, dense and kimi-rank presets
 #   layers    benchmarks/gpu_runtime.py's layer-cost table as well
 #   kernel    benchmarks/tree_attention_gpu.py
+#   combine   tree_attention_gpu.py --combine-only: the merge of the splits' partial results at decode shapes (columns a
+#             program, splits loaded at a time, fewer splits), each form checked against the reference, then timed
 #   int4      benchmarks/int4_moe_gpu.py: the W4A16 MoE kernel at Kimi TP-8 rank dimensions against its byte floor,
 #             torch._grouped_mm in bf16 and dequantize-then-grouped-GEMM; and the packed tiny model through the CLI
 #             on the GPU == the same on the CPU
@@ -160,6 +164,12 @@ if has lossless; then
   python3 benchmarks/gpu_lossless.py "$OUT" > "$OUT/gpu_lossless.log" 2>&1; echo "lossless rc=$?"
   tail -9 "$OUT/gpu_lossless.log"
 fi
+if has longlossless; then
+  for S in ${LOSSLESS_ROWS:-131072}; do
+    limit python3 benchmarks/gpu_lossless.py "$OUT/lossless_$S" --preset "${LOSSLESS_PRESET:-moe}" --context-rows "$S" \
+      > "$OUT/gpu_lossless_$S.log" 2>&1; echo "longlossless $S rc=$?"; tail -5 "$OUT/gpu_lossless_$S.log"
+  done
+fi
 if has cli; then
   TP=1; [ "$GPUS" -ge 2 ] && TP=1,2
   python3 benchmarks/cli_vs_inprocess.py "$OUT" --tp $TP > "$OUT/cli_vs_inprocess.log" 2>&1; echo "cli rc=$?"
@@ -271,6 +281,10 @@ fi
 if has kernel; then
   python3 benchmarks/tree_attention_gpu.py "$OUT" > "$OUT/kernel.log" 2>&1; echo "kernel rc=$?"
   tail -30 "$OUT/kernel.log"
+fi
+if has combine; then
+  limit 300 python3 benchmarks/tree_attention_gpu.py "$OUT/combine" --combine-only > "$OUT/combine.log" 2>&1
+  echo "combine rc=$?"; grep -E "ceilings|variant" "$OUT/combine.log" | cut -c1-200
 fi
 if has int4; then
   {
