@@ -162,6 +162,9 @@ class Generator:
             # at most a block, so requests of 2 + block tokens take a second step
             self.generate_many([prompt] * count, 2 + self.spec.block_size, [params] * count, budget="auto",
                                batch_policy=ScriptedPolicy((budgets[0], DECODE)))  # fmt: skip
+            if self.ranks.lead.batch.lazy_context:  # autoregressive steps' rows pending until a block commits
+                self.generate_many([prompt] * count, 2 + self.spec.block_size, [params] * count, budget="auto",
+                                   batch_policy=ScriptedPolicy((DECODE,)))  # fmt: skip
 
     def measure_batch_costs(self, prompt: list[int], params: SamplingParams = GREEDY,
                             rounds: int = 3) -> dict[tuple[int, int], float]:  # fmt: skip

@@ -739,8 +739,10 @@ def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
 def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
     """An all-`auto` batch whose steps alternate between autoregressive steps (`DECODE`) and trees of each budget,
     requests of different prompts and lengths joining and leaving: every request's tokens are its autoregressive
-    ones; after every step each slot's drafter has every committed row but the last step's (its pending context),
-    and the draft cache holds what steps that only drafted would have written there."""
+    ones; after every step each slot's drafter has every committed row but its pending context's (the last tree
+    step's accepted rows and, on the CPU's eager form, the autoregressive steps' since: `BatchLoop.lazy_context`,
+    up to a block, then committed), and the draft cache holds what steps that only drafted would have written
+    there."""
     from runner.device.budget import DECODE, ScriptedPolicy
     from runner.generator import Generator
     from runner.sampling import Sampler, SamplingParams
@@ -752,9 +754,11 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
     lengths = [40, 12, 25, 20]  # the first the longest: its slot is not taken again before the end
     expected = [generate_autoregressive(reference, PROMPTS[i], n, greedy).tokens for i, n in enumerate(lengths)]
     reference.close()
-    drafts = []
-    for script in ([DECODE, DECODE, 16, DECODE, 4, 8, DECODE, 16], [4]):
+    drafts, most_pending = [], {}
+    # the second script's runs of autoregressive steps fill a slot's pending context to a block and commit it
+    for script in ([DECODE, DECODE, 16, DECODE, 4, 8, DECODE, 16], [DECODE] * 9 + [8], [4]):
         ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
+        assert ranks.lead.batch.lazy_context  # the eager form
         generator = Generator(ranks)
         generator.policy = object()  # `auto`'s single-request costs are not needed: the batch chooses
         batcher = generator.batcher()
@@ -769,6 +773,8 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
             for slot in batcher.members:
                 loop = loops[slot]
                 assert int(loop.num_drafted) + int(loop.context_count) == int(loop.num_cached)
+                assert int(loop.context_count) == loop.pending <= spec.block_size  # the host's count is the device's
+                most_pending[len(script)] = max(most_pending.get(len(script), 0), loop.pending)
         for member in members:
             assert member.result.tokens == expected[member.tag], (script, member.tag)
         budgets = [b for m in members for b in m.result.budgets]
@@ -776,9 +782,11 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
         # the first request's slot (0), which it held to the end: its draft cache's committed rows
         drafts.append(loops[0].cache.draft[:, :, : int(loops[0].num_drafted)].clone())
         ranks.close()
+    assert most_pending[10] == spec.block_size  # autoregressive steps' rows stayed pending up to a block
     rows = min(d.shape[2] for d in drafts)
     assert rows > 20
-    torch.testing.assert_close(drafts[0][:, :, :rows], drafts[1][:, :, :rows], rtol=1e-5, atol=1e-5)
+    for draft in drafts[:-1]:
+        torch.testing.assert_close(draft[:, :, :rows], drafts[-1][:, :, :rows], rtol=1e-5, atol=1e-5)
 
 
 def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_every_step_form(demo_ckpt):
@@ -799,8 +807,8 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     taken, step = [], batch.step
 
     def spy(count, idle=(), budget=None, report=True):  # the graph's key (`BatchLoop.step`)
-        narrow = budget == DECODE and not any(loop.wide_context for loop in batch.loops[:count])
-        taken.append((count, budget, report or budget in (None, DECODE), *((narrow,) if budget == DECODE else ())))
+        form = batch.decode_form(count, budget) if budget == DECODE else ()
+        taken.append((count, budget, report or budget in (None, DECODE), *form))
         return step(count, idle, budget, report)
 
     batch.step = spy
@@ -816,8 +824,8 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     generator.measure_batch_costs(PROMPTS[0], GREEDY)  # the GPU warm-up's next call, once for every form
     forms = {(c, b, True) for c in (1, 2, 3) for b in (4, 8, 16)} | {(2, None, True), (3, None, True)}
     forms |= {(c, b, False) for c in (1, 2, 3) for b in (4, 8, 16)}  # a batch all at one fixed budget
-    # autoregressive steps after a load or another such step (their pending context one row) and after a tree step
-    forms |= {(c, DECODE, True, narrow) for c in (1, 2, 3) for narrow in (True, False)}
+    # autoregressive steps (eager: `lazy_context`) appending a row to the pending context, and committing a block
+    forms |= {(c, DECODE, True, False, append) for c in (1, 2, 3) for append in (True, False)}
     assert set(taken) == forms
     # the batch policy, untaught, starts from a cost timed at each slot count of 1, 2 ... and the most, each choice
     policy = generator.batch_policy

@@ -59,7 +59,8 @@ class BatchLoop:
     tensors, each `DeviceLoop` holding views of its row: one kernel commits, walks or chooses for every slot, and
     the attention kernels take the batch's caches whole (`models/mla.py`, `per_request`)."""
 
-    def __init__(self, worker, spec, slots: int, use_graph: bool, autoregressive: bool = False):
+    def __init__(self, worker, spec, slots: int, use_graph: bool, autoregressive: bool = False,
+                 lazy_context: bool | None = None):  # fmt: skip
         main = worker.cache
         device = self.device = main.latent.device
         # benchmarks' oracle (`runner/probes.py`), as the rank's own loop has it: every slot follows the continuation
@@ -89,6 +90,11 @@ class BatchLoop:
         self.routers = lead.routers if lead.auto else []
         self.logit_rows = torch.arange(slots * self.rows, device=device)
         self.use_graph, self.graphs = use_graph, {}
+        # an autoregressive step of speculative requests appends its row to each slot's pending context while every
+        # slot's holds less than a block (the next draft takes up to a block of pending rows), instead of committing
+        # the pending rows to the draft cache first (`_decode`). The eager form (CPUs) for now: on GPUs its graphs
+        # (`append` in their key) wait for a run there, and a step commits as before
+        self.lazy_context = (not use_graph) if lazy_context is None else lazy_context
         self.captured = False  # whether the last step captured its graph
         # admissions' group prefills (`prefill`): a graph per (requests, padded length), in a pool of their own (each
         # replay's logits are copied out before the next replay)
@@ -101,7 +107,7 @@ class BatchLoop:
         loop = self.loops[slot]
         for state in (loop.num_cached, loop.num_drafted, loop.context_count):
             state.fill_(0)
-        loop.wide_context = False
+        loop.wide_context, loop.pending = False, 0
         loop.cache.reset()
 
     def move(self, source: int, target: int, rows: int) -> None:
@@ -118,7 +124,7 @@ class BatchLoop:
             getattr(dst, name).copy_(getattr(src, name))
         for name, value in src.sampling.items():
             dst.sampling[name].copy_(value)
-        dst.sampled, dst.filter, dst.wide_context = src.sampled, src.filter, src.wide_context
+        dst.sampled, dst.filter, dst.wide_context, dst.pending = src.sampled, src.filter, src.wide_context, src.pending
         dst.cache.num_cached, dst.cache.num_drafted = src.cache.num_cached, src.cache.num_drafted  # its prefill's
         if src.auto:
             dst.request_index, dst.request_budget = src.request_index, src.request_budget
@@ -139,19 +145,20 @@ class BatchLoop:
         for loop in loops if loops[0].auto else ():
             largest = len(loop.budgets) - 1
             loop.choice_inputs[-1:].fill_(largest if budget is not None else loop.request_index)
-        # an autoregressive step where no slot's pending context holds more than one row commits that row alone
-        narrow = budget == DECODE and not any(loop.wide_context for loop in loops)
+        narrow, append = self.decode_form(count, budget)
         if not self.use_graph:
-            self._run(count, budget, report, narrow)
+            self._run(count, budget, report, narrow, append)
         else:
-            key = (count, tuple((loop.sampled, loop.filter) for loop in loops), budget, report, narrow)
+            key = (count, tuple((loop.sampled, loop.filter) for loop in loops), budget, report, narrow, append)
             self.captured = key not in self.graphs  # this step's time includes the capture: no cost of the step
             if self.captured:
-                self.graphs[key] = self._capture(count, budget, report, narrow)
+                self.graphs[key] = self._capture(count, budget, report, narrow, append)
             self.graphs[key].replay()
-        for loop in loops if not self.autoregressive else ():
-            loop.wide_context = budget != DECODE  # a tree step leaves its accepted rows pending
         emitted = self.emitted[:count].tolist()  # the device -> host copy of a step (and the statistics' below)
+        for loop, values in zip(loops, emitted) if not self.autoregressive else ():
+            loop.wide_context = budget != DECODE  # a tree step leaves its accepted rows pending
+            # pending rows: a tree step's accepted ones (its emitted count), an autoregressive step's one more, or one
+            loop.pending = values[-1] if budget != DECODE else loop.pending + 1 if append else 1
         # every tree step's statistics, each slot's at its own budget or at the batch's; none of an autoregressive
         # step (decided from `budget`: a replayed graph does not set the Python attributes)
         informs = loops[0].auto and budget != DECODE and report
@@ -160,12 +167,24 @@ class BatchLoop:
             loop.last_stats = None if values is None else loop.read_stats(values)
         return [values[: values[-1]] for values in emitted]
 
-    def _run(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False) -> None:
+    def decode_form(self, count: int, budget: int | None) -> tuple[bool, bool]:
+        """(narrow, append) of a step of slots [0, count) at `budget` (both False but for an autoregressive step of
+        speculative requests, `_decode`): it appends its row to every slot's pending context while each has room for
+        it (`lazy_context`); else, where no slot's pending context holds more than one row, it commits that row
+        alone; else the pending block."""
+        if budget != DECODE or self.autoregressive:
+            return False, False
+        loops = self.loops[:count]
+        append = self.lazy_context and all(loop.pending < self.block for loop in loops)
+        return not append and not any(loop.wide_context or loop.pending > 1 for loop in loops), append
+
+    def _run(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False,
+             append: bool = False) -> None:  # fmt: skip
         loops = self.loops[:count]
         if self.autoregressive:
             return self._decode(loops)
         if budget == DECODE:
-            return self._decode(loops, speculative=True, narrow=narrow)
+            return self._decode(loops, speculative=True, narrow=narrow, append=append)
         self._draft(loops)
         self._trees(loops, budget, report)
         self._verify(loops, per_slot=budget is None)
@@ -296,7 +315,7 @@ class BatchLoop:
         by_row = self.latent[:count].transpose(1, 2)  # [count, S, layers, D], a view
         by_row.index_put_((self.slot_index[:count, None], positions), values)
 
-    def _decode(self, loops, speculative: bool = False, narrow: bool = False) -> None:
+    def _decode(self, loops, speculative: bool = False, narrow: bool = False, append: bool = False) -> None:
         """Every slot's bonus token in one target forward, each over its own cache; its KV committed, the next token
         chosen. speculative: an autoregressive step of speculative requests (`DECODE`: the batch policy's choice when
         no tree pays for its rows): each slot's pending context (its last step's accepted rows) first goes into its
@@ -304,9 +323,12 @@ class BatchLoop:
         new row's taps become the next context: the state a step that accepted only the bonus leaves, so the next
         step may draft or decode again. narrow: no slot's pending context holds more than one row (after a load or
         an autoregressive step): that row's K/V alone, where a block's would be computed (a context row's K/V depend
-        on that row only; the trained pair on two CPU cores, 16 slots: the block's took 2.8 of a 25.3 ms step)."""
+        on that row only; the trained pair on two CPU cores, 16 slots: the block's took 2.8 of a 25.3 ms step).
+        append: every slot's pending context has room for one more row (`lazy_context`): nothing is committed, the
+        new row's taps join the pending rows, and the next draft (or the autoregressive step that finds a slot's
+        pending context a block) commits them all."""
         count = len(loops)
-        if speculative:
+        if speculative and not append:
             width = 1 if narrow else self.block
             self._commit_context(count, self.drafter.context_kv(*self._context(count, width)), width)
         lengths = self.num_cached[:count]
@@ -318,7 +340,10 @@ class BatchLoop:
         else:
             token = self._choose(loops, logits, 1)
         self._commit_latent(count, lengths[:, None], new_kv.transpose(0, 1)[:, None])
-        if speculative:
+        if speculative and append:  # each slot's row after its pending ones
+            self.context[:count].index_put_((self.slot_index[:count], self.context_count[:count]), taps)
+            self.context_count[:count] += 1
+        elif speculative:
             self.context[:count, :1].copy_(taps[:, None])
             self.context_count[:count].fill_(1)
         self.num_cached[:count] += 1
@@ -379,15 +404,16 @@ class BatchLoop:
             self.draft.transpose(1, 3).transpose(2, 3).index_put_((index, arange[None]), values)
         return logits
 
-    def _capture(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False):
+    def _capture(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False,
+                 append: bool = False):  # fmt: skip
         state = [self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context,
                  *(loop.draws for loop in self.loops[:count])]  # fmt: skip
         saved = [t.clone() for t in state]
-        warm_up(lambda: self._run(count, budget, report, narrow), self.device)
+        warm_up(lambda: self._run(count, budget, report, narrow, append), self.device)
         for tensor, before in zip(state, saved):
             tensor.copy_(before)  # the warm-up must not count as a step
         gc.collect()  # nothing holding CUDA resources may be freed while the stream captures
-        return capture_graph(lambda: self._run(count, budget, report, narrow), self.device, warmups=0)[0]
+        return capture_graph(lambda: self._run(count, budget, report, narrow, append), self.device, warmups=0)[0]
 
     def close(self) -> None:
         for loop in self.loops:

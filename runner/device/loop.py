@@ -69,8 +69,10 @@ class DeviceLoop:
         self.num_drafted = torch.zeros(1, **long)
         self.context_count = torch.zeros(1, **long)
         # on the host: whether the pending context may hold more than one row (after a tree step: the accepted
-        # rows; after a load or an autoregressive step of a batch: at most one), `BatchLoop._decode`'s choice
-        self.wide_context = False
+        # rows; after a load or an autoregressive step of a batch: at most one), `BatchLoop._decode`'s choice, and
+        # how many rows it holds (a batch's slot: its last tree step's accepted rows and its autoregressive steps'
+        # since, `BatchLoop.lazy_context`)
+        self.wide_context, self.pending = False, 0
         self.bonus = torch.zeros(1, **long)
         self.context = torch.zeros(block, self.drafter.fc.weight.shape[1], dtype=self.cache.latent.dtype, device=device)
         self.masks = torch.full((block - 1,), worker.mask_token_id, **long)
@@ -156,7 +158,7 @@ class DeviceLoop:
             self.prefill_context()
             self.context.zero_()
             self.context_count.fill_(0)
-            self.wide_context = False
+            self.wide_context, self.pending = False, 0
         self.num_cached.fill_(self.cache.num_cached)
         self.num_drafted.fill_(self.cache.num_drafted)
         self.bonus.fill_(bonus)
