@@ -33,7 +33,7 @@
 #             through the CLI, 1 to 16 requests) and 'rankbatch' (kimi_rank_int4.py --batches $BATCHES, default 4,8, at
 #             1k context: the whole rank, random and oracle drafters)
 #   smoke     the tiny demo through the CLI on the GPU with several budgets (8/16/32): auto and budget 32, one request
-#             and four in-flight batched, each == the CPU's autoregressive tokens
+#             and four in-flight batched (auto also with DDTREE_LAZY_CONTEXT=1), each == the CPU's autoregressive tokens
 #   triton    benchmarks/concurrency.py --device cuda with the Triton rows: the CLI and a real tritonserver, unpacked
 #             from $TRITON_BUNDLE (`python -m runner.serving.triton_bundle pack --python 3.12 B.tar.xz` on a machine
 #             with a package index; the archive travels with the tree) into a venv over this machine's python3
@@ -91,12 +91,15 @@ if has smoke; then
     limit 150 mpirun -np 1 python3 $RUN --max_batch_size 4 --ddtree_budget auto --output_json /tmp/s_auto_b4.json 2>&1 | tail -3
     limit 150 mpirun -np 1 python3 $RUN --max_batch_size 4 --output_json /tmp/s_32_b4.json 2>&1 | tail -2
     limit 150 mpirun -np 1 python3 $RUN --ddtree_budget auto --output_json /tmp/s_auto_b1.json 2>&1 | tail -2
+    # the batch's autoregressive steps leaving their rows pending (`BatchLoop.lazy_context`), its graphs
+    limit 150 env DDTREE_LAZY_CONTEXT=1 mpirun -np 1 python3 $RUN --max_batch_size 4 --ddtree_budget auto \
+      --output_json /tmp/s_auto_b4_lazy.json 2>&1 | tail -2
     limit 150 env CUDA_VISIBLE_DEVICES= mpirun -np 1 python3 $RUN --autoregressive --output_json /tmp/s_cpu_ar.json 2>&1 | tail -1
     python3 - <<'PY'
 import json, pathlib
 load = lambda n: [r["output_ids"] for r in json.loads(pathlib.Path(f"/tmp/{n}.json").read_text())["results"]]
 ref = load("s_cpu_ar")
-for name in ("s_auto_b4", "s_32_b4", "s_auto_b1"):
+for name in ("s_auto_b4", "s_32_b4", "s_auto_b1", "s_auto_b4_lazy"):
     try:
         print(f"smoke {name} (GPU device loop) == CPU autoregressive:", load(name) == ref)
     except Exception as error:  # a run that failed wrote nothing

@@ -736,13 +736,14 @@ def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
     assert informed[32] >= 6 and informed[4] > informed[32]
 
 
-def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
+@pytest.mark.parametrize("lazy", [True, False])
+def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, lazy):
     """An all-`auto` batch whose steps alternate between autoregressive steps (`DECODE`) and trees of each budget,
     requests of different prompts and lengths joining and leaving: every request's tokens are its autoregressive
     ones; after every step each slot's drafter has every committed row but its pending context's (the last tree
-    step's accepted rows and, on the CPU's eager form, the autoregressive steps' since: `BatchLoop.lazy_context`,
-    up to a block, then committed), and the draft cache holds what steps that only drafted would have written
-    there."""
+    step's accepted rows and, with `BatchLoop.lazy_context` (the eager form's default), the autoregressive steps'
+    since, up to a block, then committed; without it, as GPUs step, each step commits them), and the draft cache
+    holds what steps that only drafted would have written there."""
     from runner.device.budget import DECODE, ScriptedPolicy
     from runner.generator import Generator
     from runner.sampling import Sampler, SamplingParams
@@ -754,11 +755,21 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
     lengths = [40, 12, 25, 20]  # the first the longest: its slot is not taken again before the end
     expected = [generate_autoregressive(reference, PROMPTS[i], n, greedy).tokens for i, n in enumerate(lengths)]
     reference.close()
-    drafts, most_pending = [], {}
+    drafts, most_pending, forms = [], {}, set()
     # the second script's runs of autoregressive steps fill a slot's pending context to a block and commit it
     for script in ([DECODE, DECODE, 16, DECODE, 4, 8, DECODE, 16], [DECODE] * 9 + [8], [4]):
         ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
-        assert ranks.lead.batch.lazy_context  # the eager form
+        batch = ranks.lead.batch
+        assert batch.lazy_context  # the eager form's default
+        batch.lazy_context, decode_form = lazy, batch.decode_form
+
+        def spy(count, budget, decode_form=decode_form):  # the autoregressive steps' forms (narrow, append)
+            form = decode_form(count, budget)
+            if budget == DECODE:
+                forms.add(form)
+            return form
+
+        batch.decode_form = spy
         generator = Generator(ranks)
         generator.policy = object()  # `auto`'s single-request costs are not needed: the batch chooses
         batcher = generator.batcher()
@@ -782,7 +793,10 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt):
         # the first request's slot (0), which it held to the end: its draft cache's committed rows
         drafts.append(loops[0].cache.draft[:, :, : int(loops[0].num_drafted)].clone())
         ranks.close()
-    assert most_pending[10] == spec.block_size  # autoregressive steps' rows stayed pending up to a block
+    # lazy: autoregressive steps' rows stayed pending up to a block, appended, then committed (neither narrow nor
+    # appending); else each autoregressive step commits (one row after a load or such a step, a block after a tree)
+    assert forms == ({(False, True), (False, False)} if lazy else {(True, False), (False, False)})
+    assert (most_pending[10] == spec.block_size) == lazy
     rows = min(d.shape[2] for d in drafts)
     assert rows > 20
     for draft in drafts[:-1]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -93,8 +94,12 @@ class BatchLoop:
         # an autoregressive step of speculative requests appends its row to each slot's pending context while every
         # slot's holds less than a block (the next draft takes up to a block of pending rows), instead of committing
         # the pending rows to the draft cache first (`_decode`). The eager form (CPUs) for now: on GPUs its graphs
-        # (`append` in their key) wait for a run there, and a step commits as before
-        self.lazy_context = (not use_graph) if lazy_context is None else lazy_context
+        # (`append` in their key) wait for a run there (`DDTREE_LAZY_CONTEXT=1` takes them), and a step commits as
+        # before
+        if lazy_context is None:
+            chosen = os.environ.get("DDTREE_LAZY_CONTEXT", "")
+            lazy_context = chosen == "1" if chosen in ("0", "1") else not use_graph
+        self.lazy_context = lazy_context
         self.captured = False  # whether the last step captured its graph
         # admissions' group prefills (`prefill`): a graph per (requests, padded length), in a pool of their own (each
         # replay's logits are copied out before the next replay)
