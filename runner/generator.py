@@ -191,7 +191,8 @@ class Generator:
                         self.generate_many(*batch, budget=budget, timings=timings)
         costs = {(count, budget): statistics.median(times) for (count, budget, report), times in timings.items()
                  if budget is not None and not report}  # fmt: skip
-        self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=True, narrow_informs=True, step_costs=costs)
+        self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=True, narrow_informs=True, step_costs=costs,
+                                             max_tokens=self.spec.block_size)  # fmt: skip
         return costs
 
     def _warm_group_prefills(self, params: SamplingParams) -> None:
@@ -239,7 +240,7 @@ class Generator:
         several = len(self.device_budgets) > 1  # `auto` requests share one budget a step, chosen for the batch
         if several and self.batch_policy is None:
             self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=not self.autoregressive,
-                                                 narrow_informs=True)  # fmt: skip
+                                                 narrow_informs=True, max_tokens=self.spec.block_size)  # fmt: skip
         return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy,
                        self.batch_policy if several else None)  # fmt: skip
 

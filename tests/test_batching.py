@@ -584,6 +584,35 @@ def test_a_batch_policy_takes_autoregressive_steps_when_no_tree_pays():
     assert late.count(DECODE) >= 55 and set(late) <= {DECODE, 32} and 8 not in late
 
 
+def test_a_budget_that_could_not_win_at_a_whole_block_is_neither_learnt_nor_explored():
+    """With `max_tokens` (a block: the most tokens a request emits in a step), a batch's budget whose step could not
+    beat the best sure rate (one token a request) even if every request emitted a block is ruled out at that batch
+    size: the first steps learn from the largest budget that could win, and exploring never reaches the others
+    (the trained pair on two CPU cores, 16 slots: budget 32's step 145 ms, an autoregressive one 13.4); at a batch
+    size where it could win, the largest budget is learnt first as before."""
+    from runner.device.budget import DECODE, MIN_INFORMED, StepBudgetPolicy
+
+    seeds = {1: {DECODE: 5.0, 8: 12.0, 16: 13.0, 32: 16.0}, 16: {DECODE: 13.4, 8: 68.0, 16: 92.0, 32: 145.0}}
+    step_costs = {(c, b): ms / 1e3 for c, costs in seeds.items() for b, ms in costs.items()}
+    stats = {"accepted": {8: 7, 16: 7, 32: 7}, "drafted": {8: 6.0, 16: 6.5, 32: 7.0}}  # a drafter right every time
+    policy = StepBudgetPolicy((8, 16, 32), decode=True, narrow_informs=True, step_costs=step_costs, max_tokens=8)
+    assert policy.possible(seeds[16]) == (8, 16) and policy.possible(seeds[1]) == (8, 16, 32)
+    chosen = []
+    for _ in range(400):
+        budget = policy.choose(16, 16)
+        told = [b for b in (8, 16, 32) if b <= budget]
+        policy.record(16, budget, seeds[16][budget] / 1e3, [{k: {b: v[b] for b in told} for k, v in stats.items()}] * 16
+                      if budget != DECODE else [])  # fmt: skip
+        chosen.append(budget)
+    assert chosen[0] == 16 and 32 not in chosen and policy.informed[32] == 0
+    assert chosen[-50:].count(8) >= 45  # 8 tokens / 68 ms beats 8 / 92 and 1 / 13.4
+    # without the ceiling the same first steps go to the largest budget
+    unbounded = StepBudgetPolicy((8, 16, 32), decode=True, narrow_informs=True, step_costs=step_costs)
+    assert unbounded.choose(16, 16) == 32
+    # one slot: budget 32 could win, and is learnt first
+    assert [policy.choose(1, 1) for _ in range(1)] == [32] and policy.informed[32] < MIN_INFORMED
+
+
 def test_a_new_batch_size_takes_its_costs_from_the_sizes_timed_and_spends_no_step_timing():
     """A slot count not timed yet at a budget takes the line between the nearest counts timed at that budget (one
     side: its nearest) until its own steps time it, so the batch's steps at each new size (requests leaving one by
