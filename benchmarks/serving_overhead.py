@@ -2,7 +2,7 @@
 tritonserver, one at a time.
 
     PYTHONPATH=. python benchmarks/serving_overhead.py OUT_DIR [--device cpu|cuda] [--tokens 1,64] [--requests 12]
-        [--modes "DDTree 8,DDTree auto,autoregressive"] [--direct] [--smoke]
+        [--modes "DDTree 8,DDTree auto,autoregressive"] [--direct] [--slots 16] [--smoke]
 
 The trained pair's TP-1 engine (built as `benchmarks/concurrency.py` builds it: budgets 32, 8 and 16, float32 on a
 CPU, bf16 on a GPU) served two ways, the in-flight batched form a deployment runs (`--max_batch_size 16 --loop
@@ -57,22 +57,28 @@ class PipeJob:
     """A serving job (`python -m runner --serve`) and its pipes: `time(body)` sends one request and waits for its done
     event."""
 
-    def __init__(self, engine: Path, env: dict, autoregressive: bool, log: Path, launcher: bool = True):
+    def __init__(self, engine: Path, env: dict, autoregressive: bool, log: Path, launcher: bool = True,
+                 slots: int = SLOTS):  # fmt: skip
         """launcher: under `mpirun -np 1`, as the Triton model starts it; else the one rank started directly (its
-        pipes without the launcher's forwarding of standard input and output)."""
+        pipes without the launcher's forwarding of standard input and output). Started here; `wait_ready` before a
+        request (several jobs warm up at once)."""
         mpirun = Path(sys.executable).parent / "mpirun"
         command = [*([str(mpirun if mpirun.exists() else "mpirun"), "-np", "1"] if launcher else []),
                    sys.executable, "-m", "runner", "--serve", "--engine_dir", str(engine), "--backend", "torch",
-                   "--max_batch_size", str(SLOTS), "--loop", "device",
+                   "--max_batch_size", str(slots), "--loop", "device",
                    *(["--autoregressive"] if autoregressive else [])]  # fmt: skip
         with open(log, "a") as err:
             self.job = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                                         bufsize=1, env=env, cwd=ROOT)  # fmt: skip
-        self.count = 0
+        self.count, self.log, self.started = 0, log, time.perf_counter()
+
+    def wait_ready(self) -> float:
+        """Waits for the job's ready event; returns the seconds since it was started."""
         while json.loads(self.job.stdout.readline() or '{"event": "exited"}').get("event") not in ("ready", "exited"):
             pass
         if self.job.poll() is not None:
-            raise RuntimeError(f"the serving job exited (code {self.job.returncode}); see {log}")
+            raise RuntimeError(f"the serving job exited (code {self.job.returncode}); see {self.log}")
+        return time.perf_counter() - self.started
 
     def time(self, body: dict) -> tuple[float, float]:
         """(seconds from the request's line to its done event, the runner's own elapsed)."""
@@ -110,7 +116,7 @@ def triton_time(port: int, model: str, body: dict, stream: bool) -> tuple[float,
     return time.perf_counter() - started, first
 
 
-def start_triton(engine: Path, out: Path, models: dict[str, bool]):
+def start_triton(engine: Path, out: Path, models: dict[str, bool], slots: int = SLOTS):
     """tritonserver on a repository of `models` ({name: autoregressive}) of `engine`, started (its models warm up
     while the caller goes on; `wait_ready` before a request): (process, HTTP port)."""
     from runner.serving.triton_repo import write_repository
@@ -122,8 +128,8 @@ def start_triton(engine: Path, out: Path, models: dict[str, bool]):
     repo.mkdir(parents=True)
     for name, autoregressive in models.items():
         staging = out / f"staging-{name}"
-        write_repository(engine, staging, model_name=name, backend="torch", force=True, max_batch_size=SLOTS,
-                         autoregressive=autoregressive, max_queue=4 * SLOTS)  # fmt: skip
+        write_repository(engine, staging, model_name=name, backend="torch", force=True, max_batch_size=slots,
+                         autoregressive=autoregressive, max_queue=4 * slots)  # fmt: skip
         (staging / name).rename(repo / name)
     ports = [free_port() for _ in range(3)]
     return start_server(venv, repo, out, *ports, out / "server.log"), ports[0]
@@ -146,8 +152,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="also a serving job started without mpirun: what the launcher's forwarding costs",
     )
+    parser.add_argument("--slots", type=int, default=SLOTS,
+                        help="the batched form's slots (fewer: fewer step graphs to warm up on a GPU)")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="the tiny demo model, 4 requests of 8 tokens")
     args = parser.parse_args(argv)
+    if args.slots < 2:
+        parser.error(f"--slots: the batched form needs at least 2 slots, got {args.slots}")
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -169,20 +179,24 @@ def main(argv=None) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the server's runner too
     info = {**environment(args.smoke), "device": args.device, "command": " ".join(sys.argv), "tokens": lengths,
-            "requests": requests, "dtype": dtype, "rows": []}  # fmt: skip
+            "requests": requests, "dtype": dtype, "slots": args.slots, "rows": []}  # fmt: skip
     speculative = any(MODES[m] is not None for m in modes)
     models = {**({"ddtree": False} if speculative else {}), **({"ar": True} if "autoregressive" in modes else {})}
     from runner.serving.triton_server import stop_server, wait_ready
 
     # the server's models and the pipe jobs warm up at once (on a GPU with a cold kernel cache: minutes each)
-    process, port = start_triton(engine, out, models)
+    process, port = start_triton(engine, out, models, args.slots)
     jobs: dict = {}
     try:
         for name, autoregressive in models.items():
-            jobs[name] = PipeJob(engine, env, autoregressive, out / "pipe.log")
+            jobs[name] = PipeJob(engine, env, autoregressive, out / "pipe.log", slots=args.slots)
             if args.direct:
-                jobs[f"{name}-direct"] = PipeJob(engine, env, autoregressive, out / "pipe.log", launcher=False)
+                jobs[f"{name}-direct"] = PipeJob(engine, env, autoregressive, out / "pipe.log", launcher=False,
+                                                 slots=args.slots)  # fmt: skip
+        for name, job in jobs.items():  # all warming up at once, as the server's models are
+            print(f"serving job {name} ready after {job.wait_ready():.1f} s", flush=True)
         wait_ready(process, port, out / "server.log", timeout=900)
+        print("tritonserver ready", flush=True)
         print("| mode | tokens | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | "
               "first streamed (ms) | triton - pipe, paired (ms) | the launcher's forwarding (ms) |\n"
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip

@@ -317,14 +317,17 @@ def test_batch_policy_benchmark_smoke(tmp_path):
 def test_serving_overhead_benchmark_smoke(tmp_path):
     """The serving-path benchmark on the tiny model: the runner's pipe and a real tritonserver side by side, every
     mode's row complete (each path's four requests timed, the runner's own time under the pipe's; `--direct`: the
-    job without mpirun too)."""
+    job without mpirun too; `--slots 4`: the jobs and the server's models batched over 4 slots)."""
     if not (Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton")) / "bin" / "python").exists():
         pytest.skip("no Triton venv (`make test` creates it)")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "benchmarks/serving_overhead.py", str(tmp_path), "--smoke", "--direct"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
+    done = subprocess.run([sys.executable, "benchmarks/serving_overhead.py", str(tmp_path), "--smoke", "--direct",
+                           "--slots", "4"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads((tmp_path / "serving_overhead.json").read_text())["rows"]
+    result = json.loads((tmp_path / "serving_overhead.json").read_text())
+    rows = result["rows"]
+    config = (tmp_path / "repo" / "ddtree" / "config.pbtxt").read_text()
+    assert result["slots"] == 4 and 'key: "max_batch_size" value: { string_value: "4" }' in config
     assert [(r["mode"], r["tokens"]) for r in rows] == [("DDTree 8", 8), ("DDTree auto", 8), ("autoregressive", 8)]
     for r in rows:
         assert len(r["pipe"]) == len(r["triton"]) == len(r["triton_stream"]) == len(r["direct"]) == 4
