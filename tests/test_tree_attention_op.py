@@ -86,6 +86,9 @@ def test_onnx_runtime_op_matches_reference(shape):
 
 
 def test_triton_kernel_matches_reference_under_the_interpreter():
+    """Every shape at two split sizes and two SM counts, then the merge of the splits' partial results in its other
+    forms (fewer columns a program, other numbers of splits loaded at a time, a split count given): the reference's
+    result, and no row left unwritten."""
     script = f"""
         import torch
         from plugins.tree_attention.kernel import tree_attention_cuda
@@ -93,40 +96,18 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
         from tests.test_tree_attention_op import random_case, rel
         worst = 0.0
         from plugins.tree_attention import kernel
-        cases = [(shape, min_blocks, sms) for shape in {SHAPES!r} for min_blocks in (1, 3) for sms in (4, 64)]
-        for i, (shape, min_blocks, sms) in enumerate(cases):  # a split takes >= min_blocks key blocks of 16
+        cases = [(shape, dict(min_blocks=min_blocks), sms) for shape in {SHAPES!r} for min_blocks in (1, 3)
+                 for sms in (4, 64)]
+        merges = [dict(combine_columns=8, split_group=4), dict(combine_columns=16, split_group=2, splits=5),
+                  dict(splits=1), dict(split_group=32, splits=9)]
+        merged = [(1, 8, 300, 290, 32, 8), (8, 2, 100, 100, 32, 16)]
+        cases += [(shape, dict(min_blocks=1, **form), 4) for shape in merged for form in merges]
+        for i, (shape, form, sms) in enumerate(cases):  # a split takes >= min_blocks key blocks of 16
             kernel._sm_count = lambda device: sms  # 64 "SMs": more than 8 splits, the combine loops over groups
             q, cache, length, new_kv, mask = random_case(*shape, seed=i)
             out = torch.full((shape[0], shape[1], shape[4]), float("nan"))
             tree_attention_cuda(q, cache, length, new_kv, mask, 0.3, shape[4], out=out, block_m=16, block_n=16,
-                                num_warps=1, num_stages=1, min_blocks=min_blocks)
-            expected = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, 0.3, shape[4])
-            assert not out.isnan().any(), shape
-            worst = max(worst, rel(out, expected))
-        print("worst", worst)
-    """
-    done = run_interpreted(script)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
-
-
-def test_triton_kernel_merge_forms_match_the_reference():
-    """The merge of the splits' partial results in its other forms (fewer columns a program, other numbers of splits
-    loaded at a time, a split count given): the reference's result, and no row left unwritten."""
-    script = """
-        import torch
-        from plugins.tree_attention.kernel import tree_attention_cuda
-        from plugins.tree_attention.reference import tree_attention
-        from tests.test_tree_attention_op import random_case, rel
-        worst = 0.0
-        forms = [dict(combine_columns=8, split_group=4), dict(combine_columns=16, split_group=2, splits=5),
-                 dict(splits=1), dict(split_group=32, splits=9)]
-        for i, (shape, form) in enumerate([(s, f) for s in [(1, 8, 300, 290, 32, 8), (8, 2, 100, 100, 32, 16)]
-                                           for f in forms]):
-            q, cache, length, new_kv, mask = random_case(*shape, seed=i)
-            out = torch.full((shape[0], shape[1], shape[4]), float("nan"))
-            tree_attention_cuda(q, cache, length, new_kv, mask, 0.3, shape[4], out=out, block_m=16, block_n=16,
-                                num_warps=1, num_stages=1, min_blocks=1, **form)
+                                num_warps=1, num_stages=1, **form)
             expected = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, 0.3, shape[4])
             assert not out.isnan().any(), (shape, form)
             worst = max(worst, rel(out, expected))
