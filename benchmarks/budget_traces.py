@@ -113,6 +113,12 @@ def step_costs(costs_file: Path) -> dict[int, dict]:
     return {c: v for c, v in costs.items() if all(b in v for b in (*BUDGETS, "autoregressive"))}
 
 
+def path_tokens(traces: list[dict], budgets) -> np.ndarray:
+    """The tokens each budget emits at each step of the traces (its prefix of the step's path), [steps, budgets]."""
+    steps = [s for t in traces for s in t["steps"]]
+    return np.array([[len(budget_path(s["path"], b)) for b in budgets] for s in steps], dtype=np.float64)
+
+
 def batch_step_costs(costs_file: Path) -> dict[tuple[int, int], dict]:
     """(context, batch) -> {"autoregressive": s, b: s, ...}: a batched step's seconds (the batch's requests over
     their tokens/s together) of the in-flight batched rows (`kimi_rank_int4.py --batches`), autoregressive and the
@@ -134,11 +140,10 @@ def batch_rates(traces: list[dict], costs: dict, batch: int) -> dict:
     """Tokens/s of a batch of `batch` requests at each fixed budget the costs have: each request's step emits what
     its trace's step does at that budget (greedy: exactly what it would; a step of the batch costs what the batched
     random-drafter row measured), so the batch emits `batch` times the traces' mean a step."""
-    steps = [s for t in traces for s in t["steps"]]
+    budgets = sorted(k for k in costs if k != "autoregressive")
+    accept = dict(zip(budgets, path_tokens(traces, budgets).mean(axis=0).tolist()))
     rates = {"autoregressive": batch / costs["autoregressive"]}
-    accept = {}
-    for b in sorted(k for k in costs if k != "autoregressive"):
-        accept[b] = sum(len(budget_path(s["path"], b)) for s in steps) / len(steps)
+    for b in budgets:
         rates[f"ddtree {b}"] = batch * accept[b] / costs[b]
     return {"tokens_per_s": {k: round(v, 2) for k, v in rates.items()},
             "over_autoregressive": {k: round(v / rates["autoregressive"], 3) for k, v in rates.items()},
@@ -164,8 +169,7 @@ def per_step_bound(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, np.n
 def replay(traces: list[dict], costs: dict) -> dict:
     """Tokens/s of autoregressive decoding, each fixed budget and `auto` over the traces at these step costs."""
     steps = [s for t in traces for s in t["steps"]]
-    # the tokens each budget emits at each step [steps, budgets], and over all steps
-    tokens = np.array([[len(budget_path(s["path"], b)) for b in BUDGETS] for s in steps], dtype=np.float64)
+    tokens = path_tokens(traces, BUDGETS)  # [steps, budgets], and over all steps:
     emitted_at = dict(zip(BUDGETS, tokens.sum(axis=0).tolist()))
     rates = {"autoregressive": 1.0 / costs["autoregressive"]}
     for b in BUDGETS:
