@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import Setup, environment, preset_ranks
+from benchmarks.common import BUILD, Setup, environment, preset_ranks
 from engines.spec import BuildConfig, SpecConfig
 from runner.factory import PresetWeights
 from runner.probes import Probes
@@ -46,8 +46,8 @@ def main(argv=None) -> int:
     tokens = 48 if args.smoke else 128
     probes = Probes(context_rows=args.context_rows) if args.context_rows else None
     # the caches hold the synthetic rows, the longest prompt, its tokens and a step's spare rows
-    limits = BuildConfig(128, args.context_rows + 128 + tokens + 64) if args.context_rows else None
-    ranks = {"probes": probes, **({"limits": limits} if limits else {})}
+    limits = BuildConfig(128, args.context_rows + 128 + tokens + 64) if args.context_rows else BUILD
+    ranks = {"probes": probes, "limits": limits}
     rows = []
     # the synthetic rows are a device-loop probe: with them the reference is the device loop's autoregressive run
     loops = (("", False), (" (device loop)", True)) if not args.context_rows else ((" (device loop)", True),)
