@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context-rows", type=int, default=0, help="random cached rows before every prompt")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script")
     args = parser.parse_args(argv)
+    if args.context_rows < 0:
+        parser.error(f"--context-rows: expected 0 or more cached rows, got {args.context_rows}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     setup = Setup(args.smoke, torch.device("cpu" if args.smoke else "cuda"), torch.float32, 1)
     weights = PresetWeights(args.preset, torch.float32, seed=3, smoke=args.smoke)

@@ -765,6 +765,19 @@ def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
     assert informed[32] >= 6 and informed[4] > informed[32]
 
 
+def test_the_lazy_context_switch_takes_0_or_1_and_names_anything_else(demo_ckpt, monkeypatch):
+    """`DDTREE_LAZY_CONTEXT` (the appending form where graphs run): 0 turns it off on the eager form too, and a value
+    that is neither is an error that names the variable, what it takes and the value."""
+    spec, limits = SpecConfig(8, 16, extra_budgets=(4, 8)), BuildConfig(**ENGINE_LIMITS)
+    monkeypatch.setenv("DDTREE_LAZY_CONTEXT", "0")
+    ranks = cpu_ranks(demo_ckpt(1), spec, limits, device_loop=True, max_batch_size=2)
+    assert not ranks.lead.batch.lazy_context
+    ranks.close()
+    monkeypatch.setenv("DDTREE_LAZY_CONTEXT", "yes")
+    with pytest.raises(ValueError, match=r"DDTREE_LAZY_CONTEXT: expected 0 or 1 .* got 'yes'"):
+        cpu_ranks(demo_ckpt(1), spec, limits, device_loop=True, max_batch_size=2)
+
+
 @pytest.mark.parametrize("lazy", [True, False])
 def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, lazy):
     """An all-`auto` batch whose steps alternate between autoregressive steps (`DECODE`) and trees of each budget,

@@ -98,7 +98,10 @@ class BatchLoop:
         # before
         if lazy_context is None:
             chosen = os.environ.get("DDTREE_LAZY_CONTEXT", "")
-            lazy_context = chosen == "1" if chosen in ("0", "1") else not use_graph
+            if chosen not in ("", "0", "1"):
+                raise ValueError(f"DDTREE_LAZY_CONTEXT: expected 0 or 1 (or unset: on where steps run eagerly), "
+                                 f"got {chosen!r}")  # fmt: skip
+            lazy_context = chosen == "1" if chosen else not use_graph
         self.lazy_context = lazy_context
         self.captured = False  # whether the last step captured its graph
         # admissions' group prefills (`prefill`): a graph per (requests, padded length), in a pool of their own (each
