@@ -101,15 +101,23 @@ def budget_path(path: list[int], budget: int) -> list[int]:
     return taken
 
 
-def step_costs(costs_file: Path) -> dict[int, dict]:
-    """context -> {"autoregressive": s, 8: s, 16: s, 32: s}: step seconds of the random-drafter rows."""
-    rows = json.loads(costs_file.read_text())["rows"]
-    costs: dict[int, dict] = {}
+def row_costs(rows: list[dict], key, seconds) -> dict:
+    """key(row) -> {"autoregressive": s, budget: s, ...}: seconds(row) of each autoregressive row and each
+    random-drafter fixed-budget row."""
+    costs: dict = {}
     for r in rows:
         if r["mode"].startswith("autoregressive"):
-            costs.setdefault(r["context"], {})["autoregressive"] = r["step_ms"] / 1e3
+            costs.setdefault(key(r), {})["autoregressive"] = seconds(r)
         elif r["drafter"] == "random" and (fixed := re.fullmatch(r"ddtree (\d+)( \(device loop\))?", r["mode"])):
-            costs.setdefault(r["context"], {})[int(fixed.group(1))] = r["step_ms"] / 1e3  # a budget's own engine
+            costs.setdefault(key(r), {})[int(fixed.group(1))] = seconds(r)
+    return costs
+
+
+def step_costs(costs_file: Path) -> dict[int, dict]:
+    """context -> {"autoregressive": s, 8: s, 16: s, 32: s}: step seconds of the random-drafter rows (a budget's own
+    engine)."""
+    rows = json.loads(costs_file.read_text())["rows"]
+    costs = row_costs(rows, lambda r: r["context"], lambda r: r["step_ms"] / 1e3)
     return {c: v for c, v in costs.items() if all(b in v for b in (*BUDGETS, "autoregressive"))}
 
 
@@ -123,16 +131,8 @@ def batch_step_costs(costs_file: Path) -> dict[tuple[int, int], dict]:
     """(context, batch) -> {"autoregressive": s, b: s, ...}: a batched step's seconds (the batch's requests over
     their tokens/s together) of the in-flight batched rows (`kimi_rank_int4.py --batches`), autoregressive and the
     random drafter's fixed budgets: a random drafter's step accepts only the bonus token, one a request."""
-    costs: dict[tuple[int, int], dict] = {}
-    for r in json.loads(costs_file.read_text())["rows"]:
-        if not r.get("batch"):
-            continue
-        seconds = r["batch"] / r["tokens_per_s"]
-        key = (r["context"], r["batch"])
-        if r["mode"].startswith("autoregressive"):
-            costs.setdefault(key, {})["autoregressive"] = seconds
-        elif r["drafter"] == "random" and (fixed := re.fullmatch(r"ddtree (\d+)( \(device loop\))?", r["mode"])):
-            costs.setdefault(key, {})[int(fixed.group(1))] = seconds
+    rows = [r for r in json.loads(costs_file.read_text())["rows"] if r.get("batch")]
+    costs = row_costs(rows, lambda r: (r["context"], r["batch"]), lambda r: r["batch"] / r["tokens_per_s"])
     return {k: v for k, v in costs.items() if "autoregressive" in v and len(v) > 1}
 
 
