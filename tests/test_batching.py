@@ -610,7 +610,7 @@ def test_a_budget_that_could_not_win_at_a_whole_block_is_neither_learnt_nor_expl
     unbounded = StepBudgetPolicy((8, 16, 32), decode=True, narrow_informs=True, step_costs=step_costs)
     assert unbounded.choose(16, 16) == 32
     # one slot: budget 32 could win, and is learnt first
-    assert [policy.choose(1, 1) for _ in range(1)] == [32] and policy.informed[32] < MIN_INFORMED
+    assert policy.choose(1, 1) == 32 and policy.informed[32] < MIN_INFORMED
 
 
 def test_a_new_batch_size_takes_its_costs_from_the_sizes_timed_and_spends_no_step_timing():
