@@ -113,6 +113,8 @@ def _draft_attention_split(
             v_cache + head * D,
             cache_stride,
             True,
+            offs_d,
+            D,
         )
     if is_new:  # the new rows: valid context rows and the whole block
         for block in range(0, new_rows, BLOCK_N):
@@ -141,6 +143,8 @@ def _draft_attention_split(
                 v_new + head * D,
                 new_v_stride,
                 True,
+                offs_d,
+                D,
             )
     base = split * rows_total + program * ROWS + rows
     written = row_ok & active
