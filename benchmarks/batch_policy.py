@@ -1,7 +1,8 @@
 """The batch's budget policy next to fixed budgets: what `auto` chose, and what its steps cost, through the CLI.
 
     PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--tokens 128] [--device cuda]
-        [--order auto,8,16,auto] (ar: autoregressive)
+        [--order auto,8,16,auto] (ar: autoregressive; NAME+lazy: that job with DDTREE_LAZY_CONTEXT=1, the
+        batch's drafter context appended lazily where its graphs run)
 
 The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
 (kernels compiled), then one CLI job a name in `--order` (`auto`, `ar` or a fixed budget), each of N requests in-flight
@@ -25,6 +26,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import concurrency  # noqa: E402
 from benchmarks.common import environment  # noqa: E402
+
+
+def job(choice: str) -> tuple[str, str, dict]:
+    """(label, CLI mode, environment) of an `--order` entry: a `mode_name` choice, `+lazy` after it for the lazy
+    drafter context."""
+    base, lazy = choice.removesuffix("+lazy"), choice.endswith("+lazy")
+    mode = mode_name(base)
+    return (f"{mode} lazy", mode, {"DDTREE_LAZY_CONTEXT": "1"}) if lazy else (mode, mode, {})
 
 
 def mode_name(choice: str) -> str:
@@ -51,14 +60,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     engine = concurrency.build_engine(out, False, "bfloat16" if args.device == "cuda" else "float32")
     texts = concurrency.prompts(args.requests, False)
-    order = [mode_name(choice) for choice in args.order.split(",")]
-    for mode in dict.fromkeys(order):  # kernels compiled for new shapes land in Triton's disk cache first
-        concurrency.cli_row(engine, out, texts[:2], 8, 2, mode, args.device)
+    jobs = {label: (mode, env) for label, mode, env in map(job, args.order.split(","))}
+    order = [job(choice)[0] for choice in args.order.split(",")]
+    for label, (mode, env) in jobs.items():  # kernels compiled for new shapes land in Triton's disk cache first
+        concurrency.cli_row(engine, out, texts[:2], 8, 2, mode, args.device, env=env, tag=label[len(mode) :])
     info = {**environment(False), "command": " ".join(sys.argv), "requests": args.requests, "tokens": args.tokens,
             "jobs": []}  # fmt: skip
     outputs, firsts = None, {}  # the first job's tokens, and each mode's first job's
     for repeat, mode in enumerate(order):
-        row = concurrency.cli_row(engine, out, texts, args.tokens, args.requests, mode, args.device, repeat)
+        cli_mode, env = jobs[mode]
+        row = concurrency.cli_row(engine, out, texts, args.tokens, args.requests, cli_mode, args.device, repeat, env,
+                                  mode[len(cli_mode) :])  # fmt: skip
         outputs = row["outputs"] if outputs is None else outputs
         firsts.setdefault(mode, row["outputs"])
         info["jobs"].append({"mode": mode, "tokens_per_s": row["tokens_per_s"], "seconds": row["seconds"],

@@ -118,10 +118,12 @@ def run_cli(engine: Path, path: Path, texts: list[str], tokens: int, mode: str, 
 
 
 def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, mode: str, device: str,
-            repeat: int = 0) -> dict:  # fmt: skip
-    slug = "".join(c for c in mode if c.isalnum())
+            repeat: int = 0, env: dict | None = None, tag: str = "") -> dict:  # fmt: skip
+    """One CLI job of `texts` in batches of `batch` (`env`: added to the job's environment; `tag`: in its file's
+    name)."""
+    slug = "".join(c for c in mode + tag if c.isalnum())
     path = out / f"cli-{slug}-{len(texts)}-{batch}{f'-r{repeat}' if repeat else ''}.json"
-    result = run_cli(engine, path, texts, tokens, mode, device, ("--max_batch_size", str(batch)))
+    result = run_cli(engine, path, texts, tokens, mode, device, ("--max_batch_size", str(batch)), env)
     rows = result["results"]
     total = sum(len(r["output_ids"]) for r in rows)
     seconds = result["batch"]["seconds"] if result["batch"] else sum(r["elapsed"] for r in rows)
