@@ -451,7 +451,11 @@ def tree_attention_cuda(
     Several requests in one launch (batched steps): cache [B, S, D] (each request's own rows; any stride between
     requests, rows contiguous), cache_length [B], tree_mask [B, T, T], and q [B * T, H, D], new_kv [B * T, D] with
     request b's rows at [b * T, (b + 1) * T). Each request is cut into the splits a launch of its own would use, so
-    its result does not depend on the others in the batch."""
+    its result does not depend on the others in the batch.
+
+    config (default: `default_config` and the measured thresholds below): block_m, block_n, num_warps, num_stages,
+    min_blocks, splits, whole_blocks, tma, v_splits (programs a row tile's output columns are split over, each
+    computing the whole scores), combine_columns, split_group."""
     batched = cache.dim() == 3
     requests = cache.shape[0] if batched else 1
     tokens, heads, width = q.shape
