@@ -1,16 +1,16 @@
 """The batch's budget policy next to fixed budgets: what `auto` chose, and what its steps cost, through the CLI.
 
-    PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--tokens 128] [--device cuda]
+    PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--slots N] [--tokens 128] [--device cuda]
         [--order auto,8,16,auto] (ar: autoregressive; NAME+lazy: that job with DDTREE_LAZY_CONTEXT=1, the
         batch's drafter context appended lazily where its graphs run)
 
 The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
 (kernels compiled), then one CLI job a name in `--order` (`auto`, `ar` or a fixed budget), each of N requests in-flight
-batched (`--max_batch_size N`). For each job: tokens/s, the budgets its steps took (for `auto` the batch policy's
-summary: steps and median ms a step by slots and budget), the first request's budgets step by step, and whether
-its tokens equal the first job's and its mode's first job's (in bf16 a batched verify rounds differently from a
-batched decode, so a speculative job's tokens may leave an autoregressive one's; greedy float32 jobs agree). Writes
-OUT_DIR/batch_policy.json.
+batched (`--max_batch_size N`, or `--slots`: fewer slots than requests, each request joining as one leaves). For each
+job: tokens/s, the budgets its steps took (for `auto` the batch policy's summary: steps and median ms a step by slots
+and budget), the first request's budgets step by step, and whether its tokens equal the first job's and its mode's first
+job's (in bf16 a batched verify rounds differently from a batched decode, so a speculative job's tokens may leave an
+autoregressive one's; greedy float32 jobs agree). Writes OUT_DIR/batch_policy.json.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--slots", type=int, help="the batch's slots (default: one a request; fewer: a steady load, "
+                        "each request taking the slot one leaves)")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     parser.add_argument("--order", default="auto,8,16,auto", help="the jobs, in order: auto, ar or a budget each")
@@ -60,16 +62,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     engine = concurrency.build_engine(out, False, "bfloat16" if args.device == "cuda" else "float32")
     texts = concurrency.prompts(args.requests, False)
+    slots = args.slots or args.requests
     jobs = {label: (mode, env) for label, mode, env in map(job, args.order.split(","))}
     order = [job(choice)[0] for choice in args.order.split(",")]
     for label, (mode, env) in jobs.items():  # kernels compiled for new shapes land in Triton's disk cache first
         concurrency.cli_row(engine, out, texts[:2], 8, 2, mode, args.device, env=env, tag=label[len(mode) :])
-    info = {**environment(False), "command": " ".join(sys.argv), "requests": args.requests, "tokens": args.tokens,
-            "jobs": []}  # fmt: skip
+    info = {**environment(False), "command": " ".join(sys.argv), "requests": args.requests, "slots": slots,
+            "tokens": args.tokens, "jobs": []}  # fmt: skip
     outputs, firsts = None, {}  # the first job's tokens, and each mode's first job's
     for repeat, mode in enumerate(order):
         cli_mode, env = jobs[mode]
-        row = concurrency.cli_row(engine, out, texts, args.tokens, args.requests, cli_mode, args.device, repeat, env,
+        row = concurrency.cli_row(engine, out, texts, args.tokens, slots, cli_mode, args.device, repeat, env,
                                   mode[len(cli_mode) :])  # fmt: skip
         outputs = row["outputs"] if outputs is None else outputs
         firsts.setdefault(mode, row["outputs"])

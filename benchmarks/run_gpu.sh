@@ -42,7 +42,8 @@
 #   serving   benchmarks/serving_overhead.py --device cuda: the same requests through the runner's serving pipe and
 #             through tritonserver (from $TRITON_BUNDLE, as 'triton'), side by side: what the server's path adds
 #   policy    benchmarks/batch_policy.py: CLI jobs of 16 requests in-flight batched, in the order $ORDER (default
-#             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved), each mode's median
+#             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved; NAME+lazy: with the lazy drafter
+#             context), each mode's median; $POLICY_FLAGS added (--requests 64 --slots 16: a steady load)
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
 #             temperature 1.0, device loop; budget 16, the best there, twice: the run-to-run noise)
 #   flush     benchmarks/l2_flush_probe.py: the floor-bound kernels (INT4 MoE, TreeAttention, a load and a copy) after
@@ -60,6 +61,7 @@
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
+POLICY_FLAGS=${POLICY_FLAGS:-}
 export DDTREE_COMMIT=${DDTREE_COMMIT:-}  # recorded in the result files: DDTREE_COMMIT=$(git rev-parse --short HEAD)
 STEPS=${STEPS:-tiny lossless cli e2e}
 # DEADLINE (seconds from the start, optional): every step after it is skipped, and a step's Python run is stopped
@@ -112,7 +114,7 @@ PY
 fi
 if has policy; then
   mkdir -p "$OUT/policy"
-  limit python3 benchmarks/batch_policy.py "$OUT/policy" --order "${ORDER:-ar,auto,8,ar,auto,8,ar,auto,8}" \
+  limit python3 benchmarks/batch_policy.py "$OUT/policy" --order "${ORDER:-ar,auto,8,ar,auto,8,ar,auto,8}" $POLICY_FLAGS \
     > "$OUT/batch_policy.log" 2>&1
   echo "policy rc=$?"; tail -30 "$OUT/batch_policy.log"
 fi
