@@ -12,8 +12,6 @@
 #   kernel    benchmarks/tree_attention_gpu.py
 #   combine   tree_attention_gpu.py --combine-only: the merge of the splits' partial results at decode shapes (columns a
 #             program, splits loaded at a time, fewer splits), each form checked against the reference, then timed
-#   vsplit    tree_attention_gpu.py --value-splits-only: a row tile's value columns split over two programs (64-row
-#             tiles of one warpgroup), each form checked against the reference, then timed next to the default
 #   int4      benchmarks/int4_moe_gpu.py: the W4A16 MoE kernel at Kimi TP-8 rank dimensions against its byte floor,
 #             torch._grouped_mm in bf16 and dequantize-then-grouped-GEMM; and the packed tiny model through the CLI
 #             on the GPU == the same on the CPU
@@ -292,10 +290,6 @@ fi
 if has combine; then
   limit 300 python3 benchmarks/tree_attention_gpu.py "$OUT/combine" --combine-only > "$OUT/combine.log" 2>&1
   echo "combine rc=$?"; grep -E "ceilings|variant" "$OUT/combine.log" | cut -c1-200
-fi
-if has vsplit; then
-  limit 300 python3 benchmarks/tree_attention_gpu.py "$OUT/vsplit" --value-splits-only > "$OUT/vsplit.log" 2>&1
-  echo "vsplit rc=$?"; grep -E "ceilings|variant" "$OUT/vsplit.log" | cut -c1-200
 fi
 if has int4; then
   {

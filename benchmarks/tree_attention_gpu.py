@@ -1,7 +1,6 @@
 """TreeAttention on the GPU, in one run: ceilings, correctness, CUDA-graph safety, timings vs floor and vs SDPA.
 
-    PYTHONPATH=. python3 benchmarks/tree_attention_gpu.py OUT_DIR [--variants | --variants-only | --combine-only |
-                                                          --value-splits-only]
+    PYTHONPATH=. python3 benchmarks/tree_attention_gpu.py OUT_DIR [--variants | --variants-only | --combine-only]
 
 1. Ceilings measured in this run: device-to-device copy bandwidth (bytes read + written) and the bf16 matrix rate
    (8192^3 product on random data); medians of repeats.
@@ -194,26 +193,6 @@ TILES = {  # other tiles at the verify shape, with and without tensor descriptor
     ],
 }
 
-# a row tile's value columns split over V_SPLITS programs (each computes the whole scores, then its part of the
-# output): 64-row tiles of 4 warps (one warpgroup: Hopper's wgmma M) keep a 64 x 256 fp32 accumulator where the
-# whole 512 columns would not fit a warpgroup's registers; the scores are computed twice (1.53x the products)
-_V2 = dict(v_splits=2, block_m=64, num_warps=4)
-VALUE_SPLITS = {
-    (33, 8, 32768): [{}]
-    + [
-        dict(_V2, block_n=32, num_stages=2),
-        dict(_V2, block_n=64, num_stages=1),
-        dict(_V2, block_n=32, num_stages=2, **TMA),
-        dict(_V2, block_n=32, num_stages=3),
-        dict(v_splits=2, block_m=32, block_n=64, num_warps=4, num_stages=2),
-        dict(v_splits=2, block_m=64, block_n=32, num_warps=8, num_stages=2),
-    ],
-    (33, 8, 131072): [{}, dict(_V2, block_n=32, num_stages=2), dict(_V2, block_n=32, num_stages=2, **TMA)],
-    (33, 16, 32768): [{}, dict(_V2, block_n=32, num_stages=2), dict(_V2, block_n=32, num_stages=2, **TMA)],
-    (8, 8, 32768): [{}, dict(_V2, block_n=32, num_stages=2)],
-    (1, 8, 131072): [{}, dict(v_splits=2, block_m=16, block_n=64, num_warps=4, num_stages=2)],
-}
-
 # the merge of the splits' partial results where a launch has few query rows (a decode: T = 1 or 8 at 8 heads, up to
 # 256 splits over a long cache): columns a merge program takes (fewer: more programs), splits it loads at a time, and
 # fewer splits (less to write and merge, fewer programs in the split kernel)
@@ -231,8 +210,6 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", action="store_true", help="also time other tile configurations")
     parser.add_argument("--variants-only", action="store_true", help="only the tile configurations (no table)")
     parser.add_argument("--combine-only", action="store_true", help="only the merge's configurations at few rows")
-    parser.add_argument("--value-splits-only", action="store_true",
-                        help="only the forms that split a row tile's value columns over programs")  # fmt: skip
     args = parser.parse_args(argv)
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -241,10 +218,8 @@ def main(argv=None) -> int:
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     variants = []
-    only = args.variants_only or args.combine_only or args.value_splits_only
-    if args.variants or only:
-        tried = [*VARIANTS.items(), *TILES.items()]
-        tried = COMBINE.items() if args.combine_only else VALUE_SPLITS.items() if args.value_splits_only else tried
+    if args.variants or args.variants_only or args.combine_only:
+        tried = COMBINE.items() if args.combine_only else [*VARIANTS.items(), *TILES.items()]
         for shape, configs in tried:
             for config in configs:
                 try:
@@ -258,11 +233,11 @@ def main(argv=None) -> int:
                 except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                     variants.append({"shape": shape, **config, "error": str(err)[:200]})
                     print(f"variant {shape} {config}: FAILED {str(err)[:120]}", flush=True)
-                if only:  # after each: what is measured so far, if the run is cut
+                if args.variants_only or args.combine_only:  # after each: what is measured so far, if the run is cut
                     (out_dir / "tree_attention_variants.json").write_text(
                         json.dumps({"ceilings": ceil, "variants": variants})
                     )
-    if only:
+    if args.variants_only or args.combine_only:
         return 0
     checks = {f"{t}x{h}x{s}": check(t, h, s, scale) for t, h, s in SHAPES + ODD}
     graph = graph_check(scale)

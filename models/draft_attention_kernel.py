@@ -113,8 +113,6 @@ def _draft_attention_split(
             v_cache + head * D,
             cache_stride,
             True,
-            offs_d,
-            D,
         )
     if is_new:  # the new rows: valid context rows and the whole block
         for block in range(0, new_rows, BLOCK_N):
@@ -143,8 +141,6 @@ def _draft_attention_split(
                 v_new + head * D,
                 new_v_stride,
                 True,
-                offs_d,
-                D,
             )
     base = split * rows_total + program * ROWS + rows
     written = row_ok & active

@@ -68,12 +68,9 @@ def _attend_block(
     v_ptr,
     v_stride,
     SEPARATE_V: tl.constexpr,
-    offs_dv,
-    D_V: tl.constexpr,
 ):
     """One key block into the online softmax. Keys are rows [lat | rope] at k_ptr; values are the keys' first D_LAT
-    columns (MLA's latent rows), or with SEPARATE_V columns [0, D_V) of the rows at v_ptr (the drafter's GQA cache; or
-    one part of the latent columns, where a program takes only part of the output's columns)."""
+    columns (MLA's latent rows), or with SEPARATE_V rows of D_LAT at v_ptr (the drafter's GQA cache)."""
     k_lat = tl.load(
         k_ptr + rows_k[:, None] * k_stride + offs_dl[None, :],
         mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT),
@@ -91,8 +88,8 @@ def _attend_block(
     m_new, alpha, p, l_i = _softmax_step(m_i, l_i, scores, True)
     if SEPARATE_V:
         values = tl.load(
-            v_ptr + rows_k[:, None] * v_stride + offs_dv[None, :],
-            mask=key_ok[:, None] & (offs_dv[None, :] < D_V),
+            v_ptr + rows_k[:, None] * v_stride + offs_dl[None, :],
+            mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT),
             other=0.0,
         )
     else:
@@ -125,13 +122,10 @@ def _attend_whole_block(
     qk_scale,
     PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
-    offs_dv,
-    V_SPLITS: tl.constexpr,
 ):
     """A key block whose BLOCK_N rows all lie below the split's end (every one visible to every query): no key mask,
     no -inf handling (every score is finite). Its rows come by the tensor-memory accelerator (`lat_desc`, `rope_desc`:
-    [requests, rows, columns] descriptors of the cache's latent and rope columns) or by pointer loads. V_SPLITS > 1:
-    the values are the latent columns `offs_dv` (this program's part of the output), loaded by pointers."""
+    [requests, rows, columns] descriptors of the cache's latent and rope columns) or by pointer loads."""
     rows_k = k_ptr + (block + offs_n)[:, None] * k_stride
     if USE_TMA:
         k_lat = lat_desc.load([b, block, 0]).reshape(BLOCK_N, BLOCK_DL)
@@ -146,11 +140,7 @@ def _attend_whole_block(
         scores += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
     # every score finite: alpha is 0 at the first block (m_i = -inf)
     m_new, alpha, p, l_i = _softmax_step(m_i, l_i, scores * qk_scale, False)
-    if V_SPLITS > 1:
-        values = tl.load(rows_k + offs_dv[None, :])
-    else:
-        values = k_lat
-    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -190,19 +180,11 @@ def _tree_attention_split(
     PRECISION: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
     USE_TMA: tl.constexpr,
-    V_SPLITS: tl.constexpr,
 ):
     # program (tile, split, request): splits 0 .. num_splits - 1 take slices of the committed cache, split
     # num_splits the tree's own T rows under the tree mask, so no program does both and the tree never waits behind
     # a cache slice. Request b (several requests' trees in one launch) has its own cache, length, rows and mask.
-    # V_SPLITS > 1: V_SPLITS programs share a row tile, each computing the whole scores (the same instructions on the
-    # same data: the same running max and sum in each) and the output's columns [part * BLOCK_DV, + BLOCK_DV) alone.
     tile, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    part = tile % V_SPLITS
-    tile = tile // V_SPLITS
-    BLOCK_DV: tl.constexpr = BLOCK_DL // V_SPLITS
-    SEPARATE_V: tl.constexpr = V_SPLITS > 1
-    offs_dv = tl.arange(0, BLOCK_DV)
     requests = tl.num_programs(2)
     q_ptr += b * (T * H * (D_LAT + D_ROPE))
     cache_ptr += b.to(tl.int64) * cache_batch_stride
@@ -222,8 +204,7 @@ def _tree_attention_split(
     q_rope = tl.load(
         q_row + D_LAT + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr[None, :] < D_ROPE) & active, other=0.0
     )
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    v_cols = part * BLOCK_DV  # the first latent column of this program's values
+    acc = tl.zeros((BLOCK_M, BLOCK_DL), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
@@ -255,8 +236,6 @@ def _tree_attention_split(
                 qk_scale,
                 PRECISION,
                 USE_TMA,
-                v_cols + offs_dv,
-                V_SPLITS,
             )
     else:
         whole = start
@@ -280,11 +259,9 @@ def _tree_attention_split(
             D_ROPE,
             qk_scale,
             PRECISION,
-            cache_ptr + v_cols,
+            cache_ptr,
             cache_stride,
-            SEPARATE_V,
-            offs_dv,
-            BLOCK_DV,
+            False,
         )
     if is_tree:  # the tree's own rows, under the tree mask
         # parents come before their children (causal for a prefill), so row i sees no new row past i: the key
@@ -314,18 +291,17 @@ def _tree_attention_split(
                 D_ROPE,
                 qk_scale,
                 PRECISION,
-                new_ptr + v_cols,
+                new_ptr,
                 new_stride,
-                SEPARATE_V,
-                offs_dv,
-                BLOCK_DV,
+                False,
             )
     base = (split * requests + b) * T * H + rows
     written = row_ok & active
-    tl.store(part_m + base, m_i, mask=written & (part == 0))
-    tl.store(part_l + base, l_i, mask=written & (part == 0))
-    cols = v_cols + offs_dv
-    tl.store(part_out + base[:, None] * D_LAT + cols[None, :], acc, mask=written[:, None] & (cols[None, :] < D_LAT))
+    tl.store(part_m + base, m_i, mask=written)
+    tl.store(part_l + base, l_i, mask=written)
+    tl.store(
+        part_out + base[:, None] * D_LAT + offs_dl[None, :], acc, mask=written[:, None] & (offs_dl[None, :] < D_LAT)
+    )
 
 
 @triton.jit
@@ -421,12 +397,11 @@ def default_min_blocks(rows: int, capacity: int) -> int:
     return 1 if rows <= 16 and capacity <= SMALL_TILE_CAPACITY else 2
 
 
-def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int, min_blocks: int,
-                   v_splits: int = 1) -> int:  # fmt: skip
+def num_splits_for(rows: int, capacity: int, block_m: int, block_n: int, sm_count: int, min_blocks: int) -> int:
     """Cache splits of the grid: enough (row tile, split) programs to fill the GPU ~2 deep at a full cache, each
     with at least `min_blocks` key blocks of the *capacity* (the length is only known on the device, which uses as
-    many of them as it needs). v_splits: programs a row tile takes (each a part of the output's columns)."""
-    tiles = triton.cdiv(rows, block_m) * v_splits
+    many of them as it needs)."""
+    tiles = triton.cdiv(rows, block_m)
     wanted = max(1, (2 * sm_count) // tiles)
     return max(1, min(wanted, triton.cdiv(max(capacity, 1), block_n * min_blocks), 256))
 
@@ -454,8 +429,7 @@ def tree_attention_cuda(
     its result does not depend on the others in the batch.
 
     config (default: `default_config` and the measured thresholds below): block_m, block_n, num_warps, num_stages,
-    min_blocks, splits, whole_blocks, tma, v_splits (programs a row tile's output columns are split over, each
-    computing the whole scores), combine_columns, split_group."""
+    min_blocks, splits, whole_blocks, tma, combine_columns, split_group."""
     batched = cache.dim() == 3
     requests = cache.shape[0] if batched else 1
     tokens, heads, width = q.shape
@@ -468,9 +442,7 @@ def tree_attention_cuda(
     config = {**default_config(rows, padded, q.element_size(), capacity), **config}
     block_m, block_n = config["block_m"], config["block_n"]
     min_blocks = config.get("min_blocks", default_min_blocks(rows, capacity))
-    v_splits = config.get("v_splits", 1)  # programs a row tile takes, each computing a part of the output's columns
-    splits = config.get("splits") or num_splits_for(rows, capacity, block_m, block_n, _sm_count(device), min_blocks,
-                                                    v_splits)  # fmt: skip
+    splits = config.get("splits") or num_splits_for(rows, capacity, block_m, block_n, _sm_count(device), min_blocks)
     if capacity == 0:  # nothing cached: any valid pointer will do, no cache row is read
         cache = new_kv.view(requests, tokens, width) if batched else new_kv
     batch_stride = cache.stride(0) if batched else 0
@@ -487,9 +459,7 @@ def tree_attention_cuda(
         lat_desc, rope_desc = (
             cache_descriptors(cache, latent_dim, block_n, block_dl, block_dr) if use_tma else (None,) * 2
         )
-        if v_splits > 1 and (block_dl != latent_dim or block_dl % v_splits):
-            raise ValueError(f"v_splits {v_splits} needs a power-of-two latent width it divides, got {latent_dim}")
-        _tree_attention_split[(triton.cdiv(rows, block_m) * v_splits, splits + 1, requests)](
+        _tree_attention_split[(triton.cdiv(rows, block_m), splits + 1, requests)](
             q.contiguous(),
             cache,
             cache_length,
@@ -517,7 +487,6 @@ def tree_attention_cuda(
             PRECISION=dot_precision(q.dtype),
             WHOLE_BLOCKS=whole_blocks,
             USE_TMA=bool(use_tma),
-            V_SPLITS=v_splits,
             num_warps=config["num_warps"],
             num_stages=config["num_stages"],
         )
