@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--slots N] [--tokens 128] [--device cuda]
         [--order auto,8,16,auto] (ar: autoregressive; NAME+lazy: that job with DDTREE_LAZY_CONTEXT=1, the
-        batch's drafter context appended lazily where its graphs run)
+        batch's drafter context appended lazily where its graphs run; NAME+group: with DDTREE_GROUP_ADMISSIONS=1,
+        admissions put off to share them under a backlog)
 
 The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
 (kernels compiled), then one CLI job a name in `--order` (`auto`, `ar` or a fixed budget), each of N requests in-flight
@@ -27,13 +28,18 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import concurrency  # noqa: E402
 from benchmarks.common import environment  # noqa: E402
 
+SWITCHES = {"lazy": "DDTREE_LAZY_CONTEXT", "group": "DDTREE_GROUP_ADMISSIONS"}  # an --order entry's +NAME: VAR=1
+
 
 def job(choice: str) -> tuple[str, str, dict]:
-    """(label, CLI mode, environment) of an `--order` entry: a `mode_name` choice, `+lazy` after it for the lazy
-    drafter context."""
-    base, lazy = choice.removesuffix("+lazy"), choice.endswith("+lazy")
+    """(label, CLI mode, environment) of an `--order` entry: a `mode_name` choice, then `+lazy` (the lazy drafter
+    context) and `+group` (admissions put off to share them) as wanted."""
+    base, *switches = choice.split("+")
+    unknown = sorted(set(switches) - set(SWITCHES))
+    if unknown:
+        raise SystemExit(f"--order: unknown switches {unknown} in {choice!r} (known: {sorted(SWITCHES)})")
     mode = mode_name(base)
-    return (f"{mode} lazy", mode, {"DDTREE_LAZY_CONTEXT": "1"}) if lazy else (mode, mode, {})
+    return " ".join([mode, *switches]), mode, {SWITCHES[name]: "1" for name in switches}
 
 
 def mode_name(choice: str) -> str:

@@ -41,7 +41,8 @@
 #             through tritonserver (from $TRITON_BUNDLE, as 'triton'), side by side: what the server's path adds
 #   policy    benchmarks/batch_policy.py: CLI jobs of 16 requests in-flight batched, in the order $ORDER (default
 #             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved; NAME+lazy: with the lazy drafter
-#             context), each mode's median; $POLICY_FLAGS added (--requests 64 --slots 16: a steady load)
+#             context; NAME+group: admissions shared under a backlog), each mode's median; $POLICY_FLAGS added
+#             (--requests 64 --slots 16: a steady load)
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
 #             temperature 1.0, device loop; budget 16, the best there, twice: the run-to-run noise)
 #   flush     benchmarks/l2_flush_probe.py: the floor-bound kernels (INT4 MoE, TreeAttention, a load and a copy) after

@@ -6,6 +6,7 @@ SGLang and TensorRT-LLM do at start-up), and says in words what runs.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -17,6 +18,18 @@ from runner.sessions.base import length_buckets
 from runner.speculate import GenerationResult, generate, generate_autoregressive
 
 GREEDY = SamplingParams()
+
+
+def group_admissions() -> bool:
+    """`DDTREE_GROUP_ADMISSIONS=1`: a batch under a backlog puts a freed slot's admission off while sharing it with the
+    slots the next steps free pays by its own measurements (`Batcher.admit_now`). Off by default: on two CPU cores an
+    admission's time grows with its requests (sixteen together take what sixteen lone ones do: nothing to share),
+    and on a GPU, where a lone admission costs most of what sixteen together do, it is not yet timed (BENCHMARKS.md,
+    section 18)."""
+    chosen = os.environ.get("DDTREE_GROUP_ADMISSIONS", "0")
+    if chosen not in ("0", "1"):
+        raise ValueError(f"DDTREE_GROUP_ADMISSIONS: expected 0 or 1, got {chosen!r}")
+    return chosen == "1"
 
 
 class Generator:
@@ -242,7 +255,7 @@ class Generator:
             self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=not self.autoregressive,
                                                  narrow_informs=True, max_tokens=self.spec.block_size)  # fmt: skip
         return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy,
-                       self.batch_policy if several else None)  # fmt: skip
+                       self.batch_policy if several else None, group_admissions())  # fmt: skip
 
     def admit(self, batcher, prompt: list[int], max_new_tokens: int, params: SamplingParams = GREEDY,
               end_ids: set[int] = frozenset(), on_tokens=None, stop_sequences=(), budget=None, tag=None):  # fmt: skip
@@ -282,7 +295,7 @@ class Generator:
                    for index, (prompt, request_params, tokens, request_budget)
                    in enumerate(zip(prompts, params, counts, budgets))]  # fmt: skip
         while waiting or batcher.members:
-            if waiting and batcher.free:  # every request a free slot takes, admitted together
+            if waiting and batcher.admit_now(len(waiting)):  # every request a free slot takes, admitted together
                 admitted, waiting = waiting[: batcher.free], waiting[batcher.free :]
                 for member in self.admit_many(batcher, admitted):
                     if member.result.elapsed:  # done at its first token

@@ -1000,3 +1000,80 @@ def test_slots_that_do_not_fit_are_a_clear_error():
     with pytest.raises(ValueError, match=r"max_batch_size=16: 16 slots of caches for 1000 tokens each need 24.58 MB; "
                        r"13.00 MB is free on cuda:0 \(lower --max_batch_size"):  # fmt: skip
         check_slot_memory(16, cache, 13_000_000, "cuda:0")
+
+
+def test_admissions_put_off_only_where_sharing_them_pays():
+    """`Batcher.admit_now` under a backlog: with the batch's own measurements of one H100 (a lone admission 1.1 ms,
+    sixteen together 2 ms, a step 1.6 ms, a request 40 steps) a freed slot's admission waits for the next steps' frees,
+    at most `ADMIT_WAIT_STEPS` steps in a row; with two CPU cores' (sixteen together take what sixteen lone ones do)
+    it never waits; nor without a backlog, an empty batch, a measurement missing, or `group_admissions` off."""
+    from collections import deque
+
+    from runner.device.batch import ADMIT_WAIT_STEPS, Batcher
+
+    def batcher(lone, sixteen, step, stay, busy=15, group=True):
+        b = Batcher(None, 16, group_admissions=group)
+        b.admission_times = {1: deque([lone] * 3), 16: deque([sixteen])}
+        b.step_times, b.stays = deque([step] * 3), deque([stay] * 3)
+        b.members = {slot: object() for slot in range(busy)}
+        return b
+
+    gpu = batcher(1.1e-3, 2.0e-3, 1.6e-3, 40)
+    assert gpu.shared_admission_seconds() == pytest.approx(1.1e-3 - 0.9e-3 / 15)
+    assert [gpu.admit_now(48) for _ in range(ADMIT_WAIT_STEPS + 1)] == [False] * ADMIT_WAIT_STEPS + [True]
+    assert gpu.put_off == 0
+    assert batcher(1.1e-3, 2.0e-3, 1.6e-3, 40, busy=12).admit_now(48)  # four idle slots cost more than it saves
+    assert batcher(1.1e-3, 2.0e-3, 1.6e-3, 40).admit_now(1)  # no backlog: nothing more to share it with
+    assert batcher(1.1e-3, 2.0e-3, 1.6e-3, 40, group=False).admit_now(48)
+    assert batcher(1.1e-3, 2.0e-3, 1.6e-3, 40, busy=0).admit_now(48)
+    assert not batcher(1.1e-3, 2.0e-3, 1.6e-3, 40, busy=16).admit_now(48)  # no free slot
+    cpu = batcher(16.5e-3, 340e-3, 60e-3, 22)
+    assert cpu.shared_admission_seconds() == 0.0 and cpu.admit_now(48)
+    untimed = batcher(1.1e-3, 2.0e-3, 1.6e-3, 40)
+    untimed.admission_times.pop(16)
+    assert untimed.shared_admission_seconds() is None and untimed.admit_now(48)
+
+
+def test_admissions_put_off_leave_every_request_s_tokens_as_they_were(demo_ckpt, monkeypatch):
+    """`DDTREE_GROUP_ADMISSIONS=1` with every admission worth sharing: a backlog of five requests through two slots
+    waits for a second freed slot (the third and fourth requests admitted together: one admission fewer), and every
+    request's tokens equal autoregressive decoding's."""
+    from runner.device.batch import Batcher
+    from runner.generator import Generator
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    GREEDY = SamplingParams()
+    ranks = cpu_ranks(demo_ckpt(1), SpecConfig(8, 8), BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=2)
+    generator, prompts = Generator(ranks), [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0][:4], PROMPTS[1][2:]]
+    expected = [generate_autoregressive(ranks, p, 12, Sampler(GREEDY)).tokens for p in prompts]
+    made, decided = [], []
+    for group in ("0", "1"):
+        monkeypatch.setenv("DDTREE_GROUP_ADMISSIONS", group)
+        batcher, admit_now = generator.batcher, Batcher.admit_now
+
+        def spy(generator=generator, batcher=batcher):
+            made.append(batcher())
+            made[-1].shared_admission_seconds = lambda: 1.0  # every admission worth sharing
+            return made[-1]
+
+        def admit(self, waiting, admit_now=admit_now):
+            now = admit_now(self, waiting)
+            decided.append((self.group_admissions, not now and self.free > 0))  # (asked, put off)
+            return now
+
+        monkeypatch.setattr(generator, "batcher", spy)
+        monkeypatch.setattr(Batcher, "admit_now", admit)
+        lengths = [3, 6, 12, 12, 12]  # the first two end a few steps apart: the next two can share an admission
+        results = generator.generate_many(prompts, lengths, [GREEDY] * len(prompts), budget=8)
+        assert [r.tokens for r in results] == [e[:n] for e, n in zip(expected, lengths)]
+        monkeypatch.undo()
+    plain, grouped = made
+    assert not plain.group_admissions and grouped.group_admissions
+    assert (True, True) in decided and (False, True) not in decided  # put off only where asked to
+    assert {k: len(t) for k, t in plain.admission_times.items()} == {2: 1, 1: 3}
+    assert {k: len(t) for k, t in grouped.admission_times.items()} == {2: 2, 1: 1}
+    monkeypatch.setenv("DDTREE_GROUP_ADMISSIONS", "yes")
+    with pytest.raises(ValueError, match=r"DDTREE_GROUP_ADMISSIONS: expected 0 or 1, got 'yes'"):
+        generator.batcher()
+    ranks.close()

@@ -21,14 +21,16 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 
 from models.moe import active_rows
 from runner.device.budget import (
+    COST_WINDOW,
     DECODE,
     accepted_at,
     accepted_at_batched,
@@ -460,15 +462,28 @@ class Member:
     started: float = field(default_factory=time.perf_counter)
 
 
+# the most steps in a row that `Batcher.admit_now` puts admissions off (a waiting request's added latency)
+ADMIT_WAIT_STEPS = 4
+
+
 class Batcher:
     """Rank 0's in-flight batching over the ranks' slots (`RankWorker.enable_batching`): `admit` prefills a request
     into a free slot and emits its first token; `step` runs one batched step of every admitted request and returns
     the ones that finished. policy: `auto` requests' `BudgetPolicy` (shared: costs are per budget, not per
-    request)."""
+    request). group_admissions: under a backlog, put a freed slot's admission off while sharing it with the slots the
+    next steps free pays (`admit_now`)."""
 
-    def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None, batch_policy=None):
+    def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None, batch_policy=None,
+                 group_admissions: bool = False):  # fmt: skip
         self.ranks, self.slots, self.autoregressive, self.policy = ranks, slots, autoregressive, policy
         self.batch_policy = batch_policy  # `StepBudgetPolicy`: one budget a step while every request is `auto`
+        self.group_admissions = group_admissions
+        # what `admit_now` weighs, measured as the batch runs: admissions' seconds by the requests admitted together,
+        # recent steps' seconds, and the steps each finished request was in
+        self.admission_times: dict[int, deque] = {}
+        self.step_times: deque = deque(maxlen=COST_WINDOW)
+        self.stays: deque = deque(maxlen=COST_WINDOW)
+        self.put_off = 0  # steps in a row that admissions were put off
         self.members: dict[int, Member] = {}
         self.batch_sizes: Counter = Counter()  # requests a step served -> steps
         self.moves = 0  # requests moved into a lower free slot (`_compact`)
@@ -479,6 +494,42 @@ class Batcher:
     @property
     def free(self) -> int:
         return self.slots - len(self.members)
+
+    def admit_now(self, waiting: int) -> bool:
+        """Whether to admit requests of the `waiting` ones into the free slots before the next step; else the batch
+        steps first and they join with the slots that step frees, in one shared admission. Put off only with
+        `group_admissions`, under a backlog (more requests waiting than free slots), at most `ADMIT_WAIT_STEPS` steps
+        in a row, and while it pays by the batch's own measurements: the slots the next step is expected to free (busy
+        slots over the steps a request stays) times the part of an admission's time that sharing saves
+        (`shared_admission_seconds`) against what the free slots' idle step costs (their share of a step's time). On
+        one H100 (BENCHMARKS.md, section 18) a lone admission took 1.0-1.3 ms and sixteen together 2 ms, where a
+        16-slot step took 1.6 ms; on two CPU cores sixteen took as long as sixteen lone ones, so nothing is saved."""
+        if not self.free or not waiting:
+            return False
+        if self._put_off(waiting):
+            self.put_off += 1
+            return False
+        self.put_off = 0
+        return True
+
+    def _put_off(self, waiting: int) -> bool:
+        if not self.group_admissions or not self.members or waiting <= self.free or self.put_off >= ADMIT_WAIT_STEPS:
+            return False
+        saved = self.shared_admission_seconds()
+        if saved is None or not self.step_times or not self.stays:
+            return False
+        freed = len(self.members) / max(statistics.mean(self.stays), 1.0)
+        return freed * saved > self.free / self.slots * statistics.median(self.step_times)
+
+    def shared_admission_seconds(self) -> float | None:
+        """The part of an admission's time that does not grow with the requests admitted together (seconds = fixed +
+        per request x requests, through the medians of the two group sizes admitted most often): what a request
+        saves by joining another's admission. None until two sizes are timed."""
+        sizes = sorted(self.admission_times, key=lambda k: len(self.admission_times[k]), reverse=True)[:2]
+        if len(sizes) < 2:
+            return None
+        (k1, t1), (k2, t2) = sorted((k, statistics.median(self.admission_times[k])) for k in sizes)
+        return max(t1 - (t2 - t1) / (k2 - k1) * k1, 0.0)
 
     def admit(self, prompt, max_new_tokens, params=None, end_ids=frozenset(), on_tokens=None, stop_sequences=(),
               budget=None, tag=None) -> Member:  # fmt: skip
@@ -511,6 +562,7 @@ class Batcher:
             if sampled[b]:
                 firsts[b] = first_token(logits[b : b + 1], request.params)[0]
         seconds = time.perf_counter() - started
+        self.admission_times.setdefault(len(requests), deque(maxlen=COST_WINDOW)).append(seconds)
         loads, admitted = [], []
         for member, first, request, draws in zip(members, firsts, requests, sampled):
             member.timer.seconds["prefill"] += seconds
@@ -552,6 +604,8 @@ class Batcher:
         seconds = time.perf_counter() - started
         if self.timings is not None and not captured:
             self.timings.setdefault((count, budget, report), []).append(seconds)
+        if not captured:
+            self.step_times.append(seconds)
         if batch_wide:
             # a step that captured its graph tells nothing of its cost (its statistics still count); one that reported
             # statistics costs more than a settled step at its budget, so its time counts only while the pair has no
@@ -578,6 +632,7 @@ class Batcher:
                     self.policy.observe(stats[slot], len(tokens))
             _, finished = self._emit(member, tokens)
             if finished:
+                self.stays.append(member.result.target_forwards - 1)  # its steps (the first forward: its admission)
                 done.append(self._finish(self.members.pop(slot)))
         self._compact()
         return done

@@ -357,7 +357,8 @@ def _serve_batched(generator, tokenizer, inbox: Inbox, parse, send: Events) -> N
                     request, detokenizer = streams.pop(member.tag)
                     send({"id": request.id, "event": "cancelled", "output_ids": detokenizer.tokens})
             admissions = []  # the requests free slots take, admitted together (their prefills share forwards)
-            while waiting and batcher.free > len(admissions):
+            admit = bool(waiting) and batcher.admit_now(len(waiting))  # or put off to share the next step's frees
+            while admit and waiting and batcher.free > len(admissions):
                 request = waiting.pop(0)
                 if request.id in inbox.cancelled:
                     send({"id": request.id, "event": "cancelled", "output_ids": []})
