@@ -84,10 +84,13 @@ def main(argv=None) -> int:
         firsts.setdefault(mode, row["outputs"])
         info["jobs"].append({"mode": mode, "tokens_per_s": row["tokens_per_s"], "seconds": row["seconds"],
                              "budgets_chosen": row["budgets_chosen"], "policy": row["policy"],
+                             "admissions": row["admissions"],
                              "first_request_budgets": row["budgets"][0],
                              "tokens_equal_to_the_first_job": row["outputs"] == outputs,
                              "tokens_equal_to_the_mode_s_first_job": row["outputs"] == firsts[mode]})  # fmt: skip
-        print(f"{mode:22s} {row['tokens_per_s']:9.1f} tokens/s  budgets {row.get('budgets_chosen')}", flush=True)
+        admitted = {k: v["admissions"] for k, v in (row["admissions"] or {}).items()}  # group size -> admissions
+        print(f"{mode:22s} {row['tokens_per_s']:9.1f} tokens/s  budgets {row.get('budgets_chosen')}  admissions "
+              f"{admitted}", flush=True)  # fmt: skip
         (out / "batch_policy.json").write_text(json.dumps(info, indent=1) + "\n")
     rates = {m: [job["tokens_per_s"] for job in info["jobs"] if job["mode"] == m] for m in dict.fromkeys(order)}
     base = statistics.median(rates["autoregressive"]) if "autoregressive" in rates else None

@@ -132,7 +132,8 @@ def cli_row(engine: Path, out: Path, texts: list[str], tokens: int, batch: int, 
             "latency_s": [r["elapsed"] for r in rows], "mode": rows[0]["mode"],
             "budgets": [r["budgets"] for r in rows],
             "budgets_chosen": _histogram(b for r in rows for b in r["budgets"]),  # 0: autoregressive steps
-            "policy": (result["batch"] or {}).get("policy")}  # fmt: skip
+            "policy": (result["batch"] or {}).get("policy"),
+            "admissions": (result["batch"] or {}).get("admissions")}  # fmt: skip
 
 
 def median_row(rows: list[dict]) -> dict:

@@ -202,7 +202,8 @@ def generate_all(args, generator, job: Job) -> tuple[list[dict], dict | None]:
         batched = generator.generate_many(job.prompts, args.max_output_len, every, job.end_ids)
         wall = time.perf_counter() - started
         total = sum(len(r.tokens) for r in batched)
-        summary = {"requests": len(batched), "max_batch_size": generator.batch_slots, "tokens": total, "seconds": wall}
+        summary = {"requests": len(batched), "max_batch_size": generator.batch_slots, "tokens": total, "seconds": wall,
+                   "admissions": generator.last_batcher.admission_summary()}  # fmt: skip
         if generator.batch_policy is not None and generator.batch_policy.chosen:  # an all-`auto` batch's choices
             summary["policy"] = generator.batch_policy.summary()
         print(f"[batch] {len(batched)} requests, up to {generator.batch_slots} a step: {total} tokens in "

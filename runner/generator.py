@@ -55,6 +55,7 @@ class Generator:
         # an all-`auto` batch's one budget a step, autoregressive steps among the choices (`StepBudgetPolicy`); shared
         # by the batchers, so what one job or server learnt of the costs at each batch size the next step uses
         self.batch_policy = None
+        self.last_batcher = None  # the last `generate_many`'s batch
         self.auto_default = False  # `enable_auto_budget`: requests that name no budget take `auto`
 
     def on_device(self, params: SamplingParams, banned: tuple[int, ...] = (), budget: int | str | None = None) -> bool:
@@ -286,6 +287,7 @@ class Generator:
         from runner.device.batch import Admission
 
         batcher, results = self.batcher(), {}
+        self.last_batcher = batcher  # what the job's batch did (`Batcher.admission_summary`: the CLI's summary)
         if batch_policy is not None:
             batcher.batch_policy = batch_policy
         batcher.timings = timings

@@ -1073,6 +1073,9 @@ def test_admissions_put_off_leave_every_request_s_tokens_as_they_were(demo_ckpt,
     assert (True, True) in decided and (False, True) not in decided  # put off only where asked to
     assert {k: len(t) for k, t in plain.admission_times.items()} == {2: 1, 1: 3}
     assert {k: len(t) for k, t in grouped.admission_times.items()} == {2: 2, 1: 1}
+    summary = grouped.admission_summary()  # what the CLI's batch summary reports
+    assert {k: v["admissions"] for k, v in summary.items()} == {1: 1, 2: 2}
+    assert all(v["ms"] > 0 for v in summary.values())
     monkeypatch.setenv("DDTREE_GROUP_ADMISSIONS", "yes")
     with pytest.raises(ValueError, match=r"DDTREE_GROUP_ADMISSIONS: expected 0 or 1, got 'yes'"):
         generator.batcher()

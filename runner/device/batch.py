@@ -484,6 +484,8 @@ class Batcher:
         self.step_times: deque = deque(maxlen=COST_WINDOW)
         self.stays: deque = deque(maxlen=COST_WINDOW)
         self.put_off = 0  # steps in a row that admissions were put off
+        self.admitted: Counter = Counter()  # requests admitted together -> admissions (`admission_summary`)
+        self.admitted_seconds: Counter = Counter()  # and their seconds
         self.members: dict[int, Member] = {}
         self.batch_sizes: Counter = Counter()  # requests a step served -> steps
         self.moves = 0  # requests moved into a lower free slot (`_compact`)
@@ -520,6 +522,11 @@ class Batcher:
             return False
         freed = len(self.members) / max(statistics.mean(self.stays), 1.0)
         return freed * saved > self.free / self.slots * statistics.median(self.step_times)
+
+    def admission_summary(self) -> dict:
+        """{requests admitted together: {"admissions": how many, "ms": their mean time}} (the batch waits for each)."""
+        return {k: {"admissions": n, "ms": round(self.admitted_seconds[k] / n * 1e3, 3)}
+                for k, n in sorted(self.admitted.items())}  # fmt: skip
 
     def shared_admission_seconds(self) -> float | None:
         """The part of an admission's time that does not grow with the requests admitted together (seconds = fixed +
@@ -563,6 +570,8 @@ class Batcher:
                 firsts[b] = first_token(logits[b : b + 1], request.params)[0]
         seconds = time.perf_counter() - started
         self.admission_times.setdefault(len(requests), deque(maxlen=COST_WINDOW)).append(seconds)
+        self.admitted[len(requests)] += 1
+        self.admitted_seconds[len(requests)] += seconds
         loads, admitted = [], []
         for member, first, request, draws in zip(members, firsts, requests, sampled):
             member.timer.seconds["prefill"] += seconds
