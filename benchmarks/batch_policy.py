@@ -69,8 +69,9 @@ def main(argv=None) -> int:
     engine = concurrency.build_engine(out, False, "bfloat16" if args.device == "cuda" else "float32")
     texts = concurrency.prompts(args.requests, False)
     slots = args.slots or args.requests
-    jobs = {label: (mode, env) for label, mode, env in map(job, args.order.split(","))}
-    order = [job(choice)[0] for choice in args.order.split(",")]
+    parsed = [job(choice) for choice in args.order.split(",")]
+    jobs = {label: (mode, env) for label, mode, env in parsed}
+    order = [label for label, _, _ in parsed]
     for label, (mode, env) in jobs.items():  # kernels compiled for new shapes land in Triton's disk cache first
         concurrency.cli_row(engine, out, texts[:2], 8, 2, mode, args.device, env=env, tag=label[len(mode) :])
     info = {**environment(False), "command": " ".join(sys.argv), "requests": args.requests, "slots": slots,

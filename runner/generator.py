@@ -6,7 +6,6 @@ SGLang and TensorRT-LLM do at start-up), and says in words what runs.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -26,10 +25,9 @@ def group_admissions() -> bool:
     admission's time grows with its requests (sixteen together take what sixteen lone ones do: nothing to share),
     and on a GPU, where a lone admission costs most of what sixteen together do, it is not yet timed (BENCHMARKS.md,
     section 18)."""
-    chosen = os.environ.get("DDTREE_GROUP_ADMISSIONS", "0")
-    if chosen not in ("0", "1"):
-        raise ValueError(f"DDTREE_GROUP_ADMISSIONS: expected 0 or 1, got {chosen!r}")
-    return chosen == "1"
+    from runner.device.batch import env_switch
+
+    return bool(env_switch("DDTREE_GROUP_ADMISSIONS"))
 
 
 class Generator:

@@ -46,6 +46,15 @@ from runner.sessions.cuda_graphs import capture_graph, warm_up
 from runner.speculate import GenerationResult, PhaseTimer, _emit
 
 
+def env_switch(name: str, unset: str = "") -> bool | None:
+    """An on/off environment switch: 1 on, 0 off, None where it is not set (or empty); any other value an error
+    naming the variable (`unset`: what not setting it does, for the message)."""
+    chosen = os.environ.get(name, "")
+    if chosen not in ("", "0", "1"):
+        raise ValueError(f"{name}: expected 0 or 1{unset}, got {chosen!r}")
+    return None if not chosen else chosen == "1"
+
+
 class _Slot:
     """What a `DeviceLoop` reads of its worker, for one slot: the rank's session, the slot's own caches."""
 
@@ -99,11 +108,8 @@ class BatchLoop:
         # (`append` in their key) wait for a run there (`DDTREE_LAZY_CONTEXT=1` takes them), and a step commits as
         # before
         if lazy_context is None:
-            chosen = os.environ.get("DDTREE_LAZY_CONTEXT", "")
-            if chosen not in ("", "0", "1"):
-                raise ValueError(f"DDTREE_LAZY_CONTEXT: expected 0 or 1 (or unset: on where steps run eagerly), "
-                                 f"got {chosen!r}")  # fmt: skip
-            lazy_context = chosen == "1" if chosen else not use_graph
+            chosen = env_switch("DDTREE_LAZY_CONTEXT", " (or unset: on where steps run eagerly)")
+            lazy_context = not use_graph if chosen is None else chosen
         self.lazy_context = lazy_context
         self.captured = False  # whether the last step captured its graph
         # admissions' group prefills (`prefill`): a graph per (requests, padded length), in a pool of their own (each
