@@ -175,8 +175,9 @@ class RankWorker:
         cache = self.batch.loops[slot].cache
         main, self.cache = self.cache, cache
         try:
-            cache.reset()
-            return self.prefill(prompt)
+            with self.batch.timed("admission"):
+                cache.reset()
+                return self.prefill(prompt)
         finally:
             self.cache = main
 
@@ -186,6 +187,10 @@ class RankWorker:
         that prefills alone in chunks (`batch_prefill`). Each prompt's last row's logits [len(prompts), V], in order.
         With graphs (GPUs) a group is cut into counts of powers of two, largest first, each a captured form (13
         requests: 8, 4 and 1). Every rank groups alike (the same lengths, the same limit)."""
+        with self.batch.timed("admission"):
+            return self._batch_prefill_many(slots, prompts)
+
+    def _batch_prefill_many(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         limit = self.prefill_chunk or self.session.profile("prefill").dims["tokens"][2]
         padded = [self._prefill_rows(len(p), 0) for p in prompts]
         logits, group = [None] * len(prompts), []
@@ -231,13 +236,15 @@ class RankWorker:
 
     def batch_load_many(self, loads: list[tuple]) -> None:
         """`batch_load` of each (slot, bonus, prompt_length, params, budget): the requests of one admission."""
-        for load in loads:
-            self.batch_load(*load)
+        with self.batch.timed("load"):
+            for load in loads:
+                self.batch_load(*load)
 
     def batch_move(self, source: int, target: int, emitted: int) -> None:
         """Slot `source`'s request into free slot `target` (`BatchLoop.move`); emitted: its tokens so far, so its
         committed rows are at most its prefill's rows plus that many."""
-        self.batch.move(source, target, self.batch.loops[source].cache.num_cached + emitted)
+        with self.batch.timed("move"):
+            self.batch.move(source, target, self.batch.loops[source].cache.num_cached + emitted)
 
     def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None, budget=None,
                    report: bool = True):  # fmt: skip
@@ -246,9 +253,10 @@ class RankWorker:
         a step at one budget reports statistics (`BatchLoop.step`). Returns (each slot's tokens, each several-budget
         slot's statistics, whether the step captured its graph)."""
         loops = self.batch.loops
-        for slot, choice in (choices or {}).items():
-            loops[slot].set_choice(choice)
-        emitted = self.batch.step(count, idle, budget, report)
+        with self.batch.timed("step"):
+            for slot, choice in (choices or {}).items():
+                loops[slot].set_choice(choice)
+            emitted = self.batch.step(count, idle, budget, report)
         return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}, self.batch.captured
 
     def device_prefill_context(self) -> None:

@@ -24,6 +24,7 @@ import os
 import statistics
 import time
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +43,7 @@ from runner.device.loop import DeviceLoop, first_token
 from runner.device.tree import accept_greedy_batched
 from runner.kv_cache import SequenceCache
 from runner.probes import Probes
-from runner.sessions.cuda_graphs import capture_graph, warm_up
+from runner.sessions.cuda_graphs import capture_graph, timing_event, warm_up
 from runner.speculate import GenerationResult, PhaseTimer, _emit
 
 
@@ -116,6 +117,25 @@ class BatchLoop:
         # replay's logits are copied out before the next replay)
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
         self.prefill_pool = torch.cuda.graph_pool_handle() if use_graph else None
+        # benchmarks' probes.record_events (the rank's device loop has them): (what, start, end) CUDA events around
+        # each of the worker's batch calls, for the GPU's time in steps and admissions and its idle time between them
+        self.events: list[tuple] | None = [] if worker.loop.events is not None and use_graph else None
+        self._timing, self._end = 0, None
+
+    @contextmanager
+    def timed(self, what: str):
+        """CUDA events around a batch call (`events`; the outermost call of nested ones), else nothing."""
+        if self.events is None or self._timing:
+            yield
+            return
+        self._timing += 1
+        start = timing_event()
+        try:
+            yield
+        finally:
+            self._timing -= 1
+            end, self._end = self._end or timing_event(), None  # a step's: its work queued, before its tokens' wait
+            self.events.append((what, start, end))
 
     def release(self, slot: int) -> None:
         """A free slot below a busy one is stepped too: its state goes back to an empty sequence before each step,
@@ -170,6 +190,8 @@ class BatchLoop:
             if self.captured:
                 self.graphs[key] = self._capture(count, budget, report, narrow, append)
             self.graphs[key].replay()
+        if self._timing:
+            self._end = timing_event()
         emitted = self.emitted[:count].tolist()  # the device -> host copy of a step (and the statistics' below)
         for loop, values in zip(loops, emitted) if not self.autoregressive else ():
             loop.wide_context = budget != DECODE  # a tree step leaves its accepted rows pending
