@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--slots N] [--tokens 128] [--device cuda]
         [--order auto,8,16,auto] (ar: autoregressive; NAME+lazy: that job with DDTREE_LAZY_CONTEXT=1, the
         batch's drafter context appended lazily where its graphs run; NAME+group: with DDTREE_GROUP_ADMISSIONS=1,
-        admissions put off to share them under a backlog)
+        admissions put off to share them under a backlog; NAME+lone: with DDTREE_LONE_AS_GROUP=1, a lone
+        admission a graph of one on GPUs)
 
 The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
 (kernels compiled), then one CLI job a name in `--order` (`auto`, `ar` or a fixed budget), each of N requests in-flight
@@ -28,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import concurrency  # noqa: E402
 from benchmarks.common import environment  # noqa: E402
 
-SWITCHES = {"lazy": "DDTREE_LAZY_CONTEXT", "group": "DDTREE_GROUP_ADMISSIONS"}  # an --order entry's +NAME: VAR=1
+# an --order entry's +NAME: VAR=1
+SWITCHES = {"lazy": "DDTREE_LAZY_CONTEXT", "group": "DDTREE_GROUP_ADMISSIONS", "lone": "DDTREE_LONE_AS_GROUP"}
 
 
 def job(choice: str) -> tuple[str, str, dict]:

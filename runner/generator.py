@@ -215,7 +215,7 @@ class Generator:
         lead = self.ranks.lead
         limit = lead.prefill_chunk or lead.session.profile("prefill").dims["tokens"][2]
         for length in length_buckets(min(lead.session.profile("prefill").dims["tokens"][2], self.capacity - 2)):
-            count = 2
+            count = 1 if lead.batch.lone_as_group else 2
             while count <= self.batch_slots and count * lead._prefill_rows(length, 0) <= limit:
                 self.generate_many([[1 + i % 255 for i in range(length)]] * count, 1, [params] * count)
                 count *= 2

@@ -197,7 +197,11 @@ class RankWorker:
 
         def flush():
             for part in _group_parts(group, self.batch.use_graph):
-                if len(part) == 1:
+                # one prompt: on the prefill profile (`batch_prefill`), or where lone admissions take the group's
+                # form (`BatchLoop.lone_as_group`) as a group of one (on GPUs a graph, at a captured length)
+                graphed = not self.batch.use_graph or padded[part[0]] in self.session.prefill_buckets
+                lone = not (self.batch.lone_as_group and graphed)
+                if len(part) == 1 and (lone or padded[part[0]] > limit):
                     logits[part[0]] = self.batch_prefill(slots[part[0]], prompts[part[0]])
                     continue
                 out = self.prefill_group([slots[i] for i in part], [prompts[i] for i in part])

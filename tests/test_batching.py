@@ -1080,3 +1080,41 @@ def test_admissions_put_off_leave_every_request_s_tokens_as_they_were(demo_ckpt,
     with pytest.raises(ValueError, match=r"DDTREE_GROUP_ADMISSIONS: expected 0 or 1, got 'yes'"):
         generator.batcher()
     ranks.close()
+
+
+@pytest.mark.parametrize("autoregressive", [False, True])
+def test_lone_admissions_as_groups_of_one_decode_as_before(demo_ckpt, monkeypatch, autoregressive):
+    """`DDTREE_LONE_AS_GROUP=1`: a request admitted alone prefills as a group of one (`prefill_group`: the target's
+    rows, their latent write and the drafter's context in one forward, on GPUs one graph), not on the prefill profile;
+    five requests through two slots (a sampled one among them) emit what they emit without it, and greedy ones what
+    autoregressive decoding does."""
+    from runner.generator import Generator
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    greedy, sampled = SamplingParams(), SamplingParams(1.0, top_k=20, seed=5)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0][:4], PROMPTS[1][2:]]
+    params, lengths = [greedy, sampled, greedy, greedy, greedy], [5, 9, 12, 7, 10]
+    outputs, calls = {}, {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("DDTREE_LONE_AS_GROUP", switch)
+        ranks = cpu_ranks(demo_ckpt(1), SpecConfig(8, 8), BuildConfig(**ENGINE_LIMITS), device_loop=True,
+                          autoregressive=autoregressive, max_batch_size=2)  # fmt: skip
+        worker, seen = ranks.lead, []
+        assert worker.batch.lone_as_group == (switch == "1")
+        for name in ("batch_prefill", "prefill_group"):
+            original = getattr(worker, name)
+            spy = lambda *a, name=name, original=original, seen=seen: seen.append(name) or original(*a)  # noqa: E731
+            monkeypatch.setattr(worker, name, spy)
+        results = Generator(ranks, autoregressive).generate_many(prompts, lengths, params)
+        outputs[switch], calls[switch] = [r.tokens for r in results], seen
+        if switch == "1":
+            for prompt, n, p, tokens in zip(prompts, lengths, params, outputs[switch]):
+                if p is greedy:
+                    assert tokens == generate_autoregressive(ranks, prompt, n, Sampler(greedy)).tokens
+        ranks.close()
+    assert outputs["1"] == outputs["0"] and [len(t) for t in outputs["1"]] == lengths
+    assert set(calls["1"]) == {"prefill_group"} and "batch_prefill" in calls["0"]
+    monkeypatch.setenv("DDTREE_LONE_AS_GROUP", "on")
+    with pytest.raises(ValueError, match=r"DDTREE_LONE_AS_GROUP: expected 0 or 1, got 'on'"):
+        cpu_ranks(demo_ckpt(1), SpecConfig(8, 8), BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=2)

@@ -117,6 +117,10 @@ class BatchLoop:
         # replay's logits are copied out before the next replay)
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
         self.prefill_pool = torch.cuda.graph_pool_handle() if use_graph else None
+        # a lone admission as a group of one (`DDTREE_LONE_AS_GROUP=1`): on GPUs one graph of the target's prefill, its
+        # latent rows' write and the drafter's context K/V, instead of the prefill profile's graph, then the cache's
+        # write and the drafter's context as eager kernels (`RankWorker.batch_prefill`). Off until timed on a GPU
+        self.lone_as_group = bool(env_switch("DDTREE_LONE_AS_GROUP"))
         # benchmarks' probes.record_events (the rank's device loop has them): (what, start, end) CUDA events around
         # each of the worker's batch calls, for the GPU's time in steps and admissions and its idle time between them
         self.events: list[tuple] | None = [] if worker.loop.events is not None and use_graph else None
@@ -588,10 +592,7 @@ class Batcher:
                    for r, slot in zip(requests, slots)]  # fmt: skip
         sampled = [r.params is not None and not r.params.greedy for r in requests]
         started = time.perf_counter()
-        if len(requests) == 1:
-            logits = self.ranks.call("batch_prefill", slots[0], members[0].prompt)
-        else:
-            logits = self.ranks.call("batch_prefill_many", slots, [m.prompt for m in members])
+        logits = self.ranks.call("batch_prefill_many", slots, [m.prompt for m in members])
         firsts = logits.argmax(dim=-1).tolist() if not all(sampled) else [None] * len(requests)
         for b, request in enumerate(requests):
             if sampled[b]:
