@@ -175,7 +175,7 @@ class RankWorker:
         cache = self.batch.loops[slot].cache
         main, self.cache = self.cache, cache
         try:
-            with self.batch.timed("admission"):
+            with self.batch.timed("admission of 1"):
                 cache.reset()
                 return self.prefill(prompt)
         finally:
@@ -187,7 +187,7 @@ class RankWorker:
         that prefills alone in chunks (`batch_prefill`). Each prompt's last row's logits [len(prompts), V], in order.
         With graphs (GPUs) a group is cut into counts of powers of two, largest first, each a captured form (13
         requests: 8, 4 and 1). Every rank groups alike (the same lengths, the same limit)."""
-        with self.batch.timed("admission"):
+        with self.batch.timed(f"admission of {len(prompts)}"):
             return self._batch_prefill_many(slots, prompts)
 
     def _batch_prefill_many(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:

@@ -348,20 +348,21 @@ def test_batch_timeline_splits_the_gpu_time_into_calls_and_idle_gaps(tmp_path):
         def elapsed_time(self, other):
             return other.ms - self.ms
 
-    calls = [("admission", 0.0, 1.0), ("step", 1.5, 3.5), ("step", 3.7, 5.7), ("load", 6.0, 6.1), ("step", 6.2, 8.2)]
+    calls = [("admission of 1", 0.0, 1.0), ("step", 1.5, 3.5), ("step", 3.7, 5.7), ("load", 6.0, 6.1)]
+    calls.append(("step", 6.2, 8.2))
     got = timeline([(kind, Event(a), Event(b)) for kind, a, b in calls])
     assert got["timeline_ms"] == 8.2 and got["idle_ms"] == round(0.5 + 0.2 + 0.3 + 0.1, 2)
     assert got["idle_share"] == round(1.1 / 8.2, 4)
     step = got["kinds"]["step"]
     assert step["count"] == 3 and step["span_ms"] == 6.0 and step["idle_before_ms"] == 0.8
-    assert step["idle_before_ms_median"] == 0.2 and got["kinds"]["admission"]["idle_before_ms_median"] is None
+    assert step["idle_before_ms_median"] == 0.2 and got["kinds"]["admission of 1"]["idle_before_ms_median"] is None
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "benchmarks/batch_timeline.py", str(tmp_path), "--device", "cpu", "--smoke",
                            "--requests", "5", "--slots", "2", "--tokens", "8"], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "batch_timeline.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["autoregressive", "DDTree 8"]
+    assert [r["mode"] for r in rows] == ["autoregressive", "DDTree 8", "DDTree 8 lone"]
     for row in rows:
         admitted = sum(a["admissions"] for a in row["admissions"].values())
         assert row["tokens"] == 5 * 8 and row["kinds"] == {} and admitted >= 3
