@@ -8,16 +8,18 @@ The trained pair's engine as `benchmarks/concurrency.py` builds it (bf16 on a GP
 with the benchmarks' `Probes(record_events=True)`: the batch records CUDA events around each of its calls (a step, an
 admission's prefill, its requests' loads, a request's move to a lower slot; `BatchLoop.timed`). One warm-up job, then
 one job a mode of `--requests` held-out prompts through `--slots` slots (each request joining as one leaves), what the
-CLI's `--max_batch_size` runs. For each job: tokens/s; each kind of call's count, its GPU span (start to end event:
-the work it queued; a step's ends before its tokens' copy is waited on) and the host's wall time of the Batcher's
-steps; and the GPU's idle time before each kind (from the previous call's end to its start: the host's work between
-them, its waits included). The timeline on GPUs only (events time graph replays; `--device cpu` runs the jobs).
+CLI's `--max_batch_size` runs. For each job: tokens/s and a digest of every request's tokens; each kind of call's
+count (admissions by their number of requests), its GPU span (start to end event: the work it queued; a step's ends
+before its tokens' copy is waited on) and the host's wall time of the Batcher's steps; and the GPU's idle time before
+each kind (from the previous call's end to its start: the host's work between them, its waits included). The timeline
+on GPUs only (events time graph replays; `--device cpu` runs the jobs).
 Writes OUT_DIR/batch_timeline.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -117,6 +119,7 @@ def _run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, sl
            "slots": slots, "tokens": emitted, "seconds": round(wall, 4), "tokens_per_s": round(emitted / wall, 1),
            "step_wall_ms_median": round(statistics.median(batcher.step_times) * 1e3, 4),
            "step_wall_ms_sum": round(sum(batcher.step_times) * 1e3, 2),
+           "outputs_sha1": hashlib.sha1(json.dumps([r.tokens for r in results]).encode()).hexdigest()[:12],
            "admissions": batcher.admission_summary(), **timeline(batch.events if timed else [])}  # fmt: skip
     ranks.close()
     return row

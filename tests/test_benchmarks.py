@@ -366,3 +366,4 @@ def test_batch_timeline_splits_the_gpu_time_into_calls_and_idle_gaps(tmp_path):
     for row in rows:
         admitted = sum(a["admissions"] for a in row["admissions"].values())
         assert row["tokens"] == 5 * 8 and row["kinds"] == {} and admitted >= 3
+    assert rows[1]["outputs_sha1"] == rows[2]["outputs_sha1"]  # a lone admission as a group of one: the same tokens
