@@ -3,8 +3,8 @@
     PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--slots N] [--tokens 128] [--device cuda]
         [--order auto,8,16,auto] (ar: autoregressive; NAME+lazy: that job with DDTREE_LAZY_CONTEXT=1, the
         batch's drafter context appended lazily where its graphs run; NAME+group: with DDTREE_GROUP_ADMISSIONS=1,
-        admissions put off to share them under a backlog; NAME+lone: with DDTREE_LONE_AS_GROUP=1, a lone
-        admission a graph of one on GPUs)
+        admissions put off to share them under a backlog; NAME+lone / NAME+profile: DDTREE_LONE_AS_GROUP=1 / 0,
+        a lone admission as a group of one, the GPU default, or on the prefill profile)
 
 The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
 (kernels compiled), then one CLI job a name in `--order` (`auto`, `ar` or a fixed budget), each of N requests in-flight
@@ -29,19 +29,27 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import concurrency  # noqa: E402
 from benchmarks.common import environment  # noqa: E402
 
-# an --order entry's +NAME: VAR=1
-SWITCHES = {"lazy": "DDTREE_LAZY_CONTEXT", "group": "DDTREE_GROUP_ADMISSIONS", "lone": "DDTREE_LONE_AS_GROUP"}
+# an --order entry's +NAME: the environment it sets
+SWITCHES = {"lazy": ("DDTREE_LAZY_CONTEXT", "1"), "group": ("DDTREE_GROUP_ADMISSIONS", "1"),
+            "lone": ("DDTREE_LONE_AS_GROUP", "1"), "profile": ("DDTREE_LONE_AS_GROUP", "0")}  # fmt: skip
+
+
+def switched(choice: str, option: str) -> tuple[str, list[str], dict]:
+    """(base, switches, environment) of a `NAME+switch+...` entry of `option`; an unknown switch is an error."""
+    base, *switches = choice.split("+")
+    unknown = sorted(set(switches) - set(SWITCHES))
+    if unknown:
+        raise SystemExit(f"{option}: unknown switches {unknown} in {choice!r} (known: {sorted(SWITCHES)})")
+    return base, switches, dict(SWITCHES[name] for name in switches)
 
 
 def job(choice: str) -> tuple[str, str, dict]:
     """(label, CLI mode, environment) of an `--order` entry: a `mode_name` choice, then `+lazy` (the lazy drafter
-    context) and `+group` (admissions put off to share them) as wanted."""
-    base, *switches = choice.split("+")
-    unknown = sorted(set(switches) - set(SWITCHES))
-    if unknown:
-        raise SystemExit(f"--order: unknown switches {unknown} in {choice!r} (known: {sorted(SWITCHES)})")
+    context), `+group` (admissions put off to share them), `+lone` / `+profile` (a lone admission as a group of one,
+    the GPU default, or on the prefill profile) as wanted."""
+    base, switches, env = switched(choice, "--order")
     mode = mode_name(base)
-    return " ".join([mode, *switches]), mode, {SWITCHES[name]: "1" for name in switches}
+    return " ".join([mode, *switches]), mode, env
 
 
 def mode_name(choice: str) -> str:

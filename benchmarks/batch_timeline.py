@@ -1,8 +1,8 @@
 """Where a batched job's GPU time goes: its steps, its admissions and the GPU's idle time between them.
 
     PYTHONPATH=. python3 benchmarks/batch_timeline.py OUT_DIR [--requests 64] [--slots 16] [--tokens 128]
-        [--modes ar,8,8+lone] [--engine DIR] (ar: autoregressive, or a tree budget; +lone, +group, +lazy: the
-        switches of benchmarks/batch_policy.py)
+        [--modes ar,8,8+profile] [--engine DIR] (ar: autoregressive, or a tree budget; +profile, +lone, +group,
+        +lazy: the switches of benchmarks/batch_policy.py)
 
 The trained pair's engine as `benchmarks/concurrency.py` builds it (bf16 on a GPU), in process through the rank factory
 with the benchmarks' `Probes(record_events=True)`: the batch records CUDA events around each of its calls (a step, an
@@ -65,14 +65,11 @@ def timeline(events: list[tuple]) -> dict:
 
 def run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, slots: int, device: str) -> dict:
     """One job in `mode` (its `+NAME` switches set in this process's environment while its ranks run)."""
-    from benchmarks.batch_policy import SWITCHES
+    from benchmarks.batch_policy import switched
 
-    base, *switches = mode.split("+")
-    unknown = sorted(set(switches) - set(SWITCHES))
-    if unknown:
-        raise SystemExit(f"--modes: unknown switches {unknown} in {mode!r} (known: {sorted(SWITCHES)})")
-    saved = {SWITCHES[n]: os.environ.get(SWITCHES[n]) for n in switches}
-    os.environ.update({name: "1" for name in saved})
+    base, switches, env = switched(mode, "--modes")
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         row = _run_mode(engine, base, prompts, tokens, slots, device)
     finally:
@@ -131,7 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--modes", default="ar,8,8+lone", help="comma-separated: ar (autoregressive) or a budget")
+    parser.add_argument("--modes", default="ar,8,8+profile", help="comma-separated: ar (autoregressive) or a budget")
     parser.add_argument("--engine", type=Path, help="an engine directory built as concurrency.py builds it")
     parser.add_argument("--device", default="cuda", help="cpu: the jobs without a timeline (a check of the script)")
     parser.add_argument("--smoke", action="store_true", help="the tiny demo checkpoints (no trained weights needed)")

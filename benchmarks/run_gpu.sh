@@ -41,11 +41,12 @@
 #             through tritonserver (from $TRITON_BUNDLE, as 'triton'), side by side: what the server's path adds
 #   policy    benchmarks/batch_policy.py: CLI jobs of 16 requests in-flight batched, in the order $ORDER (default
 #             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved; NAME+lazy: with the lazy drafter
-#             context; NAME+group: admissions shared under a backlog), each mode's median; $POLICY_FLAGS added
+#             context; NAME+group: admissions shared under a backlog; NAME+profile: a lone admission on the prefill
+#             profile, not as a group of one), each mode's median; $POLICY_FLAGS added
 #             (--requests 64 --slots 16: a steady load)
 #   timeline  benchmarks/batch_timeline.py: in-process jobs of 64 requests through 16 slots ($TIMELINE_MODES, default
-#             ar,8,8+lone,ar+lone: +lone, a lone admission a graph of one) with CUDA events around the batch's calls:
-#             GPU time in steps and admissions, idle time between
+#             ar,8,8+profile: +profile, a lone admission on the prefill profile) with CUDA events around the batch's
+#             calls: GPU time in steps and admissions, idle time between
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
 #             temperature 1.0, device loop; budget 16, the best there, twice: the run-to-run noise)
 #   flush     benchmarks/l2_flush_probe.py: the floor-bound kernels (INT4 MoE, TreeAttention, a load and a copy) after
@@ -122,7 +123,7 @@ if has policy; then
 fi
 if has timeline; then
   mkdir -p "$OUT/timeline"
-  limit python3 benchmarks/batch_timeline.py "$OUT/timeline" --modes "${TIMELINE_MODES:-ar,8,8+lone,ar+lone}" > "$OUT/batch_timeline.log" 2>&1
+  limit python3 benchmarks/batch_timeline.py "$OUT/timeline" --modes "${TIMELINE_MODES:-ar,8,8+profile}" > "$OUT/batch_timeline.log" 2>&1
   echo "timeline rc=$?"; tail -8 "$OUT/batch_timeline.log"; rm -rf "$OUT/timeline/engine" "$OUT/timeline/hf"
 fi
 if has autoacc; then

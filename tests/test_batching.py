@@ -1084,10 +1084,10 @@ def test_admissions_put_off_leave_every_request_s_tokens_as_they_were(demo_ckpt,
 
 @pytest.mark.parametrize("autoregressive", [False, True])
 def test_lone_admissions_as_groups_of_one_decode_as_before(demo_ckpt, monkeypatch, autoregressive):
-    """`DDTREE_LONE_AS_GROUP=1`: a request admitted alone prefills as a group of one (`prefill_group`: the target's
-    rows, their latent write and the drafter's context in one forward, on GPUs one graph), not on the prefill profile;
-    five requests through two slots (a sampled one among them) emit what they emit without it, and greedy ones what
-    autoregressive decoding does."""
+    """`DDTREE_LONE_AS_GROUP=1` (the default on GPUs): a request admitted alone prefills as a group of one
+    (`prefill_group`: the target's rows, their latent write and the drafter's context in one forward, on GPUs one
+    graph), not on the prefill profile; five requests through two slots (a sampled one among them) emit what they emit
+    without it, and greedy ones what autoregressive decoding does."""
     from runner.generator import Generator
     from runner.sampling import Sampler, SamplingParams
     from runner.speculate import generate_autoregressive
@@ -1115,6 +1115,11 @@ def test_lone_admissions_as_groups_of_one_decode_as_before(demo_ckpt, monkeypatc
         ranks.close()
     assert outputs["1"] == outputs["0"] and [len(t) for t in outputs["1"]] == lengths
     assert set(calls["1"]) == {"prefill_group"} and "batch_prefill" in calls["0"]
+    monkeypatch.delenv("DDTREE_LONE_AS_GROUP")  # unset: on where graphs run (GPUs), so off here
+    ranks = cpu_ranks(demo_ckpt(1), SpecConfig(8, 8), BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=2)
+    assert not ranks.lead.batch.lone_as_group
+    ranks.close()
     monkeypatch.setenv("DDTREE_LONE_AS_GROUP", "on")
-    with pytest.raises(ValueError, match=r"DDTREE_LONE_AS_GROUP: expected 0 or 1, got 'on'"):
+    with pytest.raises(ValueError, match=r"DDTREE_LONE_AS_GROUP: expected 0 or 1 \(or unset: on where graphs run\), "
+                                         r"got 'on'"):  # fmt: skip
         cpu_ranks(demo_ckpt(1), SpecConfig(8, 8), BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=2)

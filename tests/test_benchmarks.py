@@ -362,8 +362,8 @@ def test_batch_timeline_splits_the_gpu_time_into_calls_and_idle_gaps(tmp_path):
                           env=env, cwd=ROOT, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "batch_timeline.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["autoregressive", "DDTree 8", "DDTree 8 lone"]
+    assert [r["mode"] for r in rows] == ["autoregressive", "DDTree 8", "DDTree 8 profile"]
     for row in rows:
         admitted = sum(a["admissions"] for a in row["admissions"].values())
         assert row["tokens"] == 5 * 8 and row["kinds"] == {} and admitted >= 3
-    assert rows[1]["outputs_sha1"] == rows[2]["outputs_sha1"]  # a lone admission as a group of one: the same tokens
+    assert rows[1]["outputs_sha1"] == rows[2]["outputs_sha1"]  # lone admissions on the prefill profile: the same tokens

@@ -117,10 +117,13 @@ class BatchLoop:
         # replay's logits are copied out before the next replay)
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
         self.prefill_pool = torch.cuda.graph_pool_handle() if use_graph else None
-        # a lone admission as a group of one (`DDTREE_LONE_AS_GROUP=1`): on GPUs one graph of the target's prefill, its
-        # latent rows' write and the drafter's context K/V, instead of the prefill profile's graph, then the cache's
-        # write and the drafter's context as eager kernels (`RankWorker.batch_prefill`). Off until timed on a GPU
-        self.lone_as_group = bool(env_switch("DDTREE_LONE_AS_GROUP"))
+        # a lone admission as a group of one (`prefill`; `DDTREE_LONE_AS_GROUP`, default on where graphs run): on GPUs
+        # one graph of the target's prefill, its latent rows' write and the drafter's context K/V, where the prefill
+        # profile's graph left the drafter's context to eager kernels at the request's load (about 2 ms of a 16-slot
+        # batch's time an admission on one H100, the batch waiting: BENCHMARKS.md, section 18). On CPUs, where every
+        # forward is eager, the prefill profile's path (not timed against this one there)
+        chosen = env_switch("DDTREE_LONE_AS_GROUP", " (or unset: on where graphs run)")
+        self.lone_as_group = use_graph if chosen is None else chosen
         # benchmarks' probes.record_events (the rank's device loop has them): (what, start, end) CUDA events around
         # each of the worker's batch calls, for the GPU's time in steps and admissions and its idle time between them
         self.events: list[tuple] | None = [] if worker.loop.events is not None and use_graph else None
