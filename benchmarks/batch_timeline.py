@@ -117,7 +117,8 @@ def _run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, sl
            "step_wall_ms_median": round(statistics.median(batcher.step_times) * 1e3, 4),
            "step_wall_ms_sum": round(sum(batcher.step_times) * 1e3, 2),
            "outputs_sha1": hashlib.sha1(json.dumps([r.tokens for r in results]).encode()).hexdigest()[:12],
-           "admissions": batcher.admission_summary(), **timeline(batch.events if timed else [])}  # fmt: skip
+           "admissions": batcher.admission_summary(), "moves": batcher.moves,
+           **timeline(batch.events if timed else [])}  # fmt: skip
     ranks.close()
     return row
 
