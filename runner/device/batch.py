@@ -91,12 +91,15 @@ class BatchLoop:
         self.emitted = torch.zeros((slots, *lead.emitted.shape), **long)
         # with several budgets, each slot's step statistics (`DeviceLoop.stats`): one row a slot, read in one copy
         self.stats = torch.zeros((slots, *lead.stats.shape), dtype=torch.float64, device=device) if lead.auto else None
+        # and each slot's budget choice inputs (`DeviceLoop.choice_inputs`), a row a slot: a step sets every slot's
+        # budget index in one write
+        self.choice_inputs = torch.stack([loop.choice_inputs for loop in self.loops]) if lead.auto else None
         for s, loop in enumerate(self.loops):  # each loop's state: views of its slot's row
             loop.num_cached, loop.num_drafted = self.num_cached[s : s + 1], self.num_drafted[s : s + 1]
             loop.context_count, loop.bonus = self.context_count[s : s + 1], self.bonus[s : s + 1]
             loop.context, loop.emitted = self.context[s], self.emitted[s]
             if lead.auto:
-                loop.stats = self.stats[s]
+                loop.stats, loop.choice_inputs = self.stats[s], self.choice_inputs[s]
         self.slot_index = torch.arange(slots, device=device)
         self.target, self.drafter, self.autoregressive, self.rows = lead.target, lead.drafter, autoregressive, lead.rows
         self.block = spec.block_size
@@ -185,9 +188,12 @@ class BatchLoop:
         for slot in idle:
             self.release(slot)
         loops = self.loops[:count]
-        for loop in loops if loops[0].auto else ():
-            largest = len(loop.budgets) - 1
-            loop.choice_inputs[-1:].fill_(largest if budget is not None else loop.request_index)
+        if loops[0].auto:  # each slot's budget index: the largest where the step has one budget, else its request's
+            if budget is not None:
+                self.choice_inputs[:count, -1].fill_(len(loops[0].budgets) - 1)
+            else:
+                indices = torch.tensor([float(loop.request_index) for loop in loops], dtype=torch.float64)
+                self.choice_inputs[:count, -1].copy_(indices)
         narrow, append = self.decode_form(count, budget)
         if not self.use_graph:
             self._run(count, budget, report, narrow, append)
