@@ -210,8 +210,9 @@ class Generator:
     def _warm_group_prefills(self, params: SamplingParams) -> None:
         """Several requests admitted at once prefill in one forward (`BatchLoop.prefill`; on GPUs a graph of their
         count, a power of two, and padded length): one-token requests at every prefill length, 2, 4, 8 ... up to the
-        slots at a time (while a group fits a prefill chunk), capture those graphs (and load the kernels their row
-        counts take) before a request needs them, as `_warm_prefill_lengths` does for one request."""
+        slots at a time (from 1 where a lone admission is a group of one, `BatchLoop.lone_as_group`; while a group
+        fits a prefill chunk), capture those graphs (and load the kernels their row counts take) before a request
+        needs them, as `_warm_prefill_lengths` does for one request."""
         lead = self.ranks.lead
         limit = lead.prefill_chunk or lead.session.profile("prefill").dims["tokens"][2]
         for length in length_buckets(min(lead.session.profile("prefill").dims["tokens"][2], self.capacity - 2)):

@@ -184,7 +184,8 @@ class RankWorker:
     def batch_prefill_many(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Several prompts into their slots' caches, in as few forwards as fit (`prefill_group`): a group's padded
         rows stay within a prefill chunk (`prefill_chunk`, else the prefill profile's longest), a prompt longer than
-        that prefills alone in chunks (`batch_prefill`). Each prompt's last row's logits [len(prompts), V], in order.
+        that prefills alone in chunks (`batch_prefill`), as does one alone where lone admissions are not groups of
+        one (`BatchLoop.lone_as_group`). Each prompt's last row's logits [len(prompts), V], in order.
         With graphs (GPUs) a group is cut into counts of powers of two, largest first, each a captured form (13
         requests: 8, 4 and 1). Every rank groups alike (the same lengths, the same limit)."""
         with self.batch.timed(f"admission of {len(prompts)}"):

@@ -8,12 +8,12 @@ forward for every slot's tree** (their rows side by side, each attending to its 
 every slot's tree, after them every slot's walk and commit. On GPUs the step is one CUDA graph per slot count and
 per slot modes (greedy or sampled, filter kind).
 
-A request joins at the next step after its prefill (a lone one on the prefill profile into its slot's caches;
-requests admitted together in one forward, `BatchLoop.prefill`, a graph of their count and length on GPUs) and
-leaves when it is done; slots past the last busy one are not stepped, and after each step the
-requests of the highest slots move down into free slots below them (`BatchLoop.move`: their committed rows and
-state copied), so a step covers as many slots as there are requests. `Batcher` (rank 0) schedules: it admits,
-steps, emits tokens to each request's callback and reports finished requests.
+A request joins at the next step after its prefill (requests admitted together in one forward, `BatchLoop.prefill`,
+a graph of their count and length on GPUs, where a lone one is a group of one; on CPUs a lone one on the prefill
+profile into its slot's caches) and leaves when it is done; slots past the last busy one are not stepped, and before
+each step the requests of the highest slots move down into free slots below them (`BatchLoop.move`: their committed
+rows and state copied), so a step covers as many slots as there are requests. `Batcher` (rank 0) schedules: it
+admits, steps, emits tokens to each request's callback and reports finished requests.
 """
 
 from __future__ import annotations
