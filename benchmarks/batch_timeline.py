@@ -1,7 +1,7 @@
 """Where a batched job's GPU time goes: its steps, its admissions and the GPU's idle time between them.
 
     PYTHONPATH=. python3 benchmarks/batch_timeline.py OUT_DIR [--requests 64] [--slots 16] [--tokens 128]
-        [--modes ar,8,8+profile] [--engine DIR] (ar: autoregressive, or a tree budget; +profile, +lone, +group,
+        [--modes ar,8,8+profile] [--engine DIR] (ar: autoregressive, auto, or a tree budget; +profile, +lone, +group,
         +lazy: the switches of benchmarks/batch_policy.py)
 
 The trained pair's engine as `benchmarks/concurrency.py` builds it (bf16 on a GPU), in process through the rank factory
@@ -86,17 +86,24 @@ def _run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, sl
     import torch
 
     from engines.engine_dir import load_engine_dir
+    from engines.spec import SpecConfig
     from runner.factory import RankOptions, local_ranks
     from runner.generator import Generator
     from runner.probes import Probes
     from runner.sampling import SamplingParams
 
-    autoregressive = mode == "ar"
+    autoregressive, auto = mode == "ar", mode == "auto"
     loaded = load_engine_dir(engine)
-    spec = loaded.spec if autoregressive else loaded.spec.with_budget(int(mode))
+    base = loaded.spec
+    if auto:  # as the CLI's --ddtree_budget auto: every budget the engine verifies, one chosen a step
+        spec = SpecConfig(base.block_size, max(base.budgets), base.max_topk, extra_budgets=base.budgets)
+    else:
+        spec = base if autoregressive else base.with_budget(int(mode))
     options = RankOptions("torch", device, True, autoregressive, Probes(record_events=True), max_batch_size=slots)
     ranks = local_ranks(loaded, options, spec)
     generator = Generator(ranks, autoregressive)
+    if auto:
+        generator.enable_auto_budget()
     generator.warm_up((SamplingParams(),))
     batch = ranks.lead.batch
     params = [SamplingParams()] * len(prompts)
@@ -112,13 +119,16 @@ def _run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, sl
     wall = time.perf_counter() - started
     batcher = generator.last_batcher
     emitted = sum(len(r.tokens) for r in results)
-    row = {"mode": "autoregressive" if autoregressive else f"DDTree {mode}", "requests": len(prompts),
+    name = "autoregressive" if autoregressive else f"DDTree {mode}"
+    row = {"mode": name, "requests": len(prompts),
            "slots": slots, "tokens": emitted, "seconds": round(wall, 4), "tokens_per_s": round(emitted / wall, 1),
            "step_wall_ms_median": round(statistics.median(batcher.step_times) * 1e3, 4),
            "step_wall_ms_sum": round(sum(batcher.step_times) * 1e3, 2),
            "outputs_sha1": hashlib.sha1(json.dumps([r.tokens for r in results]).encode()).hexdigest()[:12],
            "admissions": batcher.admission_summary(), "moves": batcher.moves,
            **timeline(batch.events if timed else [])}  # fmt: skip
+    if auto and generator.batch_policy is not None:  # the batch's choices: steps and median ms by slots and budget
+        row["policy"] = generator.batch_policy.summary()
     ranks.close()
     return row
 
@@ -129,7 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--modes", default="ar,8,8+profile", help="comma-separated: ar (autoregressive) or a budget")
+    parser.add_argument("--modes", default="ar,8,8+profile", help="comma-separated: ar, auto or a budget")
     parser.add_argument("--engine", type=Path, help="an engine directory built as concurrency.py builds it")
     parser.add_argument("--device", default="cuda", help="cpu: the jobs without a timeline (a check of the script)")
     parser.add_argument("--smoke", action="store_true", help="the tiny demo checkpoints (no trained weights needed)")
