@@ -9,11 +9,11 @@ with the benchmarks' `Probes(record_events=True)`: the batch records CUDA events
 admission's prefill, its requests' loads, a request's move to a lower slot; `BatchLoop.timed`). One warm-up job, then
 one job a mode of `--requests` held-out prompts through `--slots` slots (each request joining as one leaves), what the
 CLI's `--max_batch_size` runs. For each job: tokens/s and a digest of every request's tokens; each kind of call's
-count (admissions by their number of requests), its GPU span (start to end event: the work it queued; a step's ends
-before its tokens' copy is waited on) and the host's wall time of the Batcher's steps; and the GPU's idle time before
-each kind (from the previous call's end to its start: the host's work between them, its waits included). The timeline
-on GPUs only (events time graph replays; `--device cpu` runs the jobs).
-Writes OUT_DIR/batch_timeline.json.
+count (steps by their slots and batch-wide budget, admissions by their number of requests), its GPU span (start to end
+event: the work it queued; a step's ends before its tokens' copy is waited on) and the host's wall time of the
+Batcher's steps; and the GPU's idle time before each kind (from the previous call's end to its start: the host's work
+between them, its waits included). The timeline on GPUs only (events time graph replays; `--device cpu` runs the
+jobs). Writes OUT_DIR/batch_timeline.json.
 """
 
 from __future__ import annotations
@@ -156,8 +156,14 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         row = run_mode(engine, mode, prompts, args.tokens, args.slots, args.device)
         rows.append(row)
+        steps = {k: v for k, v in row["kinds"].items() if k.startswith("step")}
+        calls = {k: v for k, v in row["kinds"].items() if not k.startswith("step")}
+        if steps:  # every step together, then the others by kind
+            calls["steps"] = {"count": sum(v["count"] for v in steps.values()),
+                              "span_ms": round(sum(v["span_ms"] for v in steps.values()), 2),
+                              "idle_before_ms": round(sum(v["idle_before_ms"] for v in steps.values()), 2)}  # fmt: skip
         kinds = ", ".join(f"{k} {v['count']}x span {v['span_ms']} ms idle before {v['idle_before_ms']} ms"
-                          for k, v in row["kinds"].items())  # fmt: skip
+                          for k, v in calls.items())  # fmt: skip
         print(f"{row['mode']}: {row['tokens_per_s']} tokens/s, {row['seconds']} s; GPU timeline {row['timeline_ms']} "
               f"ms, idle {row['idle_ms']} ms ({row['idle_share'] or 0:.1%}); {kinds}; step wall median "
               f"{row['step_wall_ms_median']} ms", flush=True)  # fmt: skip

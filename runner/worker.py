@@ -175,7 +175,7 @@ class RankWorker:
         cache = self.batch.loops[slot].cache
         main, self.cache = self.cache, cache
         try:
-            with self.batch.timed("admission of 1"):
+            with self.batch.timed("admission of", 1):
                 cache.reset()
                 return self.prefill(prompt)
         finally:
@@ -188,7 +188,7 @@ class RankWorker:
         one (`BatchLoop.lone_as_group`). Each prompt's last row's logits [len(prompts), V], in order.
         With graphs (GPUs) a group is cut into counts of powers of two, largest first, each a captured form (13
         requests: 8, 4 and 1). Every rank groups alike (the same lengths, the same limit)."""
-        with self.batch.timed(f"admission of {len(prompts)}"):
+        with self.batch.timed("admission of", len(prompts)):
             return self._batch_prefill_many(slots, prompts)
 
     def _batch_prefill_many(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
@@ -258,7 +258,7 @@ class RankWorker:
         a step at one budget reports statistics (`BatchLoop.step`). Returns (each slot's tokens, each several-budget
         slot's statistics, whether the step captured its graph)."""
         loops = self.batch.loops
-        with self.batch.timed("step"):
+        with self.batch.timed("step of", count, *(() if budget is None else ("at", budget))):
             for slot, choice in (choices or {}).items():
                 loops[slot].set_choice(choice)
             emitted = self.batch.step(count, idle, budget, report)

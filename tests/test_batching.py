@@ -1125,3 +1125,27 @@ def test_lone_admissions_as_groups_of_one_decode_as_before(demo_ckpt, monkeypatc
     with pytest.raises(ValueError, match=r"DDTREE_LONE_AS_GROUP: expected 0 or 1 \(or unset: on where graphs run\), "
                                          r"got 'on'"):  # fmt: skip
         cpu_ranks(demo_ckpt(1), SpecConfig(8, 8), BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=2)
+
+
+def test_the_batch_names_its_timed_calls_and_times_nested_ones_once(demo_ckpt, monkeypatch):
+    """The benchmarks' events around the batch's calls (`BatchLoop.timed`, GPUs only: stand-in events here): one
+    (what, start, end) a call, named by its kind, its slots and budget or its requests; a lone prefill inside an
+    admission is not timed again; a step's end is marked before its tokens are read."""
+    import runner.device.batch as batch_module
+    from runner.generator import Generator
+    from runner.sampling import SamplingParams
+
+    marks = []
+    monkeypatch.setattr(batch_module, "timing_event", lambda: marks.append(len(marks)) or marks[-1])
+    ranks = cpu_ranks(demo_ckpt(1), SpecConfig(8, 8), BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=2)
+    batch = ranks.lead.batch
+    assert batch.events is None  # no probes: nothing recorded
+    batch.events = []
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    Generator(ranks).generate_many(prompts, [6, 3, 4], [SamplingParams()] * 3)
+    names = [name for name, _, _ in batch.events]
+    assert names[0] == "admission of 2" and names[1] == "load" and names[2] == "step of 2"
+    assert "admission of 1" in names and set(names) <= {"admission of 2", "admission of 1", "load", "step of 2",
+                                                         "step of 1", "move"}  # fmt: skip
+    assert all(start < end for _, start, end in batch.events) and len(marks) == 2 * len(names)
+    ranks.close()

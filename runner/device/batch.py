@@ -133,8 +133,9 @@ class BatchLoop:
         self._timing, self._end = 0, None
 
     @contextmanager
-    def timed(self, what: str):
-        """CUDA events around a batch call (`events`; the outermost call of nested ones), else nothing."""
+    def timed(self, *what):
+        """CUDA events around a batch call (`events`; the outermost call of nested ones), named by `what`'s words
+        (joined only where events are recorded), else nothing."""
         if self.events is None or self._timing:
             yield
             return
@@ -145,7 +146,7 @@ class BatchLoop:
         finally:
             self._timing -= 1
             end, self._end = self._end or timing_event(), None  # a step's: its work queued, before its tokens' wait
-            self.events.append((what, start, end))
+            self.events.append((" ".join(map(str, what)), start, end))
 
     def release(self, slot: int) -> None:
         """A free slot below a busy one is stepped too: its state goes back to an empty sequence before each step,
