@@ -251,9 +251,8 @@ class RankWorker:
         with self.batch.timed("move"):
             self.batch.move(source, target, self.batch.loops[source].cache.num_cached + emitted)
 
-    def batch_step(self, count: int, idle: tuple[int, ...] = (), choices: dict | None = None, budget=None,
-                   report: bool = True):  # fmt: skip
-        """One step of slots [0, count) (`idle` ones reset first); choices: the budget policy's inputs of the slots
+    def batch_step(self, count: int, choices: dict | None = None, budget=None, report: bool = True):
+        """One step of slots [0, count) (`BatchLoop.step`); choices: the budget policy's inputs of the slots
         whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`); report: whether
         a step at one budget reports statistics (`BatchLoop.step`). Returns (each slot's tokens, each several-budget
         slot's statistics, whether the step captured its graph)."""
@@ -261,7 +260,7 @@ class RankWorker:
         with self.batch.timed("step of", count, *(() if budget is None else ("at", budget))):
             for slot, choice in (choices or {}).items():
                 loops[slot].set_choice(choice)
-            emitted = self.batch.step(count, idle, budget, report)
+            emitted = self.batch.step(count, budget, report)
         return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}, self.batch.captured
 
     def device_prefill_context(self) -> None:

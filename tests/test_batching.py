@@ -717,7 +717,7 @@ def test_a_batch_wide_step_at_a_smaller_budget_reports_what_the_largest_tells_of
     for budget in (32, 8, 4, DECODE):
         for tensor, value in zip(state, saved):
             tensor.copy_(value)
-        batch.step(3, (), budget)
+        batch.step(3, budget)
         told[budget] = [loop.last_stats for loop in batch.loops[:3]]
     ranks.close()
     assert told[DECODE] == [None] * 3
@@ -864,10 +864,10 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     generator, batch = Generator(ranks), ranks.lead.batch
     taken, step = [], batch.step
 
-    def spy(count, idle=(), budget=None, report=True):  # the graph's key (`BatchLoop.step`)
+    def spy(count, budget=None, report=True):  # the graph's key (`BatchLoop.step`)
         form = batch.decode_form(count, budget) if budget == DECODE else ()
         taken.append((count, budget, report or budget in (None, DECODE), *form))
-        return step(count, idle, budget, report)
+        return step(count, budget, report)
 
     batch.step = spy
     results = generator.generate_many(PROMPTS[:3], 20, [GREEDY] * 3, budget=8)

@@ -149,8 +149,7 @@ class BatchLoop:
             self.events.append((" ".join(map(str, what)), start, end))
 
     def release(self, slot: int) -> None:
-        """A free slot below a busy one is stepped too: its state goes back to an empty sequence before each step,
-        so its discarded steps never run past the cache."""
+        """A slot whose request moved away (`move`): its state goes back to an empty sequence."""
         loop = self.loops[slot]
         for state in (loop.num_cached, loop.num_drafted, loop.context_count):
             state.fill_(0)
@@ -177,17 +176,14 @@ class BatchLoop:
             dst.request_index, dst.request_budget = src.request_index, src.request_budget
         self.release(source)
 
-    def step(self, count: int, idle: tuple[int, ...] = (), budget: int | None = None,
-             report: bool = True) -> list[list[int]]:  # fmt: skip
-        """One step of slots [0, count); returns each slot's emitted tokens (an idle slot's are to be dropped).
+    def step(self, count: int, budget: int | None = None, report: bool = True) -> list[list[int]]:
+        """One step of slots [0, count), every one busy (`Batcher._compact`); returns each slot's emitted tokens.
         budget: one tree budget for every slot this step (`StepBudgetPolicy`: the verify then has that budget's
         rows for each request, and each slot's statistics tell that budget and every smaller one); None: each
         slot's own (its request's budget, or `auto` chosen in the slot from its tree). report: whether a step at
         one budget reports statistics (an all-`auto` batch's policy learns from them; a batch all at one fixed
         budget needs none, and its graph leaves out the ranking)."""
         report = report or budget is None or budget == DECODE  # an autoregressive step reports nothing: one graph
-        for slot in idle:
-            self.release(slot)
         loops = self.loops[:count]
         if loops[0].auto:  # each slot's budget index: the largest where the step has one budget, else its request's
             if budget is not None:
@@ -631,10 +627,9 @@ class Batcher:
         """One batched step of every admitted request; returns those it finished (their slots are free again)."""
         if not self.members:
             return []
-        self._compact()
-        count = max(self.members) + 1
-        self.batch_sizes[len(self.members)] += 1
-        idle = tuple(s for s in range(count) if s not in self.members)
+        self._compact()  # the requests in slots [0, count)
+        count = len(self.members)
+        self.batch_sizes[count] += 1
         batch_wide = self.batch_policy is not None and all(m.budget == "auto" for m in self.members.values())
         budget = self.batch_policy.choose(len(self.members), count) if batch_wide else None
         fixed = {m.budget for m in self.members.values()}
@@ -649,7 +644,7 @@ class Batcher:
         # statistics only where a policy learns from them: an all-`auto` batch's steps that its policy asks them of
         # (`StepBudgetPolicy.reports`), or each `auto` slot's own
         report = budget is None or (batch_wide and self.batch_policy.reports(budget))
-        emitted, stats, captured = self.ranks.call("batch_step", count, idle, choices, budget, report)
+        emitted, stats, captured = self.ranks.call("batch_step", count, choices, budget, report)
         seconds = time.perf_counter() - started
         if self.timings is not None and not captured:
             self.timings.setdefault((count, budget, report), []).append(seconds)
@@ -687,12 +682,11 @@ class Batcher:
 
     def _compact(self) -> None:
         """Before a step, requests in the highest slots move down into free slots below them, so a step covers only
-        as many slots as there are requests (a freed slot below a busy one would be stepped on reset state, and a
-        batch's step costs its slot count: 16 requests leaving one by one kept 16-slot steps to the end). Before the
-        step, not after the last: the admissions in between take the lowest free slots first, so under a backlog a
-        freed slot is refilled, not its request's successor moved into it and the newcomer admitted at the top (one
-        H100, 64 requests through 16 slots: 60 moves a DDTree 8 job, 13 ms of the GPU's time and 6 ms of its idle
-        time in a 330 ms job; BENCHMARKS.md, section 18)."""
+        its requests' slots, [0, requests) (a batch's step costs its slot count: 16 requests leaving one by one kept
+        16-slot steps to the end). Before the step, not after the last: the admissions in between take the lowest
+        free slots first, so under a backlog a freed slot is refilled, not its request's successor moved into it and
+        the newcomer admitted at the top (one H100, 64 requests through 16 slots: 60 moves a DDTree 8 job, 13 ms of
+        the GPU's time and 6 ms of its idle time in a 330 ms job; BENCHMARKS.md, section 18)."""
         while self.members:
             high = max(self.members)
             free = [s for s in range(high) if s not in self.members]
