@@ -198,11 +198,7 @@ class RankWorker:
 
         def flush():
             for part in _group_parts(group, self.batch.use_graph):
-                # one prompt: on the prefill profile (`batch_prefill`), or where lone admissions take the group's
-                # form (`BatchLoop.lone_as_group`) as a group of one (on GPUs a graph, at a captured length)
-                graphed = not self.batch.use_graph or padded[part[0]] in self.session.prefill_buckets
-                lone = not (self.batch.lone_as_group and graphed)
-                if len(part) == 1 and (lone or padded[part[0]] > limit):
+                if len(part) == 1 and self._prefills_alone(padded[part[0]], limit):
                     logits[part[0]] = self.batch_prefill(slots[part[0]], prompts[part[0]])
                     continue
                 out = self.prefill_group([slots[i] for i in part], [prompts[i] for i in part])
@@ -218,6 +214,13 @@ class RankWorker:
                 flush()
         flush()
         return torch.cat(logits)
+
+    def _prefills_alone(self, rows: int, limit: int) -> bool:
+        """Whether a prompt admitted by itself (padded to `rows`) prefills on the prefill profile (`batch_prefill`)
+        rather than as a group of one: where it is longer than a group may be, or where lone admissions are not
+        groups of one (`BatchLoop.lone_as_group`; on GPUs a group of one is a graph, so its length must be captured)."""
+        graphed = not self.batch.use_graph or rows in self.session.prefill_buckets
+        return rows > limit or not (self.batch.lone_as_group and graphed)
 
     def prefill_group(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Prompts into their (free) slots' caches in one target forward (`BatchLoop.prefill`): each padded to the
