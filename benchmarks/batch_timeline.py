@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -68,16 +69,8 @@ def run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, slo
     from benchmarks.batch_policy import switched
 
     base, switches, env = switched(mode, "--modes")
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         row = _run_mode(engine, base, prompts, tokens, slots, device)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
     row["mode"] = " ".join([row["mode"], *switches])
     return row
 
