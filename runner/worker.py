@@ -255,16 +255,26 @@ class RankWorker:
             self.batch.move(source, target, self.batch.loops[source].cache.num_cached + emitted)
 
     def batch_step(self, count: int, choices: dict | None = None, budget=None, report: bool = True):
-        """One step of slots [0, count) (`BatchLoop.step`); choices: the budget policy's inputs of the slots
-        whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`); report: whether
-        a step at one budget reports statistics (`BatchLoop.step`). Returns (each slot's tokens, each several-budget
-        slot's statistics, whether the step captured its graph)."""
+        """One step of slots [0, count) (`batch_launch`, then `batch_collect`); choices: the budget policy's inputs
+        of the slots whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`); report:
+        whether a step at one budget reports statistics (`BatchLoop.launch`). Returns (each slot's tokens, each
+        several-budget slot's statistics, whether the step captured its graph)."""
+        self.batch_launch(count, choices, budget, report)
+        return self.batch_collect()
+
+    def batch_launch(self, count: int, choices: dict | None = None, budget=None, report: bool = True) -> None:
+        """Queues one step of slots [0, count) (`BatchLoop.launch`; the arguments as `batch_step`'s)."""
         loops = self.batch.loops
         with self.batch.timed("step of", count, *(() if budget is None else ("at", budget))):
             for slot, choice in (choices or {}).items():
                 loops[slot].set_choice(choice)
-            emitted = self.batch.step(count, budget, report)
-        return emitted, {s: loops[s].last_stats for s in range(count) if loops[s].auto}, self.batch.captured
+            self.batch.launch(count, budget, report)
+
+    def batch_collect(self):
+        """The oldest queued step's results (`BatchLoop.collect`), as `batch_step` returns them."""
+        emitted, captured = self.batch.collect()
+        loops = self.batch.loops
+        return emitted, {s: loops[s].last_stats for s in range(len(emitted)) if loops[s].auto}, captured
 
     def device_prefill_context(self) -> None:
         self.loop.prefill_context()

@@ -862,14 +862,14 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     spec = SpecConfig(8, 16, extra_budgets=(4, 8))
     ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
     generator, batch = Generator(ranks), ranks.lead.batch
-    taken, step = [], batch.step
+    taken, launch = [], batch.launch
 
-    def spy(count, budget=None, report=True):  # the graph's key (`BatchLoop.step`)
+    def spy(count, budget=None, report=True):  # the graph's key (`BatchLoop.launch`)
         form = batch.decode_form(count, budget) if budget == DECODE else ()
         taken.append((count, budget, report or budget in (None, DECODE), *form))
-        return step(count, budget, report)
+        return launch(count, budget, report)
 
-    batch.step = spy
+    batch.launch = spy
     results = generator.generate_many(PROMPTS[:3], 20, [GREEDY] * 3, budget=8)
     for prompt, result in zip(PROMPTS, results):
         assert result.tokens == generate_autoregressive(ranks, prompt, 20, Sampler(SamplingParams())).tokens
@@ -1149,3 +1149,56 @@ def test_the_batch_names_its_timed_calls_and_times_nested_ones_once(demo_ckpt, m
                                                          "step of 1", "move"}  # fmt: skip
     assert all(start < end for _, start, end in batch.events) and len(marks) == 2 * len(names)
     ranks.close()
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+@pytest.mark.parametrize("autoregressive", [False, True], ids=["ddtree", "autoregressive"])
+def test_steps_queued_ahead_emit_what_steps_read_one_at_a_time(demo_ckpt, monkeypatch, autoregressive, tp_size):
+    """`DDTREE_RUN_AHEAD=1` (the default on GPUs): the batch queues its next step before reading the tokens of the one
+    in flight (`Batcher._may_run_ahead`). Six requests through two slots (a sampled one; different lengths; an end
+    token that ends requests in a step with the next one already queued, whose slot then computes that step for no
+    one while a waiting request's admission reads it first) emit what they emit with it off, on every rank, and greedy
+    ones what autoregressive decoding does. Steps are queued ahead only where nothing can end a request by its token
+    count; the switch takes 0 or 1."""
+    from runner.generator import Generator
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    greedy, sampled = SamplingParams(), SamplingParams(1.0, top_k=20, seed=5)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0][:4], PROMPTS[1][2:]]
+    params, lengths = [greedy, greedy, sampled, greedy, greedy, greedy], [30, 9, 24, 28, 12, 20]
+    spec, build = SpecConfig(8, 8), BuildConfig(**ENGINE_LIMITS)
+    ranks = cpu_ranks(demo_ckpt(tp_size), spec, build, device_loop=True, autoregressive=autoregressive,
+                      max_batch_size=2)  # fmt: skip
+    reference = generate_autoregressive(ranks, PROMPTS[3], 28, Sampler(greedy)).tokens
+    end = reference[10]  # ends the fourth request (at least) part-way, not at its token count
+    ranks.close()
+    outputs, queued = {}, {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("DDTREE_RUN_AHEAD", switch)
+        ranks = cpu_ranks(demo_ckpt(tp_size), spec, build, device_loop=True, autoregressive=autoregressive,
+                          max_batch_size=2)  # fmt: skip
+        batch, behind = ranks.lead.batch, []
+        assert batch.run_ahead == (switch == "1")
+
+        def spy(*args, batch=batch, behind=behind, launch=batch.launch):  # the steps in flight at each launch
+            behind.append(len(batch.in_flight))
+            return launch(*args)
+
+        monkeypatch.setattr(batch, "launch", spy)
+        results = Generator(ranks, autoregressive).generate_many(prompts, lengths, params, end_ids={end})
+        outputs[switch], queued[switch] = [r.tokens for r in results], sum(behind)
+        for prompt, n, p, result in zip(prompts, lengths, params, results):
+            if p is greedy:
+                assert result.tokens == generate_autoregressive(ranks, prompt, n, Sampler(greedy), {end}).tokens
+            steps = result.accept_lengths  # each step its request read once (none queued for no one)
+            assert 1 + sum(steps[:-1]) < len(result.tokens) <= 1 + sum(steps)
+            assert result.target_forwards == 1 + len(steps)
+        assert not batch.in_flight and all(not w.batch.in_flight for w in ranks.workers)
+        ranks.close()
+    assert outputs["1"] == outputs["0"] and queued["0"] == 0 and queued["1"] > 0
+    assert end in outputs["1"][3] and len(outputs["1"][3]) < 28
+    monkeypatch.setenv("DDTREE_RUN_AHEAD", "yes")
+    with pytest.raises(ValueError, match=r"DDTREE_RUN_AHEAD: expected 0 or 1 \(or unset: on where graphs run\), "
+                                         r"got 'yes'"):  # fmt: skip
+        cpu_ranks(demo_ckpt(1), spec, build, device_loop=True, max_batch_size=2)

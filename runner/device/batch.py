@@ -13,7 +13,10 @@ a graph of their count and length on GPUs, where a lone one is a group of one; o
 profile into its slot's caches) and leaves when it is done; slots past the last busy one are not stepped, and before
 each step the requests of the highest slots move down into free slots below them (`BatchLoop.move`: their committed
 rows and state copied), so a step covers as many slots as there are requests. `Batcher` (rank 0) schedules: it
-admits, steps, emits tokens to each request's callback and reports finished requests.
+admits, steps, emits tokens to each request's callback and reports finished requests. Where nothing the next step
+needs depends on a step's tokens (fixed budgets or autoregressive decoding, the same requests, none at its token
+limit), it queues that step before reading the tokens of the one in flight, as the single request's device loop does
+(`BatchLoop.launch` / `collect`: each step's tokens in a pinned host slot of their own).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def env_switch(name: str, unset: str = "") -> bool | None:
     if chosen not in ("", "0", "1"):
         raise ValueError(f"{name}: expected 0 or 1{unset}, got {chosen!r}")
     return None if not chosen else chosen == "1"
+
+
+STEPS_IN_FLIGHT = 2  # batched steps queued at most: the one running and one behind it (`BatchLoop.launch`)
 
 
 class _Slot:
@@ -131,6 +137,22 @@ class BatchLoop:
         # each of the worker's batch calls, for the GPU's time in steps and admissions and its idle time between them
         self.events: list[tuple] | None = [] if worker.loop.events is not None and use_graph else None
         self._timing, self._end = 0, None
+        # steps in flight (`launch`, `collect`): each step's tokens (and statistics) go to a pinned host slot of their
+        # own in a copy queued behind it, so a second step can be queued before the first one's tokens are read
+        pinned = device.type == "cuda"
+        self.host_emitted = [torch.zeros(self.emitted.shape, dtype=torch.long, pin_memory=pinned)
+                             for _ in range(STEPS_IN_FLIGHT)]  # fmt: skip
+        self.host_stats = ([torch.zeros(self.stats.shape, dtype=torch.float64, pin_memory=pinned)
+                            for _ in range(STEPS_IN_FLIGHT)] if lead.auto else None)  # fmt: skip
+        self.done = [torch.cuda.Event() for _ in range(STEPS_IN_FLIGHT)] if pinned else None
+        self.in_flight: deque = deque()  # (pinned slot, slots stepped, budget, statistics read, captured)
+        self.launched = 0
+        # `Batcher` queues the next step before reading a step's tokens where the batch allows it (`run_ahead`):
+        # the GPU then runs the steps back to back, where it waited for the host's work between them (8-17 % of a
+        # batched job's time on one H100, BENCHMARKS.md, section 18). Default on where graphs run; on CPUs, where a
+        # step runs eagerly, queueing ahead gains nothing (`DDTREE_RUN_AHEAD=1` takes the path there too)
+        chosen = env_switch("DDTREE_RUN_AHEAD", " (or unset: on where graphs run)")
+        self.run_ahead = use_graph if chosen is None else chosen
 
     @contextmanager
     def timed(self, *what):
@@ -177,12 +199,24 @@ class BatchLoop:
         self.release(source)
 
     def step(self, count: int, budget: int | None = None, report: bool = True) -> list[list[int]]:
-        """One step of slots [0, count), every one busy (`Batcher._compact`); returns each slot's emitted tokens.
-        budget: one tree budget for every slot this step (`StepBudgetPolicy`: the verify then has that budget's
-        rows for each request, and each slot's statistics tell that budget and every smaller one); None: each
-        slot's own (its request's budget, or `auto` chosen in the slot from its tree). report: whether a step at
-        one budget reports statistics (an all-`auto` batch's policy learns from them; a batch all at one fixed
-        budget needs none, and its graph leaves out the ranking)."""
+        """One step of slots [0, count) (`launch`, then `collect`); returns each slot's emitted tokens."""
+        self.launch(count, budget, report)
+        return self.collect()[0]
+
+    def launch(self, count: int, budget: int | None = None, report: bool = True) -> None:
+        """Queues one step of slots [0, count), every one busy (`Batcher._compact`), and the copy of its tokens to a
+        pinned host slot; `collect` reads them. budget: one tree budget for every slot this step
+        (`StepBudgetPolicy`: the verify then has that budget's rows for each request, and each slot's statistics
+        tell that budget and every smaller one); None: each slot's own (its request's budget, or `auto` chosen in
+        the slot from its tree). report: whether a step at one budget reports statistics (an all-`auto` batch's
+        policy learns from them; a batch all at one fixed budget needs none, and its graph leaves out the ranking).
+        A step queued behind one in flight must not be an autoregressive step of speculative requests: its form
+        (`decode_form`) depends on the tokens of the step before."""
+        if len(self.in_flight) == STEPS_IN_FLIGHT:
+            raise RuntimeError(f"{STEPS_IN_FLIGHT} batched steps in flight: collect one before launching another")
+        if self.in_flight and budget == DECODE and not self.autoregressive:
+            raise RuntimeError("an autoregressive step of speculative requests queued behind a step in flight: its "
+                               "form depends on that step's tokens")  # fmt: skip
         report = report or budget is None or budget == DECODE  # an autoregressive step reports nothing: one graph
         loops = self.loops[:count]
         if loops[0].auto:  # each slot's budget index: the largest where the step has one budget, else its request's
@@ -202,18 +236,35 @@ class BatchLoop:
             self.graphs[key].replay()
         if self._timing:
             self._end = timing_event()
-        emitted = self.emitted[:count].tolist()  # the device -> host copy of a step (and the statistics' below)
+        # every tree step's statistics, each slot's at its own budget or at the batch's; none of an autoregressive
+        # step (decided from `budget`: a replayed graph does not set the Python attributes)
+        informs = loops[0].auto and budget != DECODE and report
+        slot = self.launched % STEPS_IN_FLIGHT
+        self.launched += 1
+        pinned = self.done is not None
+        self.host_emitted[slot][:count].copy_(self.emitted[:count], non_blocking=pinned)
+        if informs:
+            self.host_stats[slot][:count].copy_(self.stats[:count], non_blocking=pinned)
+        if pinned:
+            self.done[slot].record()
+        self.in_flight.append((slot, count, budget, informs, append, self.use_graph and self.captured))
+
+    def collect(self) -> tuple[list[list[int]], bool]:
+        """Waits for the oldest step in flight; returns (each of its slots' emitted tokens, whether it captured its
+        graph) and sets each slot's `last_stats`."""
+        slot, count, budget, informs, append, captured = self.in_flight.popleft()
+        if self.done is not None:
+            self.done[slot].synchronize()
+        loops = self.loops[:count]
+        emitted = self.host_emitted[slot][:count].tolist()  # the device -> host copy of a step
         for loop, values in zip(loops, emitted) if not self.autoregressive else ():
             loop.wide_context = budget != DECODE  # a tree step leaves its accepted rows pending
             # pending rows: a tree step's accepted ones (its emitted count), an autoregressive step's one more, or one
             loop.pending = values[-1] if budget != DECODE else loop.pending + 1 if append else 1
-        # every tree step's statistics, each slot's at its own budget or at the batch's; none of an autoregressive
-        # step (decided from `budget`: a replayed graph does not set the Python attributes)
-        informs = loops[0].auto and budget != DECODE and report
-        rows = self.stats[:count].tolist() if informs else [None] * count
+        rows = self.host_stats[slot][:count].tolist() if informs else [None] * count
         for loop, values in zip(loops, rows):
             loop.last_stats = None if values is None else loop.read_stats(values)
-        return [values[: values[-1]] for values in emitted]
+        return [values[: values[-1]] for values in emitted], captured
 
     def decode_form(self, count: int, budget: int | None) -> tuple[bool, bool]:
         """(narrow, append) of a step of slots [0, count) at `budget` (both False but for an autoregressive step of
@@ -464,6 +515,8 @@ class BatchLoop:
         return capture_graph(lambda: self._run(count, budget, report, narrow, append), self.device, warmups=0)[0]
 
     def close(self) -> None:
+        while self.in_flight:  # the steps in flight finish before their graphs and pinned slots go
+            self.collect()
         for loop in self.loops:
             loop.close()
         self.graphs, self.prefill_graphs = {}, {}
@@ -500,6 +553,27 @@ class Member:
     started: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class StepPlan:
+    """A batched step as `Batcher` queues it (`RankWorker.batch_launch`'s arguments, and whether the batch's policy
+    chose its budget)."""
+
+    count: int
+    budget: int | None
+    report: bool
+    batch_wide: bool
+    choices: dict
+
+
+@dataclass
+class InFlight:
+    """A queued step: its plan, the requests in its slots when it was queued, and when."""
+
+    plan: StepPlan
+    members: dict
+    launched: float
+
+
 # the most steps in a row that `Batcher.admit_now` puts admissions off (a waiting request's added latency)
 ADMIT_WAIT_STEPS = 4
 
@@ -509,10 +583,11 @@ class Batcher:
     into a free slot and emits its first token; `step` runs one batched step of every admitted request and returns
     the ones that finished. policy: `auto` requests' `BudgetPolicy` (shared: costs are per budget, not per
     request). group_admissions: under a backlog, put a freed slot's admission off while sharing it with the slots the
-    next steps free pays (`admit_now`)."""
+    next steps free pays (`admit_now`). run_ahead: queue a step before reading the one in flight where the batch
+    allows it (`_may_run_ahead`); most_tokens: the tokens a step emits at most, for that."""
 
     def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None, batch_policy=None,
-                 group_admissions: bool = False):  # fmt: skip
+                 group_admissions: bool = False, run_ahead: bool = False, most_tokens: int = 1):  # fmt: skip
         self.ranks, self.slots, self.autoregressive, self.policy = ranks, slots, autoregressive, policy
         self.batch_policy = batch_policy  # `StepBudgetPolicy`: one budget a step while every request is `auto`
         self.group_admissions = group_admissions
@@ -530,6 +605,11 @@ class Batcher:
         # where given, the seconds of each step that captured no graph, by (slots stepped, budget, statistics
         # reported), budget None where each slot ran its own (`Generator.measure_batch_costs` reads them)
         self.timings: dict[tuple[int, int | None, bool], list[float]] | None = None
+        # steps queued and not yet read (`step`): at most two, the second queued behind the first (`run_ahead`)
+        self.in_flight: deque[InFlight] = deque()
+        self._collected = 0.0  # when the last step's tokens were read
+        self.finished: list[Member] = []  # requests an admission's read of a queued step finished (`admit_many`)
+        self.run_ahead, self.most_tokens = run_ahead, most_tokens
 
     @property
     def free(self) -> int:
@@ -588,10 +668,12 @@ class Batcher:
         profile (a graph on GPUs), several in as few target forwards as fit (`RankWorker.batch_prefill_many`), every
         first token in one copy (greedy ones: one argmax); each request's prefill time is the admission's. Returns
         their members in order."""
-        if len(requests) > self.free:
-            raise ValueError(f"{len(requests)} requests to admit, but {self.free} of {self.slots} slots are free")
         if not requests:
             return []
+        while self.in_flight:  # a step queued ahead is read first (the prefill would wait for it on the GPU anyway):
+            self.finished += self._collect()  # no slot changes hands under a step in flight; `step` returns these
+        if len(requests) > self.free:
+            raise ValueError(f"{len(requests)} requests to admit, but {self.free} of {self.slots} slots are free")
         slots = sorted(set(range(self.slots)) - set(self.members))[: len(requests)]
         members = [Member(r.tag, slot, list(r.prompt), r.max_new_tokens, set(r.end_ids), tuple(r.stop_sequences),
                           r.on_tokens, r.budget, GenerationResult(prompt=list(r.prompt), tokens=[]))
@@ -624,12 +706,27 @@ class Batcher:
         return admitted
 
     def step(self) -> list[Member]:
-        """One batched step of every admitted request; returns those it finished (their slots are free again)."""
+        """One batched step of every admitted request; returns those it finished (their slots are free again).
+        Where the batch allows it (`_may_run_ahead`), the next step is queued before this one's tokens are read and
+        is still in flight when this returns: the next call collects it."""
+        done, self.finished = self.finished, []
+        if self.in_flight and not self._unchanged():  # requests left since it was queued
+            done += self._collect()
         if not self.members:
-            return []
-        self._compact()  # the requests in slots [0, count)
+            return done
+        if not self.in_flight:
+            self._compact()  # the requests in slots [0, count)
+            self._launch(self._plan())
+        if self._may_run_ahead():
+            self._launch(self.in_flight[0].plan)
+        done += self._collect()
+        if self.in_flight and not self.members:  # none of its requests is left: its tokens are no one's
+            self._collect()
+        return done
+
+    def _plan(self) -> StepPlan:
+        """The next step's slots, budget, statistics and slot choices, as the batch stands."""
         count = len(self.members)
-        self.batch_sizes[count] += 1
         batch_wide = self.batch_policy is not None and all(m.budget == "auto" for m in self.members.values())
         budget = self.batch_policy.choose(len(self.members), count) if batch_wide else None
         fixed = {m.budget for m in self.members.values()}
@@ -640,34 +737,69 @@ class Batcher:
             budget = next(iter(fixed))
         auto = [s for s, m in self.members.items() if m.budget == "auto" and self.policy is not None]
         choices = {} if batch_wide else {s: self.policy.device_inputs() for s in auto}
-        started = time.perf_counter()
         # statistics only where a policy learns from them: an all-`auto` batch's steps that its policy asks them of
         # (`StepBudgetPolicy.reports`), or each `auto` slot's own
         report = budget is None or (batch_wide and self.batch_policy.reports(budget))
-        emitted, stats, captured = self.ranks.call("batch_step", count, choices, budget, report)
-        seconds = time.perf_counter() - started
+        return StepPlan(count, budget, report, batch_wide, choices)
+
+    def _launch(self, plan: StepPlan) -> None:
+        self.batch_sizes[plan.count] += 1
+        launched = time.perf_counter()
+        self.ranks.call("batch_launch", plan.count, plan.choices, plan.budget, plan.report)
+        self.in_flight.append(InFlight(plan, dict(self.members), launched))
+
+    def _unchanged(self) -> bool:
+        """Whether the batch's requests are those of the oldest step in flight, in the same slots."""
+        members = self.in_flight[0].members
+        return len(members) == len(self.members) and all(self.members.get(s) is m for s, m in members.items())
+
+    def _may_run_ahead(self) -> bool:
+        """Whether to queue the next step before reading the tokens of the one in flight: where `run_ahead` is on,
+        the batch is the one that step has, the next step's plan does not depend on its tokens (no policy choosing
+        a budget or learning from its statistics, no autoregressive step of speculative requests), and every request
+        goes on after it (no request's token count can reach its limit in it; an end token or stop sequence may still
+        end one, whose slot then computes one step for no one)."""
+        if not self.run_ahead or len(self.in_flight) != 1 or not self._unchanged():
+            return False
+        plan = self.in_flight[0].plan
+        if plan.batch_wide or plan.choices or plan.budget == DECODE:
+            return False
+        return all(len(m.result.tokens) + self.most_tokens < m.max_new_tokens for m in self.members.values())
+
+    def _collect(self) -> list[Member]:
+        """Reads the oldest step in flight and hands its tokens to its requests still in the batch (one that left
+        since, or whose slot another took, gets none); returns those it finished."""
+        step = self.in_flight.popleft()
+        plan = step.plan
+        emitted, stats, captured = self.ranks.call("batch_collect")
+        now = time.perf_counter()
+        # a step's time: from its launch, or from the previous step's tokens where it was queued behind that one
+        # (the GPU ran them back to back)
+        seconds = now - max(step.launched, self._collected)
+        self._collected = now
         if self.timings is not None and not captured:
-            self.timings.setdefault((count, budget, report), []).append(seconds)
+            self.timings.setdefault((plan.count, plan.budget, plan.report), []).append(seconds)
         if not captured:
             self.step_times.append(seconds)
-        if batch_wide:
+        members = {s: m for s, m in step.members.items() if self.members.get(s) is m}
+        if plan.batch_wide:
             # a step that captured its graph tells nothing of its cost (its statistics still count); one that reported
             # statistics costs more than a settled step at its budget, so its time counts only while the pair has no
             # other (one H200, 16 requests: budget 16's median at 16 slots, from such steps only, was 1.17x budget
             # 8's, where a job all at budget 16 took 1.07x a job at 8's time a step)
-            no_cost = captured or (report and self.batch_policy.timed(budget, count))
-            self.batch_policy.record(count, budget, None if no_cost else seconds,
-                                     [stats[s] for s in self.members if stats.get(s)])  # fmt: skip
-            if not report and budget != DECODE:  # its own budget's acceptance: each request's tokens but the bonus
-                self.batch_policy.observe(budget, [len(emitted[s]) - 1 for s in self.members])
+            no_cost = captured or (plan.report and self.batch_policy.timed(plan.budget, plan.count))
+            self.batch_policy.record(plan.count, plan.budget, None if no_cost else seconds,
+                                     [stats[s] for s in members if stats.get(s)])  # fmt: skip
+            if not plan.report and plan.budget != DECODE:  # its budget's acceptance: each request's tokens, less one
+                self.batch_policy.observe(plan.budget, [len(emitted[s]) - 1 for s in members])
         done = []
-        for slot, member in list(self.members.items()):
+        for slot, member in members.items():
             tokens = emitted[slot]
             member.result.target_forwards += 1
             member.result.accept_lengths.append(len(tokens))
             member.timer.seconds["device_step"] += seconds
-            if batch_wide:
-                member.result.budgets.append(budget)
+            if plan.batch_wide:
+                member.result.budgets.append(plan.budget)
             elif stats.get(slot):
                 member.result.budgets.append(stats[slot]["budget"])
                 if member.budget == "auto" and self.policy is not None:
