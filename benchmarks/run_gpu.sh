@@ -42,8 +42,8 @@
 #   policy    benchmarks/batch_policy.py: CLI jobs of 16 requests in-flight batched, in the order $ORDER (default
 #             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved; NAME+lazy: with the lazy drafter
 #             context; NAME+group: admissions shared under a backlog; NAME+profile: a lone admission on the prefill
-#             profile, not as a group of one; NAME+serial: no step queued before the last one's tokens are read), each
-#             mode's median; $POLICY_FLAGS added
+#             profile, not as a group of one; NAME+serial: no step queued before the last one's tokens are read;
+#             NAME+ahead: an `auto` batch's steps queued ahead too), each mode's median; $POLICY_FLAGS added
 #             (--requests 64 --slots 16: a steady load)
 #   timeline  benchmarks/batch_timeline.py: in-process jobs of 64 requests through 16 slots ($TIMELINE_MODES, default
 #             ar,8,8+profile: +profile, a lone admission on the prefill profile; +serial, no step queued ahead) with

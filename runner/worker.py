@@ -254,16 +254,10 @@ class RankWorker:
         with self.batch.timed("move"):
             self.batch.move(source, target, self.batch.loops[source].cache.num_cached + emitted)
 
-    def batch_step(self, count: int, choices: dict | None = None, budget=None, report: bool = True):
-        """One step of slots [0, count) (`batch_launch`, then `batch_collect`); choices: the budget policy's inputs
-        of the slots whose requests chose `auto`; budget: one tree budget for every slot (`StepBudgetPolicy`); report:
-        whether a step at one budget reports statistics (`BatchLoop.launch`). Returns (each slot's tokens, each
-        several-budget slot's statistics, whether the step captured its graph)."""
-        self.batch_launch(count, choices, budget, report)
-        return self.batch_collect()
-
     def batch_launch(self, count: int, choices: dict | None = None, budget=None, report: bool = True) -> None:
-        """Queues one step of slots [0, count) (`BatchLoop.launch`; the arguments as `batch_step`'s)."""
+        """Queues one step of slots [0, count) (`BatchLoop.launch`); `batch_collect` reads it. choices: the budget
+        policy's inputs of the slots whose requests chose `auto`; budget: one tree budget for every slot
+        (`StepBudgetPolicy`); report: whether a step at one budget reports statistics."""
         loops = self.batch.loops
         with self.batch.timed("step of", count, *(() if budget is None else ("at", budget))):
             for slot, choice in (choices or {}).items():
@@ -271,7 +265,8 @@ class RankWorker:
             self.batch.launch(count, budget, report)
 
     def batch_collect(self):
-        """The oldest queued step's results (`BatchLoop.collect`), as `batch_step` returns them."""
+        """The oldest queued step's results (`BatchLoop.collect`): (each slot's tokens, each several-budget slot's
+        statistics, whether the step captured its graph)."""
         emitted, captured = self.batch.collect()
         loops = self.batch.loops
         return emitted, {s: loops[s].last_stats for s in range(len(emitted)) if loops[s].auto}, captured

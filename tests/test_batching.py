@@ -703,6 +703,7 @@ def test_a_batch_wide_step_at_a_smaller_budget_reports_what_the_largest_tells_of
 
     spec = SpecConfig(8, 32, extra_budgets=(4, 8))
     ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
+    ranks.lead.batch.run_ahead = False  # the batcher's last step read when it returns (the steps below are the test's)
     generator = Generator(ranks)
     generator.policy = object()  # `auto`'s single-request costs are not needed: the batch chooses
     batcher = generator.batcher()
@@ -780,14 +781,16 @@ def test_the_lazy_context_switch_takes_0_or_1_and_names_anything_else(demo_ckpt,
         cpu_ranks(demo_ckpt(1), spec, limits, device_loop=True, max_batch_size=2)
 
 
-@pytest.mark.parametrize("lazy", [True, False])
-def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, lazy):
+@pytest.mark.parametrize("lazy,ahead", [(True, False), (False, False), (False, True), (True, True)])
+def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, lazy, ahead):
     """An all-`auto` batch whose steps alternate between autoregressive steps (`DECODE`) and trees of each budget,
     requests of different prompts and lengths joining and leaving: every request's tokens are its autoregressive
     ones; after every step each slot's drafter has every committed row but its pending context's (the last tree
     step's accepted rows and, with `BatchLoop.lazy_context` (the eager form's default), the autoregressive steps'
     since, up to a block, then committed; without it, as GPUs step, each step commits them), and the draft cache
-    holds what steps that only drafted would have written there."""
+    holds what steps that only drafted would have written there. ahead: each step queued before the previous one's
+    tokens are read (`run_ahead_auto`; the policy choosing one step behind), autoregressive steps behind tree steps
+    and behind each other among them, only without `lazy_context` (with it no step of the batch is queued ahead)."""
     from runner.device.budget import DECODE, ScriptedPolicy
     from runner.generator import Generator
     from runner.sampling import Sampler, SamplingParams
@@ -799,7 +802,7 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
     lengths = [40, 12, 25, 20]  # the first the longest: its slot is not taken again before the end
     expected = [generate_autoregressive(reference, PROMPTS[i], n, greedy).tokens for i, n in enumerate(lengths)]
     reference.close()
-    drafts, most_pending, forms = [], {}, set()
+    drafts, most_pending, forms, behind = [], {}, set(), []
     # the second script's runs of autoregressive steps fill a slot's pending context to a block and commit it
     for script in ([DECODE, DECODE, 16, DECODE, 4, 8, DECODE, 16], [DECODE] * 9 + [8], [4]):
         ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
@@ -814,6 +817,15 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
             return form
 
         batch.decode_form = spy
+        batch.run_ahead = batch.run_ahead_auto = ahead
+        launch = batch.launch
+
+        def queued(count, budget=None, report=True, launch=launch, batch=batch):  # each step queued behind another
+            if batch.in_flight:
+                behind.append((batch.in_flight[-1][2], budget))  # (the budget of the step ahead, its own)
+            return launch(count, budget, report)
+
+        batch.launch = queued
         generator = Generator(ranks)
         generator.policy = object()  # `auto`'s single-request costs are not needed: the batch chooses
         batcher = generator.batcher()
@@ -825,7 +837,7 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
                 i = waiting.pop(0)
                 members.append(generator.admit(batcher, PROMPTS[i], lengths[i], budget="auto", tag=i))
             batcher.step()
-            for slot in batcher.members:
+            for slot in batcher.members if not batcher.in_flight else ():  # (the host's count: from a read step)
                 loop = loops[slot]
                 assert int(loop.num_drafted) + int(loop.context_count) == int(loop.num_cached)
                 assert int(loop.context_count) == loop.pending <= spec.block_size  # the host's count is the device's
@@ -840,7 +852,11 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
     # lazy: autoregressive steps' rows stayed pending up to a block, appended, then committed (neither narrow nor
     # appending); else each autoregressive step commits (one row after a load or such a step, a block after a tree)
     assert forms == ({(False, True), (False, False)} if lazy else {(True, False), (False, False)})
-    assert (most_pending[10] == spec.block_size) == lazy
+    assert (most_pending.get(10) == spec.block_size) == lazy
+    if ahead and not lazy:  # autoregressive steps queued behind tree steps and behind each other, trees behind both
+        assert {(16, DECODE), (DECODE, DECODE), (DECODE, 16)} <= set(behind)
+    else:
+        assert not behind
     rows = min(d.shape[2] for d in drafts)
     assert rows > 20
     for draft in drafts[:-1]:
@@ -1155,7 +1171,7 @@ def test_the_batch_names_its_timed_calls_and_times_nested_ones_once(demo_ckpt, m
 @pytest.mark.parametrize("autoregressive", [False, True], ids=["ddtree", "autoregressive"])
 def test_steps_queued_ahead_emit_what_steps_read_one_at_a_time(demo_ckpt, monkeypatch, autoregressive, tp_size):
     """`DDTREE_RUN_AHEAD=1` (the default on GPUs): the batch queues its next step before reading the tokens of the one
-    in flight (`Batcher._may_run_ahead`). Six requests through two slots (a sampled one; different lengths; an end
+    in flight (`Batcher._next_plan`). Six requests through two slots (a sampled one; different lengths; an end
     token that ends requests in a step with the next one already queued, whose slot then computes that step for no
     one while a waiting request's admission reads it first) emit what they emit with it off, on every rank, and greedy
     ones what autoregressive decoding does. Steps are queued ahead only where nothing can end a request by its token
@@ -1202,3 +1218,44 @@ def test_steps_queued_ahead_emit_what_steps_read_one_at_a_time(demo_ckpt, monkey
     with pytest.raises(ValueError, match=r"DDTREE_RUN_AHEAD: expected 0 or 1 \(or unset: on where graphs run\), "
                                          r"got 'yes'"):  # fmt: skip
         cpu_ranks(demo_ckpt(1), spec, build, device_loop=True, max_batch_size=2)
+
+
+def test_an_auto_batch_queued_ahead_chooses_one_step_behind_and_stays_lossless(demo_ckpt, monkeypatch):
+    """`DDTREE_RUN_AHEAD_AUTO=1` (with `DDTREE_RUN_AHEAD=1` and `DDTREE_LAZY_CONTEXT=0`, as GPUs step): an all-`auto`
+    batch's steps are queued before the previous one's statistics are read, the batch policy choosing and learning
+    (`StepBudgetPolicy`, untaught) one step behind; five greedy requests through two slots emit autoregressive
+    decoding's tokens, every step the policy chose was run, and its steps' times and statistics were all recorded.
+    Unset, the switch is off; with `lazy_context` on, nothing of an `auto` batch is queued ahead."""
+    from runner.generator import Generator
+    from runner.sampling import Sampler, SamplingParams
+    from runner.speculate import generate_autoregressive
+
+    greedy = SamplingParams()
+    spec, build = SpecConfig(8, 16, extra_budgets=(4, 8)), BuildConfig(**ENGINE_LIMITS)
+    prompts, lengths = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0][:4]], [30, 18, 26, 22, 16]
+    monkeypatch.setenv("DDTREE_RUN_AHEAD", "1")
+    ranks = cpu_ranks(demo_ckpt(1), spec, build, device_loop=True, max_batch_size=2)
+    assert not ranks.lead.batch.run_ahead_auto  # unset: off
+    expected = [generate_autoregressive(ranks, p, n, Sampler(greedy)).tokens for p, n in zip(prompts, lengths)]
+    ranks.close()
+    for lazy in ("0", "1"):
+        monkeypatch.setenv("DDTREE_RUN_AHEAD_AUTO", "1")
+        monkeypatch.setenv("DDTREE_LAZY_CONTEXT", lazy)
+        ranks = cpu_ranks(demo_ckpt(1), spec, build, device_loop=True, max_batch_size=2)
+        batch, behind = ranks.lead.batch, []
+        assert batch.run_ahead_auto and batch.lazy_context == (lazy == "1")
+
+        def spy(*args, batch=batch, behind=behind, launch=batch.launch):
+            behind.append(len(batch.in_flight))
+            return launch(*args)
+
+        monkeypatch.setattr(batch, "launch", spy)
+        generator = Generator(ranks)
+        generator.policy = object()  # the batch chooses: no single-request costs needed
+        results = generator.generate_many(prompts, lengths, [greedy] * len(prompts), budget="auto")
+        assert [r.tokens for r in results] == expected
+        policy = generator.batch_policy
+        assert sum(policy.chosen.values()) == len(behind)  # every choice stepped (none dropped with a queued step)
+        assert sum(len(t) for t in policy.times.values()) + sum(policy.informed.values()) > 0
+        assert (sum(behind) > 0) == (lazy == "0")
+        ranks.close()

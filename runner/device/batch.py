@@ -145,7 +145,8 @@ class BatchLoop:
         self.host_stats = ([torch.zeros(self.stats.shape, dtype=torch.float64, pin_memory=pinned)
                             for _ in range(STEPS_IN_FLIGHT)] if lead.auto else None)  # fmt: skip
         self.done = [torch.cuda.Event() for _ in range(STEPS_IN_FLIGHT)] if pinned else None
-        self.in_flight: deque = deque()  # (pinned slot, slots stepped, budget, statistics read, captured)
+        # (pinned slot, slots stepped, budget, statistics read, captured) of each queued step
+        self.in_flight: deque = deque()
         self.launched = 0
         # `Batcher` queues the next step before reading a step's tokens where the batch allows it (`run_ahead`):
         # the GPU then runs the steps back to back, where it waited for the host's work between them (8-17 % of a
@@ -153,6 +154,10 @@ class BatchLoop:
         # step runs eagerly, queueing ahead gains nothing (`DDTREE_RUN_AHEAD=1` takes the path there too)
         chosen = env_switch("DDTREE_RUN_AHEAD", " (or unset: on where graphs run)")
         self.run_ahead = use_graph if chosen is None else chosen
+        # and an all-`auto` batch's steps too, each budget chosen before the previous step's statistics are read
+        # (`DDTREE_RUN_AHEAD_AUTO=1`; off until timed on a GPU), its autoregressive steps among them where
+        # `lazy_context` is off (their form then does not depend on the tokens of the step before)
+        self.run_ahead_auto = self.run_ahead and bool(env_switch("DDTREE_RUN_AHEAD_AUTO", " (or unset: off)"))
 
     @contextmanager
     def timed(self, *what):
@@ -200,6 +205,8 @@ class BatchLoop:
 
     def step(self, count: int, budget: int | None = None, report: bool = True) -> list[list[int]]:
         """One step of slots [0, count) (`launch`, then `collect`); returns each slot's emitted tokens."""
+        if self.in_flight:
+            raise RuntimeError(f"a batched step with {len(self.in_flight)} queued ahead: collect them first")
         self.launch(count, budget, report)
         return self.collect()[0]
 
@@ -210,13 +217,13 @@ class BatchLoop:
         tell that budget and every smaller one); None: each slot's own (its request's budget, or `auto` chosen in
         the slot from its tree). report: whether a step at one budget reports statistics (an all-`auto` batch's
         policy learns from them; a batch all at one fixed budget needs none, and its graph leaves out the ranking).
-        A step queued behind one in flight must not be an autoregressive step of speculative requests: its form
-        (`decode_form`) depends on the tokens of the step before."""
+        A step queued behind one in flight may be an autoregressive step of speculative requests only without
+        `lazy_context`: its form (`decode_form`) then depends on the kind of step before, not on its tokens."""
         if len(self.in_flight) == STEPS_IN_FLIGHT:
             raise RuntimeError(f"{STEPS_IN_FLIGHT} batched steps in flight: collect one before launching another")
-        if self.in_flight and budget == DECODE and not self.autoregressive:
-            raise RuntimeError("an autoregressive step of speculative requests queued behind a step in flight: its "
-                               "form depends on that step's tokens")  # fmt: skip
+        if self.in_flight and budget == DECODE and self.lazy_context and not self.autoregressive:
+            raise RuntimeError("an autoregressive step of speculative requests queued behind a step in flight with "
+                               "`lazy_context`: its form depends on that step's tokens")  # fmt: skip
         report = report or budget is None or budget == DECODE  # an autoregressive step reports nothing: one graph
         loops = self.loops[:count]
         if loops[0].auto:  # each slot's budget index: the largest where the step has one budget, else its request's
@@ -226,6 +233,10 @@ class BatchLoop:
                 indices = torch.tensor([float(loop.request_index) for loop in loops], dtype=torch.float64)
                 self.choice_inputs[:count, -1].copy_(indices)
         narrow, append = self.decode_form(count, budget)
+        for loop in loops if not self.autoregressive else ():  # what the next step's form reads, known now
+            loop.wide_context = budget != DECODE  # a tree step leaves its accepted rows pending
+            if budget == DECODE:  # an autoregressive step's row: one more pending, or the one left after a commit
+                loop.pending = loop.pending + 1 if append else 1
         if not self.use_graph:
             self._run(count, budget, report, narrow, append)
         else:
@@ -247,20 +258,21 @@ class BatchLoop:
             self.host_stats[slot][:count].copy_(self.stats[:count], non_blocking=pinned)
         if pinned:
             self.done[slot].record()
-        self.in_flight.append((slot, count, budget, informs, append, self.use_graph and self.captured))
+        self.in_flight.append((slot, count, budget, informs, self.use_graph and self.captured))
 
     def collect(self) -> tuple[list[list[int]], bool]:
         """Waits for the oldest step in flight; returns (each of its slots' emitted tokens, whether it captured its
         graph) and sets each slot's `last_stats`."""
-        slot, count, budget, informs, append, captured = self.in_flight.popleft()
+        slot, count, budget, informs, captured = self.in_flight.popleft()
         if self.done is not None:
             self.done[slot].synchronize()
         loops = self.loops[:count]
         emitted = self.host_emitted[slot][:count].tolist()  # the device -> host copy of a step
-        for loop, values in zip(loops, emitted) if not self.autoregressive else ():
-            loop.wide_context = budget != DECODE  # a tree step leaves its accepted rows pending
-            # pending rows: a tree step's accepted ones (its emitted count), an autoregressive step's one more, or one
-            loop.pending = values[-1] if budget != DECODE else loop.pending + 1 if append else 1
+        # a tree step's pending rows: its accepted ones (its emitted count), unless a later step, queued behind it,
+        # set them at its launch (an autoregressive step without `lazy_context`, whose form its wide context decided)
+        latest = not self.in_flight
+        for loop, values in zip(loops, emitted) if budget != DECODE and latest and not self.autoregressive else ():
+            loop.pending = values[-1]
         rows = self.host_stats[slot][:count].tolist() if informs else [None] * count
         for loop, values in zip(loops, rows):
             loop.last_stats = None if values is None else loop.read_stats(values)
@@ -583,11 +595,12 @@ class Batcher:
     into a free slot and emits its first token; `step` runs one batched step of every admitted request and returns
     the ones that finished. policy: `auto` requests' `BudgetPolicy` (shared: costs are per budget, not per
     request). group_admissions: under a backlog, put a freed slot's admission off while sharing it with the slots the
-    next steps free pays (`admit_now`). run_ahead: queue a step before reading the one in flight where the batch
-    allows it (`_may_run_ahead`); most_tokens: the tokens a step emits at most, for that."""
+    next steps free pays (`admit_now`). run_ahead, run_ahead_auto, lazy_context: the ranks' `BatchLoop` settings
+    (a step queued before the one in flight is read, `_next_plan`); most_tokens: the tokens a step emits at most."""
 
     def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None, batch_policy=None,
-                 group_admissions: bool = False, run_ahead: bool = False, most_tokens: int = 1):  # fmt: skip
+                 group_admissions: bool = False, run_ahead: bool = False, most_tokens: int = 1,
+                 run_ahead_auto: bool = False, lazy_context: bool = False):  # fmt: skip
         self.ranks, self.slots, self.autoregressive, self.policy = ranks, slots, autoregressive, policy
         self.batch_policy = batch_policy  # `StepBudgetPolicy`: one budget a step while every request is `auto`
         self.group_admissions = group_admissions
@@ -610,6 +623,7 @@ class Batcher:
         self._collected = 0.0  # when the last step's tokens were read
         self.finished: list[Member] = []  # requests an admission's read of a queued step finished (`admit_many`)
         self.run_ahead, self.most_tokens = run_ahead, most_tokens
+        self.run_ahead_auto, self.lazy_context = run_ahead_auto, lazy_context
 
     @property
     def free(self) -> int:
@@ -707,7 +721,7 @@ class Batcher:
 
     def step(self) -> list[Member]:
         """One batched step of every admitted request; returns those it finished (their slots are free again).
-        Where the batch allows it (`_may_run_ahead`), the next step is queued before this one's tokens are read and
+        Where the batch allows it (`_next_plan`), the next step is queued before this one's tokens are read and
         is still in flight when this returns: the next call collects it."""
         done, self.finished = self.finished, []
         if self.in_flight and not self._unchanged():  # requests left since it was queued
@@ -717,8 +731,9 @@ class Batcher:
         if not self.in_flight:
             self._compact()  # the requests in slots [0, count)
             self._launch(self._plan())
-        if self._may_run_ahead():
-            self._launch(self.in_flight[0].plan)
+        ahead = self._next_plan()
+        if ahead is not None:
+            self._launch(ahead)
         done += self._collect()
         if self.in_flight and not self.members:  # none of its requests is left: its tokens are no one's
             self._collect()
@@ -753,18 +768,26 @@ class Batcher:
         members = self.in_flight[0].members
         return len(members) == len(self.members) and all(self.members.get(s) is m for s, m in members.items())
 
-    def _may_run_ahead(self) -> bool:
-        """Whether to queue the next step before reading the tokens of the one in flight: where `run_ahead` is on,
-        the batch is the one that step has, the next step's plan does not depend on its tokens (no policy choosing
-        a budget or learning from its statistics, no autoregressive step of speculative requests), and every request
-        goes on after it (no request's token count can reach its limit in it; an end token or stop sequence may still
-        end one, whose slot then computes one step for no one)."""
+    def _next_plan(self) -> StepPlan | None:
+        """The step to queue before reading the tokens of the one in flight, or None: where `run_ahead` is on, the
+        batch is the one that step has, every request goes on after it (no request's token count can reach its limit
+        in it; an end token or stop sequence may still end one, whose slot then computes one step for no one), and
+        the next step's plan does not depend on its tokens: the same plan at a fixed budget or for autoregressive
+        decoding; an all-`auto` batch's policy choosing one step behind (`run_ahead_auto`: its choice made before the
+        statistics of the step in flight are recorded, an autoregressive step only without `lazy_context`); no
+        slot's own `auto` choice."""
         if not self.run_ahead or len(self.in_flight) != 1 or not self._unchanged():
-            return False
+            return None
+        if any(len(m.result.tokens) + self.most_tokens >= m.max_new_tokens for m in self.members.values()):
+            return None
         plan = self.in_flight[0].plan
-        if plan.batch_wide or plan.choices or plan.budget == DECODE:
-            return False
-        return all(len(m.result.tokens) + self.most_tokens < m.max_new_tokens for m in self.members.values())
+        if plan.choices:
+            return None
+        if not plan.batch_wide:
+            return plan
+        if not self.run_ahead_auto or self.lazy_context:
+            return None
+        return self._plan()
 
     def _collect(self) -> list[Member]:
         """Reads the oldest step in flight and hands its tokens to its requests still in the batch (one that left

@@ -276,7 +276,7 @@ class StepBudgetPolicy:
         return best
 
     def reports(self, budget: int) -> bool:
-        """Whether the step just chosen (at `budget`) should report statistics (`BatchLoop.step(report=...)`): every
+        """Whether the step just chosen (at `budget`) should report statistics (`BatchLoop.launch(report=...)`): every
         step while learning or exploring; a step taken to time its budget never (its time is then what a settled
         step at that budget costs, and `observe` learns its acceptance from its emitted tokens); a settled one at the
         smallest budget never, at a larger budget every `REPORT_GAP`-th step (it tells the budgets below it)."""
@@ -332,9 +332,11 @@ class ScriptedPolicy(StepBudgetPolicy):
     def __init__(self, script: tuple[int, ...], budgets: tuple[int, ...] | None = None):
         super().__init__(budgets or tuple({b for b in script if b != DECODE}) or (DECODE,), decode=DECODE in script)
         self.script = tuple(script)
+        self.taken = 0  # choices made (a batch may choose a step before the previous one is recorded)
 
     def choose(self, busy: int = 1, count: int = 1) -> int:
-        return self.script[self.steps % len(self.script)]
+        self.taken += 1
+        return self.script[(self.taken - 1) % len(self.script)]
 
     def record(self, count: int, budget: int, seconds: float | None, stats: list[dict]) -> None:
         self.steps += 1
