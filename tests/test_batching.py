@@ -1258,4 +1258,12 @@ def test_an_auto_batch_queued_ahead_chooses_one_step_behind_and_stays_lossless(d
         assert sum(policy.chosen.values()) == len(behind)  # every choice stepped (none dropped with a queued step)
         assert sum(len(t) for t in policy.times.values()) + sum(policy.informed.values()) > 0
         assert (sum(behind) > 0) == (lazy == "0")
+        if lazy == "0":  # the loop's own step refuses to run behind a queued one (it would read that one's tokens)
+            generator.admit(generator.batcher(), prompts[0], 30, budget=8)
+            batch.launch(1, 8, False)
+            with pytest.raises(RuntimeError, match="a batched step with 1 queued ahead: collect them first"):
+                batch.step(1, 8)
         ranks.close()
+    monkeypatch.setenv("DDTREE_RUN_AHEAD_AUTO", "on")
+    with pytest.raises(ValueError, match=r"DDTREE_RUN_AHEAD_AUTO: expected 0 or 1 \(or unset: off\), got 'on'"):
+        cpu_ranks(demo_ckpt(1), spec, build, device_loop=True, max_batch_size=2)
