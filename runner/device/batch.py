@@ -15,8 +15,9 @@ each step the requests of the highest slots move down into free slots below them
 rows and state copied), so a step covers as many slots as there are requests. `Batcher` (rank 0) schedules: it
 admits, steps, emits tokens to each request's callback and reports finished requests. Where nothing the next step
 needs depends on a step's tokens (fixed budgets or autoregressive decoding, the same requests, none at its token
-limit), it queues that step before reading the tokens of the one in flight, as the single request's device loop does
-(`BatchLoop.launch` / `collect`: each step's tokens in a pinned host slot of their own).
+limit; with `DDTREE_RUN_AHEAD_AUTO=1` an all-`auto` batch too, its budget chosen one step behind), it queues that step
+before reading the tokens of the one in flight, as the single request's device loop does (`Batcher._next_plan`;
+`BatchLoop.launch` / `collect`: each step's tokens in a pinned host slot of their own).
 """
 
 from __future__ import annotations
