@@ -254,11 +254,8 @@ class Generator:
         if several and self.batch_policy is None:
             self.batch_policy = StepBudgetPolicy(self.device_budgets, decode=not self.autoregressive,
                                                  narrow_informs=True, max_tokens=self.spec.block_size)  # fmt: skip
-        most = 1 if self.autoregressive else self.spec.draft_depth + 1  # the tokens a step emits at most
-        batch = self.ranks.lead.batch
         return Batcher(self.ranks, self.batch_slots, self.autoregressive, self.policy,
-                       self.batch_policy if several else None, group_admissions(), batch.run_ahead, most,
-                       batch.run_ahead_auto, batch.lazy_context)  # fmt: skip
+                       self.batch_policy if several else None, group_admissions())  # fmt: skip
 
     def admit(self, batcher, prompt: list[int], max_new_tokens: int, params: SamplingParams = GREEDY,
               end_ids: set[int] = frozenset(), on_tokens=None, stop_sequences=(), budget=None, tag=None):  # fmt: skip

@@ -43,7 +43,7 @@ from runner.device.budget import (
     node_scores_batched,
     rank_nodes,
 )
-from runner.device.loop import DeviceLoop, first_token
+from runner.device.loop import SLOTS, DeviceLoop, first_token
 from runner.device.tree import accept_greedy_batched
 from runner.kv_cache import SequenceCache
 from runner.probes import Probes
@@ -58,9 +58,6 @@ def env_switch(name: str, unset: str = "") -> bool | None:
     if chosen not in ("", "0", "1"):
         raise ValueError(f"{name}: expected 0 or 1{unset}, got {chosen!r}")
     return None if not chosen else chosen == "1"
-
-
-STEPS_IN_FLIGHT = 2  # batched steps queued at most: the one running and one behind it (`BatchLoop.launch`)
 
 
 class _Slot:
@@ -122,7 +119,6 @@ class BatchLoop:
             chosen = env_switch("DDTREE_LAZY_CONTEXT", " (or unset: on where steps run eagerly)")
             lazy_context = not use_graph if chosen is None else chosen
         self.lazy_context = lazy_context
-        self.captured = False  # whether the last step captured its graph
         # admissions' group prefills (`prefill`): a graph per (requests, padded length), in a pool of their own (each
         # replay's logits are copied out before the next replay)
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
@@ -141,11 +137,12 @@ class BatchLoop:
         # steps in flight (`launch`, `collect`): each step's tokens (and statistics) go to a pinned host slot of their
         # own in a copy queued behind it, so a second step can be queued before the first one's tokens are read
         pinned = device.type == "cuda"
+        # (`SLOTS` of them, as the single request's loop has: the step running and one queued behind it)
         self.host_emitted = [torch.zeros(self.emitted.shape, dtype=torch.long, pin_memory=pinned)
-                             for _ in range(STEPS_IN_FLIGHT)]  # fmt: skip
+                             for _ in range(SLOTS)]  # fmt: skip
         self.host_stats = ([torch.zeros(self.stats.shape, dtype=torch.float64, pin_memory=pinned)
-                            for _ in range(STEPS_IN_FLIGHT)] if lead.auto else None)  # fmt: skip
-        self.done = [torch.cuda.Event() for _ in range(STEPS_IN_FLIGHT)] if pinned else None
+                            for _ in range(SLOTS)] if lead.auto else None)  # fmt: skip
+        self.done = [torch.cuda.Event() for _ in range(SLOTS)] if pinned else None
         # (pinned slot, slots stepped, budget, statistics read, captured) of each queued step
         self.in_flight: deque = deque()
         self.launched = 0
@@ -220,8 +217,8 @@ class BatchLoop:
         policy learns from them; a batch all at one fixed budget needs none, and its graph leaves out the ranking).
         A step queued behind one in flight may be an autoregressive step of speculative requests only without
         `lazy_context`: its form (`decode_form`) then depends on the kind of step before, not on its tokens."""
-        if len(self.in_flight) == STEPS_IN_FLIGHT:
-            raise RuntimeError(f"{STEPS_IN_FLIGHT} batched steps in flight: collect one before launching another")
+        if len(self.in_flight) == SLOTS:
+            raise RuntimeError(f"{SLOTS} batched steps in flight: collect one before launching another")
         if self.in_flight and budget == DECODE and self.lazy_context and not self.autoregressive:
             raise RuntimeError("an autoregressive step of speculative requests queued behind a step in flight with "
                                "`lazy_context`: its form depends on that step's tokens")  # fmt: skip
@@ -238,12 +235,13 @@ class BatchLoop:
             loop.wide_context = budget != DECODE  # a tree step leaves its accepted rows pending
             if budget == DECODE:  # an autoregressive step's row: one more pending, or the one left after a commit
                 loop.pending = loop.pending + 1 if append else 1
+        captured = False  # whether this step captured its graph (its time then includes the capture: no cost of it)
         if not self.use_graph:
             self._run(count, budget, report, narrow, append)
         else:
             key = (count, tuple((loop.sampled, loop.filter) for loop in loops), budget, report, narrow, append)
-            self.captured = key not in self.graphs  # this step's time includes the capture: no cost of the step
-            if self.captured:
+            captured = key not in self.graphs
+            if captured:
                 self.graphs[key] = self._capture(count, budget, report, narrow, append)
             self.graphs[key].replay()
         if self._timing:
@@ -251,7 +249,7 @@ class BatchLoop:
         # every tree step's statistics, each slot's at its own budget or at the batch's; none of an autoregressive
         # step (decided from `budget`: a replayed graph does not set the Python attributes)
         informs = loops[0].auto and budget != DECODE and report
-        slot = self.launched % STEPS_IN_FLIGHT
+        slot = self.launched % SLOTS
         self.launched += 1
         pinned = self.done is not None
         self.host_emitted[slot][:count].copy_(self.emitted[:count], non_blocking=pinned)
@@ -259,7 +257,7 @@ class BatchLoop:
             self.host_stats[slot][:count].copy_(self.stats[:count], non_blocking=pinned)
         if pinned:
             self.done[slot].record()
-        self.in_flight.append((slot, count, budget, informs, self.use_graph and self.captured))
+        self.in_flight.append((slot, count, budget, informs, captured))
 
     def collect(self) -> tuple[list[list[int]], bool]:
         """Waits for the oldest step in flight; returns (each of its slots' emitted tokens, whether it captured its
@@ -596,12 +594,11 @@ class Batcher:
     into a free slot and emits its first token; `step` runs one batched step of every admitted request and returns
     the ones that finished. policy: `auto` requests' `BudgetPolicy` (shared: costs are per budget, not per
     request). group_admissions: under a backlog, put a freed slot's admission off while sharing it with the slots the
-    next steps free pays (`admit_now`). run_ahead, run_ahead_auto, lazy_context: the ranks' `BatchLoop` settings
-    (a step queued before the one in flight is read, `_next_plan`); most_tokens: the tokens a step emits at most."""
+    next steps free pays (`admit_now`). Whether a step is queued before the one in flight is read (`_next_plan`):
+    the ranks' `BatchLoop` settings (`run_ahead`, `run_ahead_auto`, `lazy_context`)."""
 
     def __init__(self, ranks, slots: int, autoregressive: bool = False, policy=None, batch_policy=None,
-                 group_admissions: bool = False, run_ahead: bool = False, most_tokens: int = 1,
-                 run_ahead_auto: bool = False, lazy_context: bool = False):  # fmt: skip
+                 group_admissions: bool = False):  # fmt: skip
         self.ranks, self.slots, self.autoregressive, self.policy = ranks, slots, autoregressive, policy
         self.batch_policy = batch_policy  # `StepBudgetPolicy`: one budget a step while every request is `auto`
         self.group_admissions = group_admissions
@@ -623,8 +620,6 @@ class Batcher:
         self.in_flight: deque[InFlight] = deque()
         self._collected = 0.0  # when the last step's tokens were read
         self.finished: list[Member] = []  # requests an admission's read of a queued step finished (`admit_many`)
-        self.run_ahead, self.most_tokens = run_ahead, most_tokens
-        self.run_ahead_auto, self.lazy_context = run_ahead_auto, lazy_context
 
     @property
     def free(self) -> int:
@@ -777,16 +772,18 @@ class Batcher:
         decoding; an all-`auto` batch's policy choosing one step behind (`run_ahead_auto`: its choice made before the
         statistics of the step in flight are recorded, an autoregressive step only without `lazy_context`); no
         slot's own `auto` choice."""
-        if not self.run_ahead or len(self.in_flight) != 1 or not self._unchanged():
+        lead = self.ranks.lead
+        if not lead.batch.run_ahead or len(self.in_flight) != 1 or not self._unchanged():
             return None
-        if any(len(m.result.tokens) + self.most_tokens >= m.max_new_tokens for m in self.members.values()):
+        most = 1 if self.autoregressive else lead.spec.draft_depth + 1  # the tokens a step emits at most
+        if any(len(m.result.tokens) + most >= m.max_new_tokens for m in self.members.values()):
             return None
         plan = self.in_flight[0].plan
         if plan.choices:
             return None
         if not plan.batch_wide:
             return plan
-        if not self.run_ahead_auto or self.lazy_context:
+        if not lead.batch.run_ahead_auto or lead.batch.lazy_context:
             return None
         return self._plan()
 
