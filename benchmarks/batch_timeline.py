@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/batch_timeline.py OUT_DIR [--requests 64] [--slots 16] [--tokens 128]
         [--modes ar,8,8+profile] [--engine DIR] (ar: autoregressive, auto, or a tree budget; +profile, +lone, +group,
-        +lazy, +serial, +ahead: the switches of benchmarks/batch_policy.py)
+        +lazy, +serial, +ahead: the switches of benchmarks/batch_policy.py) [--profile-steps]
 
 The trained pair's engine as `benchmarks/concurrency.py` builds it (bf16 on a GPU), in process through the rank factory
 with the benchmarks' `Probes(record_events=True)`: the batch records CUDA events around each of its calls (a step, an
@@ -13,7 +13,9 @@ count (steps by their slots and batch-wide budget, admissions by their number of
 event: the work it queued; a step's ends before its tokens' copy is waited on) and the host's wall time of the
 Batcher's steps; and the GPU's idle time before each kind (from the previous call's end to its start: the host's work
 between them, its waits included). The timeline on GPUs only (events time graph replays; `--device cpu` runs the
-jobs). Writes OUT_DIR/batch_timeline.json.
+jobs). `--profile-steps`: after each job, the graphs of its steps over every slot, each replayed under the profiler
+(`profile_forward.graph_replay_profile`: kernels by name, the GPU's idle time between them) and back to back, the
+slots' state put back after. Writes OUT_DIR/batch_timeline.json.
 """
 
 from __future__ import annotations
@@ -64,18 +66,44 @@ def timeline(events: list[tuple]) -> dict:
     }
 
 
-def run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, slots: int, device: str) -> dict:
+def profile_steps(batch, slots: int) -> dict:
+    """Each captured step graph over `slots` slots (`BatchLoop.graphs`), profiled over replays and timed back to back
+    (`profile_forward`); every slot's state is put back after each (the replays step the slots' last requests on)."""
+    from benchmarks.profile_forward import back_to_back_us, graph_replay_profile, print_replay_profile
+    from runner.device.budget import DECODE
+
+    state = [batch.num_cached, batch.num_drafted, batch.context_count, batch.bonus, batch.context,
+             *(loop.draws for loop in batch.loops[:slots])]  # fmt: skip
+    rows = {}
+    for (count, _, budget, report, narrow, append), graph in list(batch.graphs.items()):
+        if count != slots:
+            continue
+        saved = [t.clone() for t in state]
+        name = "autoregressive" if batch.autoregressive or budget == DECODE else f"budget {budget or 'per slot'}"
+        name += (" narrow" if narrow else "") + (" append" if append else "") + (" statistics" if report else "")
+        prof = graph_replay_profile(graph.replay)
+        prof["back_to_back_us"] = back_to_back_us(graph.replay, 8)
+        for tensor, before in zip(state, saved):
+            tensor.copy_(before)
+        print_replay_profile(f"{slots} slots, {name}", None, prof)
+        rows[name] = prof
+    return rows
+
+
+def run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, slots: int, device: str,
+             profile: bool = False) -> dict:  # fmt: skip
     """One job in `mode` (its `+NAME` switches set in this process's environment while its ranks run)."""
     from benchmarks.batch_policy import switched
 
     base, switches, env = switched(mode, "--modes")
     with mock.patch.dict(os.environ, env):
-        row = _run_mode(engine, base, prompts, tokens, slots, device)
+        row = _run_mode(engine, base, prompts, tokens, slots, device, profile)
     row["mode"] = " ".join([row["mode"], *switches])
     return row
 
 
-def _run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, slots: int, device: str) -> dict:
+def _run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, slots: int, device: str,
+              profile: bool = False) -> dict:  # fmt: skip
     import torch
 
     from engines.engine_dir import load_engine_dir
@@ -122,6 +150,8 @@ def _run_mode(engine: Path, mode: str, prompts: list[list[int]], tokens: int, sl
            **timeline(batch.events if timed else [])}  # fmt: skip
     if auto and generator.batch_policy is not None:  # the batch's choices: steps and median ms by slots and budget
         row["policy"] = generator.batch_policy.summary()
+    if profile and timed:
+        row["step_profiles"] = profile_steps(batch, slots)
     ranks.close()
     return row
 
@@ -136,6 +166,7 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", type=Path, help="an engine directory built as concurrency.py builds it")
     parser.add_argument("--device", default="cuda", help="cpu: the jobs without a timeline (a check of the script)")
     parser.add_argument("--smoke", action="store_true", help="the tiny demo checkpoints (no trained weights needed)")
+    parser.add_argument("--profile-steps", action="store_true", help="the kernels of each job's steps over every slot")
     args = parser.parse_args(argv)
     from engines.engine_dir import load_engine_dir
     from runner.tokenizer import load_tokenizer
@@ -147,7 +178,7 @@ def main(argv=None) -> int:
     prompts = [tokenizer.encode(t) for t in concurrency.prompts(args.requests, args.smoke)]
     rows = []
     for mode in args.modes.split(","):
-        row = run_mode(engine, mode, prompts, args.tokens, args.slots, args.device)
+        row = run_mode(engine, mode, prompts, args.tokens, args.slots, args.device, args.profile_steps)
         rows.append(row)
         steps = {k: v for k, v in row["kinds"].items() if k.startswith("step")}
         calls = {k: v for k, v in row["kinds"].items() if not k.startswith("step")}

@@ -48,7 +48,8 @@
 #   timeline  benchmarks/batch_timeline.py: in-process jobs of 64 requests through 16 slots ($TIMELINE_MODES, default
 #             ar,8,8+profile: +profile, a lone admission on the prefill profile; +serial, no step queued ahead) with
 #             CUDA events around the batch's
-#             calls: GPU time in steps and admissions, idle time between
+#             calls: GPU time in steps and admissions, idle time between; $TIMELINE_FLAGS added (--profile-steps: the
+#             kernels of each job's full-batch steps)
 #   autoacc   benchmarks/acceptance.py on the trained pair with auto next to every fixed budget (greedy and
 #             temperature 1.0, device loop; budget 16, the best there, twice: the run-to-run noise)
 #   flush     benchmarks/l2_flush_probe.py: the floor-bound kernels (INT4 MoE, TreeAttention, a load and a copy) after
@@ -67,6 +68,7 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
 OUT=${OUT:-out/gpu}
 POLICY_FLAGS=${POLICY_FLAGS:-}
+TIMELINE_FLAGS=${TIMELINE_FLAGS:-}
 export DDTREE_COMMIT=${DDTREE_COMMIT:-}  # recorded in the result files: DDTREE_COMMIT=$(git rev-parse --short HEAD)
 STEPS=${STEPS:-tiny lossless cli e2e}
 # DEADLINE (seconds from the start, optional): every step after it is skipped, and a step's Python run is stopped
@@ -125,7 +127,8 @@ if has policy; then
 fi
 if has timeline; then
   mkdir -p "$OUT/timeline"
-  limit python3 benchmarks/batch_timeline.py "$OUT/timeline" --modes "${TIMELINE_MODES:-ar,8,8+profile}" > "$OUT/batch_timeline.log" 2>&1
+  limit python3 benchmarks/batch_timeline.py "$OUT/timeline" --modes "${TIMELINE_MODES:-ar,8,8+profile}" $TIMELINE_FLAGS \
+    > "$OUT/batch_timeline.log" 2>&1
   echo "timeline rc=$?"; tail -8 "$OUT/batch_timeline.log"; rm -rf "$OUT/timeline/engine" "$OUT/timeline/hf"
 fi
 if has autoacc; then

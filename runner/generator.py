@@ -17,6 +17,9 @@ from runner.sessions.base import length_buckets
 from runner.speculate import GenerationResult, generate, generate_autoregressive
 
 GREEDY = SamplingParams()
+# the steps a job of `Generator.measure_batch_costs` runs (at a full block a step) where an `auto` batch's steps are
+# queued ahead: the first step and the last, near the token limit, run one at a time, the rest queued
+QUEUED_STEPS = 6
 
 
 def group_admissions() -> bool:
@@ -186,16 +189,24 @@ class Generator:
         steps of a job serve its requests instead of timing the choices (one H200, the trained pair, 16 requests of
         128 tokens: a 16-slot batch's first steps took 32, 0, 0, 8, 8, 16, 16 and 32, all but the first to time a
         choice twice, where 8 was the best from the first). `rounds` rounds, the choices interleaved (each round
-        starts one further on); a pair's cost is its median. Returns {(slots, budget): seconds a step}."""
+        starts one further on); a pair's cost is its median. Where an `auto` batch queues its steps ahead
+        (`BatchLoop.run_ahead_auto`, `lazy_context` off), a step's cost is what it takes queued behind another (the
+        host's work between steps hidden behind the GPU's), so each job runs `QUEUED_STEPS` steps' tokens and most of
+        its steps are queued: timed one at a time, the cost of an autoregressive step, whose host work is the largest
+        share of it, was 0.76 ms at 16 slots of the trained pair on one H100 where queued it took 0.60, and no
+        `auto` batch chose it. Returns {(slots, budget): seconds a step}."""
         from runner.device.budget import DECODE, StepBudgetPolicy
 
         options, timings = (DECODE, *self.device_budgets), {}
         counts = sorted({*(2**i for i in range(self.batch_slots.bit_length())), self.batch_slots})
+        batch_loop = self.ranks.lead.batch
+        queued = batch_loop.run_ahead_auto and not batch_loop.lazy_context
+        tokens = 2 + QUEUED_STEPS * (self.spec.draft_depth + 1) if queued else 2  # the prefill's token and the steps'
         for r in range(max(1, rounds)):
             for count in counts:
                 for i in range(len(options)):
                     budget = options[(i + r) % len(options)]
-                    batch = ([prompt] * count, 2, [params] * count)
+                    batch = ([prompt] * count, tokens, [params] * count)
                     if budget == DECODE:  # autoregressive steps of an all-`auto` batch (they report nothing)
                         self.generate_many(*batch, budget="auto", batch_policy=StepBudgetPolicy((DECODE,)),
                                            timings=timings)  # fmt: skip

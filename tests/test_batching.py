@@ -909,6 +909,40 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     ranks.close()
 
 
+@pytest.mark.parametrize("queued", [True, False])
+def test_a_batchs_choices_are_timed_queued_where_an_auto_batch_queues_its_steps(demo_ckpt, monkeypatch, queued):
+    """Where an `auto` batch queues its steps ahead (`DDTREE_RUN_AHEAD_AUTO=1`, `lazy_context` off), the warm-up
+    times each choice as such a batch runs it: most of its steps queued behind another, so the host's work between
+    steps is not counted twice (`Generator.measure_batch_costs`); where it does not, each choice one step at a
+    time."""
+    from runner.device.budget import DECODE
+    from runner.generator import Generator
+    from runner.sampling import SamplingParams
+
+    for name, value in (("DDTREE_RUN_AHEAD", "1"), ("DDTREE_RUN_AHEAD_AUTO", "1" if queued else "0"),
+                        ("DDTREE_LAZY_CONTEXT", "0")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    spec = SpecConfig(8, 16, extra_budgets=(8,))
+    ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=2)
+    generator, batch = Generator(ranks), ranks.lead.batch
+    launches, launch = [], batch.launch
+
+    def spy(count, budget=None, report=True):  # (budget, whether it was queued behind a step in flight)
+        launches.append((budget, bool(batch.in_flight)))
+        return launch(count, budget, report)
+
+    batch.launch = spy
+    generator.measure_batch_costs(PROMPTS[0], SamplingParams(), rounds=1)
+    behind = {budget: sum(q for b, q in launches if b == budget) for budget in (DECODE, 8, 16)}
+    steps = {budget: sum(b == budget for b, _ in launches) for budget in (DECODE, 8, 16)}
+    if queued:  # every choice's steps mostly queued behind another
+        assert all(behind[b] * 2 > steps[b] for b in behind), (behind, steps)
+    else:  # one step a job, each alone
+        assert not any(behind.values()) and steps == {DECODE: 2, 8: 2, 16: 2}, (behind, steps)
+    assert generator.batch_policy.seeded == {(c, b) for c in (1, 2) for b in (DECODE, 8, 16)}
+    ranks.close()
+
+
 def test_the_cpu_warm_up_times_a_batchs_choices_where_auto_can_be_asked_for(demo_ckpt):
     """On the CPU (no graphs to warm) the warm-up still times an all-`auto` batch's choices at each slot count
     (`Generator.measure_batch_costs`) where `auto` can be asked for: a server's warm-up, or a job whose requests take
