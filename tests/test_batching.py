@@ -982,6 +982,56 @@ def test_the_cpu_warm_up_times_a_batchs_choices_where_auto_can_be_asked_for(demo
     ranks.close()
 
 
+def test_a_batchs_trees_built_in_one_launch_under_the_interpreter_stay_lossless(demo_ckpt):
+    """The GPU's tree build in a batched step, under the Triton interpreter: every slot's tree in one launch
+    (`build_trees_kernel`) at a fixed narrower budget, at an `auto` batch's budgets (ranked for every slot) and at each
+    slot's own (mixed budgets: each slot chooses from its tree); each request's greedy tokens are autoregressive
+    decoding's. (The draft top-k stays the tensor-op form here: its kernel has its own test, and the interpreter takes
+    seconds a call.)"""
+    script = f"""
+        from pathlib import Path
+        from unittest import mock
+        import runner.device.batch as batch_module
+        import runner.device.loop as loop_module
+        from engines.spec import BuildConfig, SpecConfig
+        from runner.budget import BudgetPolicy
+        from runner.device.budget import DECODE, ScriptedPolicy
+        from runner.device.tree import top_logprobs
+        from runner.device.tree_kernel import build_tree_kernel, build_trees_kernel
+        from runner.generator import Generator
+        from runner.sampling import Sampler, SamplingParams
+        from runner.speculate import generate_autoregressive
+        from tests.conftest import ENGINE_LIMITS, cpu_ranks
+        from tests.test_batching import PROMPTS
+        launches = []
+        def trees(top, ids, budget, roots, rows, pad_token=0):
+            launches.append((top.shape[0], budget, rows))
+            return build_trees_kernel(top, ids, budget, roots, rows, pad_token)
+        forms = lambda device: (top_logprobs, build_tree_kernel)
+        with mock.patch.object(loop_module, "tree_forms", forms), \\
+                mock.patch.object(batch_module, "batched_tree_form", lambda device: trees):
+            ranks = cpu_ranks(Path({str(demo_ckpt(1))!r}), SpecConfig(8, 16, extra_budgets=(8,)),
+                              BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
+            generator, greedy = Generator(ranks), SamplingParams()
+            generator.policy = BudgetPolicy((8, 16), {{8: 1.0, 16: 1.5}})  # `auto` slots' costs, not measured here
+            want = [generate_autoregressive(ranks, p, 6, Sampler(greedy)).tokens for p in PROMPTS[:3]]
+            for budget in (8, "auto", [8, 16, "auto"]):
+                launches.clear()
+                policy = ScriptedPolicy((16, 8, DECODE)) if budget == "auto" else None
+                results = generator.generate_many(PROMPTS[:3], 6, [greedy] * 3, budget=budget, batch_policy=policy)
+                assert [r.tokens for r in results] == want, (budget, [r.tokens for r in results], want)
+                assert launches and {{n for n, _, _ in launches}} <= {{1, 2, 3}}, launches
+                if budget == 8:
+                    assert {{(b, r) for _, b, r in launches}} == {{(8, 9)}}, launches
+                print(budget, launches)
+            ranks.close()
+        print("ok")
+    """
+    done = run_interpreted(script, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "ok"
+
+
 def test_the_gpu_forms_attend_per_request_under_the_interpreter(demo_ckpt):
     """The GPU forms inside a batched forward (the Triton TreeAttention kernel in the GPU MLA form, the drafter
     attention kernel), under the Triton interpreter: two requests' rows in one forward give each request's own

@@ -143,6 +143,37 @@ def test_tree_kernel_equals_tensor_op_build_under_the_interpreter():
     assert done.stdout.split()[-1] == "28"
 
 
+def test_batched_tree_kernel_builds_each_tree_as_the_tensor_op_build_under_the_interpreter():
+    """`build_trees_kernel` (a batched step's trees in one launch, a program each) gives every tree the tensor-op
+    build's outputs from its own candidates and root, at every batch size and shape tried (the programs read and
+    write at their own offsets: a tree's neighbours change nothing)."""
+    done = run_interpreted("""
+        import numpy as np, torch
+        from runner.device.tree import build_tree_device
+        from runner.device.tree_kernel import build_trees_kernel
+        cases = [(7, 8, 8, 16), (7, 32, 32, 3), (3, 16, 4, 5), (1, 1, 1, 2), (7, 7, 1, 4), (5, 20, 6, 3)]
+        for seed, (depth, budget, k, trees) in enumerate(cases):
+            rng = np.random.default_rng(seed)
+            logits = torch.tensor(rng.normal(size=(trees, depth, 60)) * 2, dtype=torch.float32)
+            if seed == 0:  # a confident drafter in one tree: ties everywhere there
+                logits[1] = 0.0
+                logits[1, torch.arange(depth), 10 + torch.arange(depth)] = 30.0
+            top = torch.log_softmax(logits, -1).topk(k, dim=-1)
+            roots = torch.tensor(rng.integers(0, 60, size=trees))
+            rows = budget + 1 + seed % 2
+            got = build_trees_kernel(top.values, top.indices, budget, roots, rows, pad_token=9)
+            assert [tuple(t.shape) for t in got] == [(trees, rows)] * 3 + [(trees, rows, rows), (trees,)]
+            for b in range(trees):
+                want = build_tree_device(top.values[b], top.indices[b], budget, roots[b], rows, pad_token=9)
+                for name, a, g in zip(("tokens", "parents", "depths", "mask", "count"), want,
+                                      (*(t[b] for t in got[:4]), got[4][b : b + 1])):
+                    assert a.dtype == g.dtype and torch.equal(a, g), (depth, budget, k, b, name, a, g)
+        print("ok", len(cases))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "6"
+
+
 def test_top_logprobs_kernel_equals_log_softmax_topk_under_the_interpreter():
     """The GPU draft top-k (two Triton kernels) equals torch's log_softmax + topk: values, indices and order; on
     ties the lower index comes first."""

@@ -44,7 +44,7 @@ from runner.device.budget import (
     rank_nodes,
 )
 from runner.device.loop import SLOTS, DeviceLoop, first_token
-from runner.device.tree import accept_greedy_batched
+from runner.device.tree import accept_greedy_batched, batched_tree_form
 from runner.kv_cache import SequenceCache
 from runner.probes import Probes
 from runner.sessions.cuda_graphs import capture_graph, timing_event, warm_up
@@ -107,6 +107,8 @@ class BatchLoop:
         self.slot_index = torch.arange(slots, device=device)
         self.target, self.drafter, self.autoregressive, self.rows = lead.target, lead.drafter, autoregressive, lead.rows
         self.block = spec.block_size
+        # every slot's tree in one launch where the loops build theirs with the Triton kernel (GPUs); else one a slot
+        self.build_trees = batched_tree_form(device)
         self.routers = lead.routers if lead.auto else []
         self.logit_rows = torch.arange(slots * self.rows, device=device)
         self.use_graph, self.graphs = use_graph, {}
@@ -315,10 +317,21 @@ class BatchLoop:
         else:
             values, indices = lead.top_logprobs(self.draft_logits, width)
         ranked = lead.auto and budget is not None and report
+        built = None
+        if self.build_trees is not None:  # every slot's tree in one launch, at the step's budget (`DeviceLoop._tree`)
+            narrow = budget is not None and budget != lead.tree_spec.budget
+            rows = lead.spec.with_budget(budget).verify_tokens if narrow else lead.rows
+            count, at = len(loops), budget if narrow else lead.tree_spec.budget
+            built = self.build_trees(values.view(count, depth, -1), indices.view(count, depth, -1), at,
+                                     self.bonus[:count], rows)  # fmt: skip
         for b, loop in enumerate(loops):
             top = (values[b * depth : (b + 1) * depth], indices[b * depth : (b + 1) * depth])
-            loop._tree(budget, top, choose=not ranked)
-        self.trees = [torch.stack(parts) for parts in zip(*(loop.tree[:4] for loop in loops))]
+            tree = None if built is None else (*(part[b] for part in built[:4]), built[4][b : b + 1])
+            loop._tree(budget, top, choose=not ranked, built=tree)
+        if built is not None and not (lead.auto and not ranked):  # no slot chose its own budget: its mask as built
+            self.trees = list(built[:4])
+        else:
+            self.trees = [torch.stack(parts) for parts in zip(*(loop.tree[:4] for loop in loops))]
         if ranked:
             self._rank(len(loops), values.unflatten(0, (len(loops), depth)), indices.unflatten(0, (len(loops), depth)),
                        lead.budgets.index(budget))  # fmt: skip

@@ -192,22 +192,23 @@ class DeviceLoop:
         self.num_drafted += self.context_count
         self.draft_logits = draft_logits
 
-    def _tree(self, budget: int | None = None, top=None, choose: bool = True) -> None:
+    def _tree(self, budget: int | None = None, top=None, choose: bool = True, built=None) -> None:
         """Tree: best-first under the budget (several budgets: the largest one's tree, then the step's budget).
         budget: the step's budget (a batched step's for every request, `runner/device/batch.py`; None: a lone
         request's `step_budget`, set by `launch`): this tree is built at it, on its own rows; at the largest budget
         every node is verified and the statistics tell each smaller one. top: the draft's top candidates at
         `tree_width(budget)` (a batched step takes every slot's in one launch), else taken here. choose: with
         several budgets, the largest budget's tree chooses its own (`_choose_budget`); a batch-wide step ranks every
-        slot's nodes at once instead (`BatchLoop._rank`)."""
+        slot's nodes at once instead (`BatchLoop._rank`). built: this tree, built already (a batched step builds
+        every slot's in one launch, `tree_kernel.build_trees_kernel`)."""
         budget = self.step_budget if budget is None else budget
         self.narrow = budget is not None and budget != self.tree_spec.budget
         values, indices = top if top is not None else self.top_logprobs(self.draft_logits, self.tree_width(budget))
         if self.narrow:
             step = self.spec.with_budget(budget)
-            self.tree = self.build_tree(values, indices, budget, self.bonus, step.verify_tokens)
+            self.tree = built or self.build_tree(values, indices, budget, self.bonus, step.verify_tokens)
             return
-        self.tree = self.build_tree(values, indices, self.tree_spec.budget, self.bonus, self.rows)
+        self.tree = built or self.build_tree(values, indices, self.tree_spec.budget, self.bonus, self.rows)
         if self.auto and choose:
             self._choose_budget(values, indices)
 

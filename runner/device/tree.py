@@ -23,6 +23,16 @@ def tree_forms(device: torch.device):
     return top_logprobs_kernel, build_tree_kernel
 
 
+def batched_tree_form(device: torch.device):
+    """The build of a batch's trees in one launch (`tree_kernel.build_trees_kernel`) on GPUs, where `tree_forms`
+    builds with the kernel; None elsewhere (each slot's tree built on its own, `DeviceLoop._tree`)."""
+    if device.type != "cuda":
+        return None
+    from runner.device.tree_kernel import build_trees_kernel
+
+    return build_trees_kernel
+
+
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """log_softmax(logits).topk(k) per row: (values fp32 [rows, k] best first, indices int64)."""
     top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
