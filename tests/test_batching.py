@@ -1309,7 +1309,8 @@ def test_an_auto_batch_queued_ahead_chooses_one_step_behind_and_stays_lossless(d
     batch's steps are queued before the previous one's statistics are read, the batch policy choosing and learning
     (`StepBudgetPolicy`, untaught) one step behind; five greedy requests through two slots emit autoregressive
     decoding's tokens, every step the policy chose was run, and its steps' times and statistics were all recorded.
-    Unset, the switch is off; with `lazy_context` on, nothing of an `auto` batch is queued ahead."""
+    Unset, the switch follows `DDTREE_RUN_AHEAD` (on here), 0 turns it off; with `lazy_context` on, nothing of an
+    `auto` batch is queued ahead."""
     from runner.generator import Generator
     from runner.sampling import Sampler, SamplingParams
     from runner.speculate import generate_autoregressive
@@ -1318,12 +1319,16 @@ def test_an_auto_batch_queued_ahead_chooses_one_step_behind_and_stays_lossless(d
     spec, build = SpecConfig(8, 16, extra_budgets=(4, 8)), BuildConfig(**ENGINE_LIMITS)
     prompts, lengths = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0][:4]], [30, 18, 26, 22, 16]
     monkeypatch.setenv("DDTREE_RUN_AHEAD", "1")
+    monkeypatch.setenv("DDTREE_RUN_AHEAD_AUTO", "0")
     ranks = cpu_ranks(demo_ckpt(1), spec, build, device_loop=True, max_batch_size=2)
-    assert not ranks.lead.batch.run_ahead_auto  # unset: off
+    assert not ranks.lead.batch.run_ahead_auto  # 0: off
     expected = [generate_autoregressive(ranks, p, n, Sampler(greedy)).tokens for p, n in zip(prompts, lengths)]
     ranks.close()
     for lazy in ("0", "1"):
-        monkeypatch.setenv("DDTREE_RUN_AHEAD_AUTO", "1")
+        if lazy == "0":
+            monkeypatch.delenv("DDTREE_RUN_AHEAD_AUTO")  # unset: as DDTREE_RUN_AHEAD
+        else:
+            monkeypatch.setenv("DDTREE_RUN_AHEAD_AUTO", "1")
         monkeypatch.setenv("DDTREE_LAZY_CONTEXT", lazy)
         ranks = cpu_ranks(demo_ckpt(1), spec, build, device_loop=True, max_batch_size=2)
         batch, behind = ranks.lead.batch, []
@@ -1349,5 +1354,6 @@ def test_an_auto_batch_queued_ahead_chooses_one_step_behind_and_stays_lossless(d
                 batch.step(1, 8)
         ranks.close()
     monkeypatch.setenv("DDTREE_RUN_AHEAD_AUTO", "on")
-    with pytest.raises(ValueError, match=r"DDTREE_RUN_AHEAD_AUTO: expected 0 or 1 \(or unset: off\), got 'on'"):
+    message = r"DDTREE_RUN_AHEAD_AUTO: expected 0 or 1 \(or unset: as DDTREE_RUN_AHEAD\), got 'on'"
+    with pytest.raises(ValueError, match=message):
         cpu_ranks(demo_ckpt(1), spec, build, device_loop=True, max_batch_size=2)

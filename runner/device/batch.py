@@ -15,8 +15,8 @@ each step the requests of the highest slots move down into free slots below them
 rows and state copied), so a step covers as many slots as there are requests. `Batcher` (rank 0) schedules: it
 admits, steps, emits tokens to each request's callback and reports finished requests. Where nothing the next step
 needs depends on a step's tokens (fixed budgets or autoregressive decoding, the same requests, none at its token
-limit; with `DDTREE_RUN_AHEAD_AUTO=1` an all-`auto` batch too, its budget chosen one step behind), it queues that step
-before reading the tokens of the one in flight, as the single request's device loop does (`Batcher._next_plan`;
+limit; an all-`auto` batch too, its budget chosen one step behind, unless `DDTREE_RUN_AHEAD_AUTO=0`), it queues that
+step before reading the tokens of the one in flight, as the single request's device loop does (`Batcher._next_plan`;
 `BatchLoop.launch` / `collect`: each step's tokens in a pinned host slot of their own).
 """
 
@@ -154,10 +154,13 @@ class BatchLoop:
         # step runs eagerly, queueing ahead gains nothing (`DDTREE_RUN_AHEAD=1` takes the path there too)
         chosen = env_switch("DDTREE_RUN_AHEAD", " (or unset: on where graphs run)")
         self.run_ahead = use_graph if chosen is None else chosen
-        # and an all-`auto` batch's steps too, each budget chosen before the previous step's statistics are read
-        # (`DDTREE_RUN_AHEAD_AUTO=1`; off until timed on a GPU), its autoregressive steps among them where
-        # `lazy_context` is off (their form then does not depend on the tokens of the step before)
-        self.run_ahead_auto = self.run_ahead and bool(env_switch("DDTREE_RUN_AHEAD_AUTO", " (or unset: off)"))
+        # and an all-`auto` batch's steps too, each budget chosen before the previous step's statistics are read,
+        # its autoregressive steps among them where `lazy_context` is off (their form then does not depend on the
+        # tokens of the step before). Default on with `run_ahead` (`DDTREE_RUN_AHEAD_AUTO=0`: off): on one H100,
+        # 64 requests of the trained pair through 16 slots, `auto` 1.039x autoregressive decoding with it, 0.999x
+        # without, in the same run (BENCHMARKS.md, section 18)
+        chosen = env_switch("DDTREE_RUN_AHEAD_AUTO", " (or unset: as DDTREE_RUN_AHEAD)")
+        self.run_ahead_auto = self.run_ahead and (chosen is None or chosen)
 
     @contextmanager
     def timed(self, *what):
