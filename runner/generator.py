@@ -26,8 +26,9 @@ def group_admissions() -> bool:
     """`DDTREE_GROUP_ADMISSIONS=1`: a batch under a backlog puts a freed slot's admission off while sharing it with the
     slots the next steps free pays by its own measurements (`Batcher.admit_now`). Off by default: on two CPU cores an
     admission's time grows with its requests (sixteen together take what sixteen lone ones do: nothing to share),
-    and on a GPU, where a lone admission costs most of what sixteen together do, it is not yet timed (BENCHMARKS.md,
-    section 18)."""
+    and on one H100, where a lone admission costs most of what sixteen together do, it halved a DDTree 8 job's
+    admissions under a steady load at 16 slots and still slowed the job 2-4 %: the freed slots' idle steps cost more
+    than the shared prefills save (BENCHMARKS.md, section 18)."""
     from runner.device.batch import env_switch
 
     return bool(env_switch("DDTREE_GROUP_ADMISSIONS"))
