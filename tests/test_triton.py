@@ -417,8 +417,9 @@ def test_a_full_queue_answers_busy_at_once(server, cli_outputs):
 
 def test_a_client_that_goes_away_does_not_hold_up_the_next(server, cli_outputs):
     """Two clients start long streams and disconnect after the first event: their requests are cancelled in the
-    runner, so the next request waits for neither (compared with one such request served whole, in the same run;
-    seen on the CI machine kind: 2.95 s without cancellation, 0.33 s with it)."""
+    runner, so the next request waits for neither: less than one such request served whole takes, in the same run,
+    where without cancellation it would wait for both (seen on the CI machine kind: 2.95 s without cancellation, 0.33
+    s with it; 0.53 s with it against 0.89 s for a whole one while another test file ran beside it)."""
     import http.client
 
     long = {"text_input": PROMPTS[2], "max_tokens": 400, "end_id": -1}  # no early end token
@@ -440,7 +441,7 @@ def test_a_client_that_goes_away_does_not_hold_up_the_next(server, cli_outputs):
     )
     waited = time.monotonic() - started
     assert status == 200 and json.loads(text)["text_output"] == cli_outputs["greedy"][0]
-    assert waited < whole / 2, f"the next request waited {waited:.2f} s; a whole abandoned one takes {whole:.2f} s"
+    assert waited < whole, f"the next request waited {waited:.2f} s; a whole abandoned one takes {whole:.2f} s"
 
 
 def crash_mid_stream(server, model: str, backend: str, other: dict, settle: float, join: float):
