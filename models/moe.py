@@ -178,14 +178,19 @@ class GroupedMoE(MoE):
             raise RuntimeError(f"GroupedMoE needs torch._grouped_mm (torch >= 2.8), this torch is {torch.__version__}")
         self.num_experts = config.n_routed_experts
 
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)  # [T, k]
+    def sort_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The T*k (token, expert) pairs of ids [T, k] sorted by expert, stably: (order [T*k]: the pairs' flat
+        indices in that order, token [T*k]: each sorted pair's token, offsets [E] int32: where each expert's pairs
+        end), in device work only."""
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
-        token = order // ids.shape[1]  # source token of each sorted pair
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
-        offsets = counts.cumsum(0).to(torch.int32)
+        return order, order // ids.shape[1], counts.cumsum(0).to(torch.int32)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)  # [T, k]
+        order, token, offsets = self.sort_pairs(ids)
         rows = x.index_select(0, token)  # [T*k, hidden], grouped by expert
         gate = torch._grouped_mm(rows, self.experts["gate_proj"].weight.transpose(1, 2), offs=offsets)
         up = torch._grouped_mm(rows, self.experts["up_proj"].weight.transpose(1, 2), offs=offsets)
@@ -195,6 +200,24 @@ class GroupedMoE(MoE):
         # atomics on GPUs, in an order that changes between runs (greedy bf16 output did); this also rounds once
         unsorted = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
         return scaled.index_select(0, unsorted).view(*ids.shape, -1).sum(dim=1)
+
+
+class RoutedGroupedMoE(GroupedMoE):
+    """`GroupedMoE` whose pairs are sorted in one launch: the INT4 experts' routing program
+    (`plugins/int4_moe/kernel.route`: the sort, each expert's count and start), where the stable `argsort` and the
+    counts take several launches. One H100, a 16-slot DDTree 8 step of the trained pair: the `argsort` alone took
+    127 us of 1299 in its 5 MoE layers (25 us each over 576 pairs; 8.5 us over 64 in an autoregressive step).
+    Up to `ROUTE_MAX_PAIRS` pairs (more: `GroupedMoE`'s sort). The same order as the stable sort (the routing's tests
+    check it), so the same outputs. Not yet timed on a GPU: `DDTREE_MOE_ROUTE=kernel` takes it
+    (`runner.factory.gpu_ops`)."""
+
+    def sort_pairs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from plugins.int4_moe.kernel import ROUTE_MAX_PAIRS, route
+
+        if ids.numel() > ROUTE_MAX_PAIRS:
+            return super().sort_pairs(ids)
+        order, token, start, count, _, _ = route(ids, self.num_experts)
+        return order, token, start + count
 
 
 class PackedExperts(nn.Module):

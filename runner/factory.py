@@ -16,6 +16,7 @@ preset with random weights built on the device (`PresetWeights`, `models/presets
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -153,15 +154,21 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
     from models.dflash import KernelDraftAttention
     from models.layers import FusedGatedMLP, FusedRMSNorm
     from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
-    from models.moe import FusedRouter, GroupedMoE, MoE
+    from models.moe import FusedRouter, GroupedMoE, MoE, RoutedGroupedMoE
     from models.triton_ops import fused_rotary
     from plugins.int4_moe.kernel import Int4MoEKernel
     from plugins.tree_attention.kernel import tree_attention_cuda
 
+    # the bf16 experts' pairs sorted by `argsort` ("sort", the default) or in one routing launch ("kernel",
+    # `RoutedGroupedMoE`: not yet timed on a GPU)
+    route = os.environ.get("DDTREE_MOE_ROUTE", "") or "sort"
+    if route not in ("sort", "kernel"):
+        raise ValueError(f"DDTREE_MOE_ROUTE: expected 'sort' or 'kernel' (or unset: sort), got {route!r}")
+    grouped = RoutedGroupedMoE if route == "kernel" else GroupedMoE
     return ModelOps(
         tree_attention=tree_attention_cuda,
         collectives=collectives,
-        moe=GroupedMoE if dtype == torch.bfloat16 else MoE,
+        moe=grouped if dtype == torch.bfloat16 else MoE,
         mla=InPlaceAbsorbedMLA if InPlaceAbsorbedMLA.supports(target_cfg) else AbsorbedMLA,
         norm=FusedRMSNorm,
         rotary=fused_rotary,

@@ -50,6 +50,63 @@ def test_the_forms_are_chosen_by_device_and_dtype():
     assert bf16.fused_projections
 
 
+def test_the_bf16_experts_route_in_one_launch_only_when_asked(monkeypatch):
+    """`DDTREE_MOE_ROUTE=kernel` takes `RoutedGroupedMoE` for bf16 experts (float32 keeps the gathered form); unset
+    or "sort", the `argsort` form; any other value is an error that names the variable, the choices and the value."""
+    from models.moe import RoutedGroupedMoE
+
+    target = preset("moe").target
+    for value, form in (("kernel", RoutedGroupedMoE), ("sort", GroupedMoE), ("", GroupedMoE)):
+        monkeypatch.setenv("DDTREE_MOE_ROUTE", value)
+        assert gpu_ops(SingleRank(), target, torch.bfloat16).moe is form
+        assert gpu_ops(SingleRank(), target, torch.float32).moe is MoE
+    monkeypatch.setenv("DDTREE_MOE_ROUTE", "radix")
+    with pytest.raises(
+        ValueError, match=r"DDTREE_MOE_ROUTE: expected 'sort' or 'kernel' \(or unset: sort\), got 'radix'"
+    ):
+        gpu_ops(SingleRank(), target, torch.bfloat16)
+
+
+def test_the_experts_routed_in_one_launch_equal_the_sorted_form_under_the_interpreter():
+    """`RoutedGroupedMoE` (the pairs sorted by the INT4 experts' routing program, run by the Triton interpreter)
+    gives `GroupedMoE`'s outputs bit for bit on the same bf16 weights: at 1 and 33 tokens, and past the routing
+    program's pairs (its own sort then)."""
+    done = run_interpreted("""
+        import torch
+        from models.layout import rank_target_shapes
+        from models.moe import GroupedMoE, RoutedGroupedMoE
+        from models.parallel import SingleRank
+        from models.presets import preset
+        from models.random_weights import random_state, router_in_fp32
+        from plugins.int4_moe.kernel import ROUTE_MAX_PAIRS
+        from runner.factory import cpu_ops
+        import dataclasses
+        # 16 experts, top 4: experts that no token chose, and others that several did
+        config = dataclasses.replace(preset("moe", smoke=True).target, n_routed_experts=16, num_experts_per_tok=4)
+        prefix = "model.layers.1.mlp."
+        shapes = {k[len(prefix) :]: v for k, v in rank_target_shapes(config).items() if k.startswith(prefix)}
+        state = router_in_fp32(random_state(shapes, seed=4, dtype=torch.bfloat16))
+        forms = []
+        for form in (GroupedMoE, RoutedGroupedMoE):
+            with torch.device("meta"):
+                moe = form(config, 1, cpu_ops(SingleRank()))
+            moe.load_state_dict(state, strict=True, assign=True)
+            forms.append(moe)
+        past = ROUTE_MAX_PAIRS // config.num_experts_per_tok + 1
+        for tokens in (1, 33, past):
+            gen = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+            with torch.no_grad():
+                want, got = (moe(x) for moe in forms)
+                ids = forms[0].gate(x)[0]
+            assert torch.equal(got, want), tokens
+            assert tokens == 1 or len(set(torch.bincount(ids.flatten(), minlength=16).tolist())) > 2, tokens
+        print("ok")
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "ok"
+
+
 def test_local_ranks_on_the_cpu_run_every_rank_with_the_reference_forms(demo_ckpt):
     ranks = local_ranks(CheckpointWeights(demo_ckpt(2)), RankOptions(device="cpu"), SpecConfig(8, 32), BUILD)
     assert len(ranks.workers) == 2 and ranks.lead is ranks.workers[0]
