@@ -203,6 +203,7 @@ class Generator:
         batch_loop = self.ranks.lead.batch
         queued = batch_loop.run_ahead_auto and not batch_loop.lazy_context
         tokens = 2 + QUEUED_STEPS * (self.spec.draft_depth + 1) if queued else 2  # the prefill's token and the steps'
+        tokens = max(2, min(tokens, self.capacity - len(prompt) - 2 * self.spec.block_size - 1))  # a short cache
         for r in range(max(1, rounds)):
             for count in counts:
                 for i in range(len(options)):
