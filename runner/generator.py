@@ -193,9 +193,9 @@ class Generator:
         starts one further on); a pair's cost is its median. Where an `auto` batch queues its steps ahead
         (`BatchLoop.run_ahead_auto`, `lazy_context` off), a step's cost is what it takes queued behind another (the
         host's work between steps hidden behind the GPU's), so each job runs `QUEUED_STEPS` steps' tokens and most of
-        its steps are queued: timed one at a time, the cost of an autoregressive step, whose host work is the largest
-        share of it, was 0.76 ms at 16 slots of the trained pair on one H100 where queued it took 0.60, and no
-        `auto` batch chose it. Returns {(slots, budget): seconds a step}."""
+        its steps are queued: timed one at a time, an autoregressive step, whose host work is the largest share of it,
+        cost 0.78 ms at 16 slots of the trained pair on one H100, where queued it costs 0.64 (the batch policy's
+        medians; BENCHMARKS.md, section 18). Returns {(slots, budget): seconds a step}."""
         from runner.device.budget import DECODE, StepBudgetPolicy
 
         options, timings = (DECODE, *self.device_budgets), {}
