@@ -73,19 +73,15 @@ def profile_steps(batch, slots: int) -> dict:
     from benchmarks.profile_forward import back_to_back_us, graph_replay_profile, print_replay_profile
     from runner.device.budget import DECODE
 
-    state = [batch.num_cached, batch.num_drafted, batch.context_count, batch.bonus, batch.context,
-             *(loop.draws for loop in batch.loops[:slots])]  # fmt: skip
     rows = {}
     for (count, _, budget, report, narrow, append), graph in list(batch.graphs.items()):
         if count != slots:
             continue
-        saved = [t.clone() for t in state]
         name = "autoregressive" if batch.autoregressive or budget == DECODE else f"budget {budget or 'per slot'}"
         name += (" narrow" if narrow else "") + (" append" if append else "") + (" statistics" if report else "")
-        prof = graph_replay_profile(graph.replay)
-        prof["back_to_back_us"] = back_to_back_us(graph.replay, 8)
-        for tensor, before in zip(state, saved):
-            tensor.copy_(before)
+        with batch.state_kept(slots):
+            prof = graph_replay_profile(graph.replay)
+            prof["back_to_back_us"] = back_to_back_us(graph.replay, 8)
         print_replay_profile(f"{slots} slots, {name}", None, prof)
         rows[name] = prof
     return rows

@@ -322,9 +322,7 @@ class BatchLoop:
         ranked = lead.auto and budget is not None and report
         built = None
         if self.build_trees is not None:  # every slot's tree in one launch, at the step's budget (`DeviceLoop._tree`)
-            narrow = budget is not None and budget != lead.tree_spec.budget
-            rows = lead.spec.with_budget(budget).verify_tokens if narrow else lead.rows
-            count, at = len(loops), budget if narrow else lead.tree_spec.budget
+            count, (at, rows, _) = len(loops), lead.tree_at(budget)
             built = self.build_trees(values.view(count, depth, -1), indices.view(count, depth, -1), at,
                                      self.bonus[:count], rows)  # fmt: skip
         for b, loop in enumerate(loops):
@@ -530,14 +528,23 @@ class BatchLoop:
             self.draft.transpose(1, 3).transpose(2, 3).index_put_((index, arange[None]), values)
         return logits
 
-    def _capture(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False,
-                 append: bool = False):  # fmt: skip
+    @contextmanager
+    def state_kept(self, count: int):
+        """Slots [0, count)'s step state (cached and drafted rows, context, bonus, draw counters) as it is now, put
+        back after the block: steps run there (a graph's warm-up, a benchmark's replays) do not count as steps."""
         state = [self.num_cached, self.num_drafted, self.context_count, self.bonus, self.context,
                  *(loop.draws for loop in self.loops[:count])]  # fmt: skip
         saved = [t.clone() for t in state]
-        warm_up(lambda: self._run(count, budget, report, narrow, append), self.device)
-        for tensor, before in zip(state, saved):
-            tensor.copy_(before)  # the warm-up must not count as a step
+        try:
+            yield
+        finally:
+            for tensor, before in zip(state, saved):
+                tensor.copy_(before)
+
+    def _capture(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False,
+                 append: bool = False):  # fmt: skip
+        with self.state_kept(count):  # the warm-up must not count as a step
+            warm_up(lambda: self._run(count, budget, report, narrow, append), self.device)
         gc.collect()  # nothing holding CUDA resources may be freed while the stream captures
         return capture_graph(lambda: self._run(count, budget, report, narrow, append), self.device, warmups=0)[0]
 

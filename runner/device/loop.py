@@ -201,16 +201,19 @@ class DeviceLoop:
         several budgets, the largest budget's tree chooses its own (`_choose_budget`); a batch-wide step ranks every
         slot's nodes at once instead (`BatchLoop._rank`). built: this tree, built already (a batched step builds
         every slot's in one launch, `tree_kernel.build_trees_kernel`)."""
-        budget = self.step_budget if budget is None else budget
-        self.narrow = budget is not None and budget != self.tree_spec.budget
-        values, indices = top if top is not None else self.top_logprobs(self.draft_logits, self.tree_width(budget))
-        if self.narrow:
-            step = self.spec.with_budget(budget)
-            self.tree = built or self.build_tree(values, indices, budget, self.bonus, step.verify_tokens)
-            return
-        self.tree = built or self.build_tree(values, indices, self.tree_spec.budget, self.bonus, self.rows)
-        if self.auto and choose:
+        at, rows, self.narrow = self.tree_at(budget)
+        values, indices = top if top is not None else self.top_logprobs(self.draft_logits, self.tree_width(at))
+        self.tree = built or self.build_tree(values, indices, at, self.bonus, rows)
+        if self.auto and choose and not self.narrow:
             self._choose_budget(values, indices)
+
+    def tree_at(self, budget: int | None = None) -> tuple[int, int, bool]:
+        """(the budget a step's tree is built at, its rows, whether that is narrower than the largest budget) for a
+        step at `budget` (None: a lone request's `step_budget`, else the largest)."""
+        budget = self.step_budget if budget is None else budget
+        if budget is not None and budget != self.tree_spec.budget:
+            return budget, self.spec.with_budget(budget).verify_tokens, True
+        return self.tree_spec.budget, self.rows, False
 
     def tree_width(self, budget: int | None = None) -> int:
         """The draft candidates a depth the tree of `budget` needs (None: the largest budget's)."""
