@@ -3,11 +3,12 @@ Triton launches), at Kimi K2.x's routing (384 experts, top 8, one group) and Dee
 of 8 groups), hidden 7168, bf16 activations, with bf16-valued weights (a bf16 checkpoint's router: the fused form
 keeps them bf16, tensor cores) and float32 ones (float32 FMAs).
 
-    PYTHONPATH=. python3 benchmarks/router_gpu.py OUT_DIR [--smoke]
+    PYTHONPATH=. python3 benchmarks/router_gpu.py OUT_DIR [--smoke] [--no-sweep]
 
 Each case first checks the fused form against the torch form on the same GPU: the chosen experts equal for every
 row (a differing row is reported with the gap between the two scores it chose between), the weights within 1e-5.
-Times: CUDA-graph replays (median), T = 1, 8, 9, 17, 33, 64 rows; the byte floor reads the router's weights once at
+Times: CUDA-graph replays (median), T = 1, 8, 9, 17, 33, 64 rows and a batch's verify (16 slots of budget 8 or 32:
+144 and 528 rows, the logits in token blocks of 64); the byte floor reads the router's weights once at
 the copy rate measured in the same run. Writes OUT_DIR/router_gpu.json.
 """
 
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     add_setup_args(parser)
+    parser.add_argument("--no-sweep", action="store_true", help="leave out the launch-shape sweep at T = 1 and 33")
     args = parser.parse_args(argv)
     setup = Setup.from_args(args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
             for weight_dtype in (torch.bfloat16, torch.float32):
                 torch_form, fused = routers(fields, hidden, weight_dtype, setup.device, seed=len(info["rows"]))
                 weight_bytes = fused.weight.numel() * fused.weight.element_size()
-                for tokens in (1, 8, 9, 17, 33, 64):
+                for tokens in (1, 8, 9, 17, 33, 64, 144, 528):
                     x = torch.randn(tokens, hidden, generator=gen).to(setup.device, setup.dtype)
                     row = {"routing": name, "weights": str(fused.weight.dtype).removeprefix("torch."),
                            "tokens": tokens, **check(torch_form, fused, x),
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
                           f"{row['fused_us']:6.1f} us  floor {row['floor_us']:5.1f} us  differing rows "
                           f"{row['rows_differing']} {row['score_gaps']}  weight error {row['weight_error']:.1e}",
                           flush=True)  # fmt: skip
-        info["launches"] = launch_sweep(setup, hidden) if not setup.smoke else []
+        info["launches"] = launch_sweep(setup, hidden) if not (setup.smoke or args.no_sweep) else []
     (args.out_dir / "router_gpu.json").write_text(json.dumps(info, indent=1) + "\n")
     return 0
 

@@ -60,12 +60,12 @@ class Router(nn.Module):
 
 class FusedRouter(Router):
     """The GPU form: the same choice in two Triton launches (`models/triton_ops.py`, `route_top_k`: the logits a
-    K split at a time, each weight read once; then a program a token sums the splits in order, scores and picks)
-    where the torch form takes about ten (its float32 GEMM alone ran on the CUDA cores at 1.5 TB/s). Weights that
-    are bf16 values (a bf16 checkpoint's router, upcast at load) are kept in bf16, half the bytes, and multiplied
-    on tensor cores with float32 sums, products exact. Rows beyond the kernels' block (prefill), float32 weights
-    (whose float32-FMA form measured slower than torch's at one token, benchmarks/router_gpu.py) and activations
-    other than bf16 take the torch form."""
+    K split at a time, each weight read once a block of 64 rows; then a program a token sums the splits in order,
+    scores and picks) where the torch form takes about ten (its float32 GEMM alone ran on the CUDA cores at
+    1.5 TB/s). Weights that are bf16 values (a bf16 checkpoint's router, upcast at load) are kept in bf16, half the
+    bytes, and multiplied on tensor cores with float32 sums, products exact. Rows beyond `ROUTER_MAX_TOKENS` (long
+    prefills), float32 weights (whose float32-FMA form measured slower than torch's at one token,
+    benchmarks/router_gpu.py) and activations other than bf16 take the torch form."""
 
     def prepare_weights(self) -> None:
         weight = self.weight.data

@@ -219,11 +219,11 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Te
 @triton.jit
 def _router_logits(x_ptr, w_ptr, part_ptr, tokens, x_stride, experts, hidden, split_k, BLOCK_T: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
-    """Program (expert block, K split): part[split, t, e] = sum over the split's inputs of x[t, k] w[e, k] for every
-    token, in float32. bf16 x and w: tensor cores (each product exact in float32); else float32 FMAs. Each weight is
-    read once."""
-    pid_e, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_t = tl.arange(0, BLOCK_T)
+    """Program (expert block, K split, token block): part[split, t, e] = sum over the split's inputs of x[t, k] w[e, k]
+    for the block's tokens, in float32. bf16 x and w: tensor cores (each product exact in float32); else float32 FMAs.
+    Each weight is read once a token block (once where the tokens fit one block: a verify of up to BLOCK_T rows)."""
+    pid_e, pid_k, pid_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     t_ok, e_ok = offs_t < tokens, offs_e < experts
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
@@ -299,13 +299,16 @@ def _router_select(part_ptr, bias_ptr, active_ptr, ids_ptr, weights_ptr, splits,
     tl.store(weights_ptr + t * TOP_K + offs_k, weights * scaling, mask=offs_k < TOP_K)
 
 
-ROUTER_MAX_TOKENS = 64  # the kernels' token block (a verify of budget 32 has 33 rows); prefill keeps the torch form
+ROUTER_BLOCK_T = 64  # the logits' token block (a lone request's verify of budget 32 has 33 rows)
+# rows the kernels take: a batch's verify (16 slots of budget 32: 528 rows); longer prefills keep the torch form
+ROUTER_MAX_TOKENS = 1024
 ROUTER_SPLITS = 8
 
 
 def router_splits(experts: int, hidden: int, block_e: int, block_k: int, device: torch.device) -> int:
     """Inputs a K split of the router's logits: about two programs an SM over the expert blocks, whole chunks, at
-    most ROUTER_SPLITS splits (the choice's program sums them all)."""
+    most ROUTER_SPLITS splits (the choice's program sums them all). The same at any row count, so a row's logits are
+    summed in the same order alone and in a batch's verify."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     splits = max(1, min(triton.cdiv(hidden, block_k), 2 * sms // triton.cdiv(experts, block_e), ROUTER_SPLITS))
     return triton.cdiv(triton.cdiv(hidden, splits), block_k) * block_k
@@ -314,10 +317,11 @@ def router_splits(experts: int, hidden: int, block_e: int, block_k: int, device:
 def route_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int, topk_group: int,
                 norm: bool, scaling: float, active: torch.Tensor | None = None, block_e: int = 32, warps: int = 4,
                 select_warps: int = 4):  # fmt: skip
-    """`Router.forward` for x [T <= ROUTER_MAX_TOKENS, hidden]: (expert ids [T, k] int64, weights [T, k] float32).
-    weight [E, hidden] float32, or bfloat16 where the router's weights are bf16 values (a bf16 checkpoint's): then
-    with bf16 x the logits run on tensor cores, each product exact, the sums in float32 as the torch form's.
-    block_e / warps: the logits' launch (experts a program, warps); select_warps: the choice's."""
+    """`Router.forward` for x [T <= ROUTER_MAX_TOKENS, hidden]: (expert ids [T, k] int64, weights [T, k] float32);
+    the logits' programs take ROUTER_BLOCK_T rows each. weight [E, hidden] float32, or bfloat16 where the router's
+    weights are bf16 values (a bf16 checkpoint's): then with bf16 x the logits run on tensor cores, each product
+    exact, the sums in float32 as the torch form's. block_e / warps: the logits' launch (experts a program, warps);
+    select_warps: the choice's."""
     tokens, hidden = x.shape
     experts = weight.shape[0]
     if tokens > ROUTER_MAX_TOKENS:
@@ -327,12 +331,14 @@ def route_top_k(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k
     # the same bf16 operands take the float32 form, whose products and sums are the same
     bf16 = weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.is_cuda
     block_k = 128 if bf16 else 64
+    block_t = min(ROUTER_BLOCK_T, max(16, triton.next_power_of_2(tokens)))
+    token_blocks = triton.cdiv(tokens, block_t)
     split_k = router_splits(experts, hidden, block_e, block_k, x.device)
     splits = triton.cdiv(hidden, split_k)
     part = torch.empty(splits, tokens, experts, dtype=torch.float32, device=x.device)
-    _router_logits[(triton.cdiv(experts, block_e), splits)](
-        x, weight, part, tokens, x.stride(0), experts, hidden, split_k, BLOCK_T=max(16, triton.next_power_of_2(tokens)),
-        BLOCK_E=block_e, BLOCK_K=block_k, BF16=bf16, num_warps=warps)  # fmt: skip
+    _router_logits[(triton.cdiv(experts, block_e), splits, token_blocks)](
+        x, weight, part, tokens, x.stride(0), experts, hidden, split_k, BLOCK_T=block_t, BLOCK_E=block_e,
+        BLOCK_K=block_k, BF16=bf16, num_warps=warps)  # fmt: skip
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
     _router_select[(tokens,)](
