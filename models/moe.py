@@ -10,6 +10,7 @@ data-dependent control flow, so the same code exports to ONNX and runs under CUD
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -67,6 +68,8 @@ class FusedRouter(Router):
     prefills), float32 weights (whose float32-FMA form measured slower than torch's at one token,
     benchmarks/router_gpu.py) and activations other than bf16 take the torch form."""
 
+    max_rows: int | None = None  # rows the kernels take (None: ROUTER_MAX_TOKENS); more take the torch form
+
     def prepare_weights(self) -> None:
         weight = self.weight.data
         if weight.dtype == torch.float32 and torch.equal(weight.to(torch.bfloat16).to(torch.float32), weight):
@@ -75,10 +78,20 @@ class FusedRouter(Router):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from models.triton_ops import ROUTER_MAX_TOKENS, route_top_k
 
-        if x.shape[0] > ROUTER_MAX_TOKENS or self.weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        rows = self.max_rows or ROUTER_MAX_TOKENS
+        if x.shape[0] > rows or self.weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
             return super().forward(x)
         return route_top_k(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                            self.norm_topk_prob, self.scaling, self.row_active)  # fmt: skip
+
+
+@functools.cache
+def fused_router(max_rows: int | None = None) -> type[FusedRouter]:
+    """FusedRouter, or the same with the kernels taking at most `max_rows` rows (one class a limit, so the rank
+    factory's cache sees the same forms)."""
+    if max_rows is None:
+        return FusedRouter
+    return type(f"FusedRouter{max_rows}", (FusedRouter,), {"max_rows": max_rows})
 
 
 def with_shared_experts(moe: nn.Module, x: torch.Tensor, routed) -> torch.Tensor:
