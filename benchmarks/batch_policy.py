@@ -8,8 +8,8 @@
         DDTREE_RUN_AHEAD=0, no step queued before the tokens of the one in flight are read; NAME+ahead /
         NAME+stepwise: DDTREE_RUN_AHEAD_AUTO=1 / 0, an `auto` batch's steps queued so too, its budget chosen one step
         behind (the default where steps are queued ahead), or each chosen after the previous step is read;
-        NAME+route: DDTREE_MOE_ROUTE=kernel, the bf16 experts' pairs sorted in one routing launch; NAME+router1024:
-        DDTREE_ROUTER_MAX_ROWS=1024, a batch's verify wider than 64 rows routed by the kernels, not the torch form)
+        NAME+route: DDTREE_MOE_ROUTE=kernel, the bf16 experts' pairs sorted in one routing launch; NAME+router64:
+        DDTREE_ROUTER_MAX_ROWS=64, a verify wider than 64 rows routed by the torch form)
 
 The trained pair built as `benchmarks/concurrency.py` builds it (bf16 on a GPU), one discarded two-request job a mode
 (kernels compiled), then one CLI job a name in `--order` (`auto`, `ar` or a fixed budget), each of N requests in-flight
@@ -39,7 +39,7 @@ SWITCHES = {"lazy": ("DDTREE_LAZY_CONTEXT", "1"), "group": ("DDTREE_GROUP_ADMISS
             "lone": ("DDTREE_LONE_AS_GROUP", "1"), "profile": ("DDTREE_LONE_AS_GROUP", "0"),
             "serial": ("DDTREE_RUN_AHEAD", "0"), "ahead": ("DDTREE_RUN_AHEAD_AUTO", "1"),
             "stepwise": ("DDTREE_RUN_AHEAD_AUTO", "0"), "route": ("DDTREE_MOE_ROUTE", "kernel"),
-            "router1024": ("DDTREE_ROUTER_MAX_ROWS", "1024")}  # fmt: skip
+            "router64": ("DDTREE_ROUTER_MAX_ROWS", "64")}  # fmt: skip
 
 
 def switched(choice: str, option: str) -> tuple[str, list[str], dict]:
@@ -56,7 +56,7 @@ def job(choice: str) -> tuple[str, str, dict]:
     context), `+group` (admissions put off to share them), `+lone` / `+profile` (a lone admission as a group of one,
     the GPU default, or on the prefill profile), `+serial` (no step queued before the last one's tokens are read),
     `+ahead` / `+stepwise` (an `auto` batch's steps queued so too, or not), `+route` (the experts' pairs sorted in one
-    launch), `+router1024` (the router's kernels for a batch's verify too, up to 1024 rows, not the torch form)
+    launch), `+router64` (the router's kernels for at most 64 rows, a wider batch's verify routed by the torch form)
     as wanted."""
     base, switches, env = switched(choice, "--order")
     mode = mode_name(base)

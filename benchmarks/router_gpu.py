@@ -8,8 +8,8 @@ keeps them bf16, tensor cores) and float32 ones (float32 FMAs).
 Each case first checks the fused form against the torch form on the same GPU: the chosen experts equal for every
 row (a differing row is reported with the gap between the two scores it chose between), the weights within 1e-5.
 Times: CUDA-graph replays (median), T = 1, 8, 9, 17, 33, 64 rows and a batch's verify (16 slots of budget 8 or 32:
-144 and 528 rows, the logits in token blocks of 64: `DDTREE_ROUTER_MAX_ROWS=1024`); the byte floor reads the
-router's weights once at the copy rate measured in the same run. Writes OUT_DIR/router_gpu.json.
+144 and 528 rows, the logits in token blocks of 64); the byte floor reads the router's weights once at
+the copy rate measured in the same run. Writes OUT_DIR/router_gpu.json.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import Setup, add_setup_args, environment, graph_time_us, measure_ceilings
-from models.moe import Router, fused_router
+from models.moe import FusedRouter, Router
 from models.presets import preset
-from models.triton_ops import ROUTER_MAX_TOKENS
 
 CASES = {
     "kimi": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1),
@@ -41,7 +40,7 @@ def routers(fields: dict, hidden: int, weight_dtype: torch.dtype, device, seed: 
     weight = torch.randn(torch_form.weight.shape, generator=gen) * hidden**-0.5
     torch_form.weight.data = weight.to(weight_dtype).float()
     torch_form.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts, generator=gen) * 0.05)
-    fused = fused_router(ROUTER_MAX_TOKENS)(config)  # the kernels at every row count timed here
+    fused = FusedRouter(config)
     fused.load_state_dict(torch_form.state_dict())
     fused.prepare_weights()
     return torch_form.to(device), fused.to(device)

@@ -64,11 +64,11 @@ class FusedRouter(Router):
     K split at a time, each weight read once a block of 64 rows; then a program a token sums the splits in order,
     scores and picks) where the torch form takes about ten (its float32 GEMM alone ran on the CUDA cores at
     1.5 TB/s). Weights that are bf16 values (a bf16 checkpoint's router, upcast at load) are kept in bf16, half the
-    bytes, and multiplied on tensor cores with float32 sums, products exact. Rows beyond `max_rows` (a batch's wide
-    verify unless told more, prefills), float32 weights (whose float32-FMA form measured slower than torch's at one
-    token, benchmarks/router_gpu.py) and activations other than bf16 take the torch form."""
+    bytes, and multiplied on tensor cores with float32 sums, products exact. Rows beyond `ROUTER_MAX_TOKENS` (long
+    prefills), float32 weights (whose float32-FMA form measured slower than torch's at one token,
+    benchmarks/router_gpu.py) and activations other than bf16 take the torch form."""
 
-    max_rows: int | None = None  # rows the kernels take (None: ROUTER_DEFAULT_ROWS); more take the torch form
+    max_rows: int | None = None  # rows the kernels take (None: ROUTER_MAX_TOKENS); more take the torch form
 
     def prepare_weights(self) -> None:
         weight = self.weight.data
@@ -76,9 +76,9 @@ class FusedRouter(Router):
             self.weight = nn.Parameter(weight.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from models.triton_ops import ROUTER_DEFAULT_ROWS, route_top_k
+        from models.triton_ops import ROUTER_MAX_TOKENS, route_top_k
 
-        rows = self.max_rows or ROUTER_DEFAULT_ROWS
+        rows = self.max_rows or ROUTER_MAX_TOKENS
         if x.shape[0] > rows or self.weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
             return super().forward(x)
         return route_top_k(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,

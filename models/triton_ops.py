@@ -300,11 +300,8 @@ def _router_select(part_ptr, bias_ptr, active_ptr, ids_ptr, weights_ptr, splits,
 
 
 ROUTER_BLOCK_T = 64  # the logits' token block (a lone request's verify of budget 32 has 33 rows)
-# rows the kernels can take: a batch's verify (16 slots of budget 32: 528 rows); longer prefills keep the torch form
+# rows the kernels take: a batch's verify (16 slots of budget 32: 528 rows); longer prefills keep the torch form
 ROUTER_MAX_TOKENS = 1024
-# rows FusedRouter gives them unless told more (`DDTREE_ROUTER_MAX_ROWS`): one block, a lone request's verify; a
-# batch's wider verify in several blocks is checked under the interpreter but not yet timed on a GPU
-ROUTER_DEFAULT_ROWS = 64
 ROUTER_SPLITS = 8
 
 

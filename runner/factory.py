@@ -155,7 +155,7 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
     from models.layers import FusedGatedMLP, FusedRMSNorm
     from models.mla import AbsorbedMLA, InPlaceAbsorbedMLA
     from models.moe import GroupedMoE, MoE, RoutedGroupedMoE, fused_router
-    from models.triton_ops import ROUTER_DEFAULT_ROWS, ROUTER_MAX_TOKENS, fused_rotary
+    from models.triton_ops import ROUTER_MAX_TOKENS, fused_rotary
     from plugins.int4_moe.kernel import Int4MoEKernel
     from plugins.tree_attention.kernel import tree_attention_cuda
 
@@ -165,12 +165,12 @@ def gpu_ops(collectives, target_cfg, dtype: torch.dtype) -> ModelOps:
     if route not in ("sort", "kernel"):
         raise ValueError(f"DDTREE_MOE_ROUTE: expected 'sort' or 'kernel' (or unset: sort), got {route!r}")
     grouped = RoutedGroupedMoE if route == "kernel" else GroupedMoE
-    # the rows the router's kernels take (unset: ROUTER_DEFAULT_ROWS, a lone request's verify, a batch's wider one
-    # routed by the torch form; up to ROUTER_MAX_TOKENS: a batch's verify too, the logits in token blocks)
+    # the rows the router's kernels take (unset: ROUTER_MAX_TOKENS, a batch's verify; 64: a lone request's verify,
+    # a batch's wider one taking the torch form, as before the logits' token blocks)
     max_rows = os.environ.get("DDTREE_ROUTER_MAX_ROWS", "")
     if max_rows and not (max_rows.isdigit() and 1 <= int(max_rows) <= ROUTER_MAX_TOKENS):
         raise ValueError(f"DDTREE_ROUTER_MAX_ROWS: expected a row count from 1 to {ROUTER_MAX_TOKENS} (or unset: "
-                         f"{ROUTER_DEFAULT_ROWS}), got {max_rows!r}")  # fmt: skip
+                         f"{ROUTER_MAX_TOKENS}), got {max_rows!r}")  # fmt: skip
     return ModelOps(
         tree_attention=tree_attention_cuda,
         collectives=collectives,

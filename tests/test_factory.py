@@ -67,38 +67,38 @@ def test_the_bf16_experts_route_in_one_launch_only_when_asked(monkeypatch):
         gpu_ops(SingleRank(), target, torch.bfloat16)
 
 
-def test_the_routers_kernels_take_a_batchs_rows_only_when_asked(monkeypatch):
-    """The GPU router's kernels take up to ROUTER_DEFAULT_ROWS rows (a lone request's verify; more take the torch
-    form), or up to `DDTREE_ROUTER_MAX_ROWS` (a batch's verify; the same class for the same limit); a limit that is
-    not a row count from 1 to ROUTER_MAX_TOKENS is an error that names the variable, the range and the value."""
+def test_the_routers_kernels_take_a_batchs_rows_unless_told_fewer(monkeypatch):
+    """The GPU router's kernels take up to ROUTER_MAX_TOKENS rows (a batch's verify), or `DDTREE_ROUTER_MAX_ROWS`
+    (then more rows take the torch form; the same class for the same limit); a limit that is not a row count from 1
+    to ROUTER_MAX_TOKENS is an error that names the variable, the range and the value."""
     from models.moe import FusedRouter
-    from models.triton_ops import ROUTER_DEFAULT_ROWS, ROUTER_MAX_TOKENS
+    from models.triton_ops import ROUTER_MAX_TOKENS
 
     target = preset("moe").target
     monkeypatch.delenv("DDTREE_ROUTER_MAX_ROWS", raising=False)
     assert gpu_ops(SingleRank(), target, torch.bfloat16).router is FusedRouter
-    monkeypatch.setenv("DDTREE_ROUTER_MAX_ROWS", "1024")
+    monkeypatch.setenv("DDTREE_ROUTER_MAX_ROWS", "64")
     router = gpu_ops(SingleRank(), target, torch.bfloat16).router
-    assert issubclass(router, FusedRouter) and router.max_rows == 1024
+    assert issubclass(router, FusedRouter) and router.max_rows == 64
     assert gpu_ops(SingleRank(), target, torch.bfloat16).router is router
     gen = torch.Generator().manual_seed(0)
-    default, wide = FusedRouter(target), router(target)
-    for module in (default, wide):
+    fused, limited = FusedRouter(target), router(target)
+    for module in (fused, limited):
         module.weight.data = (torch.randn(module.weight.shape, generator=gen) * 0.05).to(torch.bfloat16).float()
         module.prepare_weights()
-    x = torch.randn(ROUTER_DEFAULT_ROWS + 1, target.hidden_size, generator=gen).to(torch.bfloat16)
+    x = torch.randn(65, target.hidden_size, generator=gen).to(torch.bfloat16)
     calls = []
     import models.triton_ops
 
     monkeypatch.setattr(models.triton_ops, "route_top_k", lambda *a, **k: calls.append(a[0].shape[0]) or (None, None))
-    default(x[:-1]), default(x), wide(x)  # the second: the torch form
-    assert calls == [ROUTER_DEFAULT_ROWS, ROUTER_DEFAULT_ROWS + 1], calls
+    fused(x[:65]), limited(x[:64]), limited(x[:65])  # the last one: the torch form
+    assert calls == [65, 64], calls
     for value in ("0", f"{ROUTER_MAX_TOKENS + 1}", "many"):
         monkeypatch.setenv("DDTREE_ROUTER_MAX_ROWS", value)
         with pytest.raises(
             ValueError,
             match=rf"DDTREE_ROUTER_MAX_ROWS: expected a row count from 1 to "
-            rf"{ROUTER_MAX_TOKENS} \(or unset: {ROUTER_DEFAULT_ROWS}\), got '{value}'",
+            rf"{ROUTER_MAX_TOKENS} \(or unset: {ROUTER_MAX_TOKENS}\), got '{value}'",
         ):
             gpu_ops(SingleRank(), target, torch.bfloat16)
 
