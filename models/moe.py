@@ -64,11 +64,13 @@ class FusedRouter(Router):
     K split at a time, each weight read once a block of 64 rows; then a program a token sums the splits in order,
     scores and picks) where the torch form takes about ten (its float32 GEMM alone ran on the CUDA cores at
     1.5 TB/s). Weights that are bf16 values (a bf16 checkpoint's router, upcast at load) are kept in bf16, half the
-    bytes, and multiplied on tensor cores with float32 sums, products exact. Rows beyond `ROUTER_MAX_TOKENS` (long
-    prefills), float32 weights (whose float32-FMA form measured slower than torch's at one token,
+    bytes, and multiplied on tensor cores with float32 sums, products exact. A batch's verify takes them too (one
+    H100: Kimi's routing at 144 / 528 rows 16.5 / 31.8 us against the torch form's 78.4 / 138.4; the trained pair's
+    16-slot DDTree 8 step graph 1271.8 -> 1122.6 us, the same tokens; BENCHMARKS.md 18). Rows beyond `max_rows`
+    (long prefills), float32 weights (whose float32-FMA form measured slower than torch's at one token,
     benchmarks/router_gpu.py) and activations other than bf16 take the torch form."""
 
-    max_rows: int | None = None  # rows the kernels take (None: ROUTER_MAX_TOKENS); more take the torch form
+    max_rows: int | None = None  # rows the kernels take (None: ROUTER_MAX_TOKENS; `DDTREE_ROUTER_MAX_ROWS`)
 
     def prepare_weights(self) -> None:
         weight = self.weight.data
