@@ -135,7 +135,8 @@ def test_fused_router_chooses_what_the_router_chooses():
     """route_top_k (FusedRouter's two kernels) gives Router's experts, in its order, and its weights: Kimi's routing
     (384 experts, top 8, one group) and DeepSeek-V3's (groups: the best 4 of 8 by their best two), a top-k that is not
     a power of two, float32 weights and bf16 ones, 1 to 130 rows (a batch's verify: logits in token blocks of 64, the
-    last one partial), rows outside a narrow step. FusedRouter keeps
+    last one partial; its rows' choices and weights bit for bit those of the same rows routed alone), rows outside a
+    narrow step. FusedRouter keeps
     bf16-valued weights in bf16 and float32 ones as they are. (bf16 operands take the kernel's float32 form here: the
     interpreter's bf16 dot is not exact; the tensor-core form is checked on the GPU, benchmarks/router_gpu.py.)"""
     done = run_interpreted("""
@@ -173,6 +174,11 @@ def test_fused_router_chooses_what_the_router_chooses():
                         assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == want_ids.shape
                         assert torch.equal(ids, want_ids), (fields, dtype, tokens, ids, want_ids)
                         assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6), (w - want_w).abs().max()
+                        if tokens > 64:  # a row routed in a batch's blocks is routed as alone, bit for bit
+                            few = route_top_k(x[:5], fused.weight, fused.e_score_correction_bias, fused.top_k,
+                                              fused.n_group, fused.topk_group, fused.norm_topk_prob, fused.scaling,
+                                              None if row_active is None else row_active[:5])
+                            assert torch.equal(few[0], ids[:5]) and torch.equal(few[1], w[:5])
                         checked += 1
         print("checked", checked)
         assert checked == 18, checked
