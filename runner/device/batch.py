@@ -320,16 +320,18 @@ class BatchLoop:
         else:
             values, indices = lead.top_logprobs(self.draft_logits, width)
         ranked = lead.auto and budget is not None and report
+        at, rows, narrow = lead.tree_at(budget)
+        chooses = lead.auto and not ranked and not narrow  # each slot chooses its own budget (`DeviceLoop._tree`)
         built = None
         if self.build_trees is not None:  # every slot's tree in one launch, at the step's budget (`DeviceLoop._tree`)
-            count, (at, rows, _) = len(loops), lead.tree_at(budget)
+            count = len(loops)
             built = self.build_trees(values.view(count, depth, -1), indices.view(count, depth, -1), at,
                                      self.bonus[:count], rows)  # fmt: skip
         for b, loop in enumerate(loops):
             top = (values[b * depth : (b + 1) * depth], indices[b * depth : (b + 1) * depth])
             tree = None if built is None else (*(part[b] for part in built[:4]), built[4][b : b + 1])
             loop._tree(budget, top, choose=not ranked, built=tree)
-        if built is not None and not (lead.auto and not ranked):  # no slot chose its own budget: its mask as built
+        if built is not None and not chooses:  # every slot's tree as built: no slot narrowed its mask
             self.trees = list(built[:4])
         else:
             self.trees = [torch.stack(parts) for parts in zip(*(loop.tree[:4] for loop in loops))]
