@@ -271,15 +271,22 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
     return row
 
 
-def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecConfig, batch: int) -> dict:
+def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecConfig, batch: int,
+              budget: str | None = None) -> dict:  # fmt: skip
     """`batch` copies of the request at once, in-flight batched on the device loop (`--max_batch_size`): a
     warm-up batch, then `setup.repeats` timed ones (the median); tokens/s = every request's tokens after its first
-    over the batch's decode time (the wall time less the prefills, which all run before the first step)."""
+    over the batch's decode time (the wall time less the prefills, which all run before the first step). budget
+    "auto": a spec with several budgets, every step's choice made by the batch's policy (`StepBudgetPolicy`, which
+    may take an autoregressive step), its costs measured at warm-up as `--ddtree_budget auto` does; the row records
+    the choices of the last timed batch."""
     autoregressive = mode.startswith("autoregressive")
     oracle = torch.tensor(run.continuation) if drafter == "oracle" else None
     probes = Probes(oracle=oracle, context_rows=run.context_rows)
     generator = preset_ranks(run.weights, setup, spec, True, autoregressive, probes, run.limits, max_batch_size=batch)
     prompts, params = [run.prompt] * batch, [run.params] * batch
+    if budget == "auto":
+        generator.enable_auto_budget()
+        generator.warm_up((run.params,))  # each batched step's graph and cost (`Generator.measure_batch_costs`)
     generator.generate_many(prompts, run.new_tokens, params)  # warm-up (every slot count's graph)
     rates, outputs = [], []
     for _ in range(setup.repeats):
@@ -298,9 +305,12 @@ def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecCo
            else 1.0, "tokens": run.new_tokens, "tokens_equal_to_autoregressive": equal,
            "repeats_agree": all(o == outputs[0] for o in outputs), "mode_printed": generator.mode(run.params),
            "ranks": generator.rank_description}  # fmt: skip
+    if budget == "auto":  # {slots: {"steps": {budget: steps}, "ms": {...}}}, budget 0: autoregressive steps
+        row["batch_policy"] = generator.last_batcher.batch_policy.summary()
     generator.ranks.close()
     print(f"{run.name}{run.label}: {mode:30s} {drafter:6s} batch {batch:2d}: {row['tokens_per_s']:8.1f} tokens/s "
-          f"together, accept {row['mean_accept_length']:.2f}, equal to AR for {equal}/{run.new_tokens}",
+          f"together, accept {row['mean_accept_length']:.2f}, equal to AR for {equal}/{run.new_tokens}"
+          + (f", the policy's steps (budget 0: autoregressive) {row['batch_policy']}" if budget == "auto" else ""),
           flush=True)  # fmt: skip
     return row
 

@@ -18,7 +18,8 @@ continuation), on the device loop; decode tokens/s (median of --repeats), mean a
 the verify-to-decode cost ratio. --auto-budget adds, per drafter, an engine spec with budgets 8, 16 and 32 on the
 device loop: `auto` (costs measured on the device loop first, as `--ddtree_budget auto` does; the budgets the steps
 took are recorded) and budget 8 on that engine (its own graph: what a narrow step of a several-budget engine costs).
---batches 4,8 adds rows of that many copies of the request in-flight batched (`--max_batch_size`): tokens/s of the
+--batches 4,8 adds rows of that many copies of the request in-flight batched (`--max_batch_size`; autoregressive,
+DDTree 8 and 32, and `auto`, whose batch policy may take autoregressive steps): tokens/s of the
 batch together, speed-up against one autoregressive request (the ranks are then built for the context and the request,
 not 131072 tokens: each slot holds caches for the whole sequence). One GPU holds one rank: no all-reduce in these
 numbers. Writes OUT_DIR/kimi_rank_int4.json.
@@ -73,8 +74,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--batches",
         default="",
-        help="comma-separated batch sizes: rows of that many copies of the "
-        "request in-flight batched (autoregressive, DDTree 8 and 32; random and oracle drafters)",
+        help="comma-separated batch sizes: rows of that many copies of the request in-flight batched "
+        "(autoregressive, DDTree 8 and 32, and auto of 8/16/32, whose policy may take autoregressive steps; random and "
+        "oracle drafters)",
     )
     parser.add_argument("--drafters", default="random,oracle", help="the drafters of the speculative rows")
     parser.add_argument("--modes", default=",".join(m for m, _ in SPEC_MODES),
@@ -155,11 +157,15 @@ def main(argv=None) -> int:
                     info["memory"]["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
                 save()  # after every row: a run cut short keeps what it measured
             for batch in [int(b) for b in args.batches.split(",") if b]:
-                batch_modes = [("autoregressive (device loop)", "-", SpecConfig(8, 32))] + [
-                    (f"ddtree {b} (device loop)", d, SpecConfig(8, b)) for d in ("random", "oracle") for b in (8, 32)
+                # `auto`: the batch's policy chooses each step, among budgets 8/16/32 and an autoregressive step
+                several, drafters = SpecConfig(8, 32, extra_budgets=(8, 16)), ("random", "oracle")
+                batch_modes = [("autoregressive (device loop)", "-", SpecConfig(8, 32), None)]
+                batch_modes += [
+                    (f"ddtree {b} (device loop)", d, SpecConfig(8, b), None) for d in drafters for b in (8, 32)
                 ]
-                for mode, drafter, spec in batch_modes:
-                    row = batch_row(run, row_setup, mode, drafter, spec, batch)
+                batch_modes += [("ddtree auto of 8/16/32 (device loop)", d, several, "auto") for d in drafters]
+                for mode, drafter, spec, budget in batch_modes:
+                    row = batch_row(run, row_setup, mode, drafter, spec, batch, budget)
                     row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
                     info["rows"].append({**row, "context": context, "synthetic_rows": synthetic})
                     save()

@@ -31,7 +31,8 @@
 #             auto and budget 8 on it, next to the fixed-budget rows
 #   batch     in-flight batching: 'concurrency' (benchmarks/concurrency.py --device cuda --no-triton: the trained pair
 #             through the CLI, 1 to 16 requests) and 'rankbatch' (kimi_rank_int4.py --batches $BATCHES, default 4,8, at
-#             1k context: the whole rank, random and oracle drafters)
+#             1k context: the whole rank, random and oracle drafters; `auto` too, its batch policy free to take
+#             autoregressive steps)
 #   smoke     the tiny demo through the CLI on the GPU with several budgets (8/16/32): auto and budget 32, one request
 #             and four in-flight batched (auto also with DDTREE_LAZY_CONTEXT=1), each == the CPU's autoregressive tokens
 #   triton    benchmarks/concurrency.py --device cuda with the Triton rows: the CLI and a real tritonserver, unpacked

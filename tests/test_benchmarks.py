@@ -133,13 +133,16 @@ def test_kimi_rank_int4_smoke(tmp_path, synthetic):
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "kimi_rank_int4.json").read_text())
-    assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == (9 if synthetic else 18)
+    assert result["memory"]["target_weight_bytes"] > 0 and len(result["rows"]) == (9 if synthetic else 20)
     batched = [r for r in result["rows"] if r.get("batch")]  # --batches 2: two copies of the request per step
-    assert len(batched) == (0 if synthetic else 5) and all("batched: up to 2" in r["mode_printed"] for r in batched)
+    assert len(batched) == (0 if synthetic else 7) and all("batched: up to 2" in r["mode_printed"] for r in batched)
+    for r in batched:  # --auto-budget adds `auto` batches (random and oracle): the batch policy's choices recorded
+        steps = {b: n for slots in r.get("batch_policy", {}).values() for b, n in slots["steps"].items()}
+        assert ("ddtree auto" in r["mode"]) == bool(steps) and set(steps) <= {"0", "8", "16", "32"}, r
     for r in result["rows"]:
         assert "INT4 experts" in r["ranks"] and r["tokens_equal_to_autoregressive"] == r["tokens"] == 16, r
         assert r["synthetic_rows"] == (30 if synthetic else 0)
-    several = [r for r in result["rows"] if "of 8/16/32" in r["mode"]]  # --auto-budget: one graph, three budgets
+    several = [r for r in result["rows"] if "of 8/16/32" in r["mode"] and not r.get("batch")]  # a graph a budget
     assert len(several) == (0 if synthetic else 4)
     for r in several:
         assert "device loop" in r["mode_printed"] and sum(r["budgets_chosen"].values()) > 0, r
