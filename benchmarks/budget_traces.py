@@ -139,15 +139,64 @@ def batch_step_costs(costs_file: Path) -> dict[tuple[int, int], dict]:
 def batch_rates(traces: list[dict], costs: dict, batch: int) -> dict:
     """Tokens/s of a batch of `batch` requests at each fixed budget the costs have: each request's step emits what
     its trace's step does at that budget (greedy: exactly what it would; a step of the batch costs what the batched
-    random-drafter row measured), so the batch emits `batch` times the traces' mean a step."""
+    random-drafter row measured), so the batch emits `batch` times the traces' mean a step; and `auto`'s
+    (`batch_auto`)."""
     budgets = sorted(k for k in costs if k != "autoregressive")
     accept = dict(zip(budgets, path_tokens(traces, budgets).mean(axis=0).tolist()))
     rates = {"autoregressive": batch / costs["autoregressive"]}
     for b in budgets:
         rates[f"ddtree {b}"] = batch * accept[b] / costs[b]
+    rates["auto"], chosen = batch_auto(traces, costs, batch)
     return {"tokens_per_s": {k: round(v, 2) for k, v in rates.items()},
             "over_autoregressive": {k: round(v / rates["autoregressive"], 3) for k, v in rates.items()},
-            "mean_accept_length": {str(b): round(a, 3) for b, a in accept.items()}}  # fmt: skip
+            "mean_accept_length": {str(b): round(a, 3) for b, a in accept.items()},
+            "auto_steps": chosen}  # fmt: skip
+
+
+def batch_auto(traces: list[dict], costs: dict, batch: int) -> tuple[float, dict[str, int]]:
+    """An all-`auto` batch of `batch` busy requests as the device loop's batch runs it (`Batcher`): the batch's
+    `StepBudgetPolicy` (the batched costs' budgets and an autoregressive step, seeded with those costs as warm-up's
+    `Generator.measure_batch_costs` seeds it) chooses each step; a step at budget b takes each request's next trace
+    step and emits its prefix of the path (statistics for b and the budgets below it where the policy asks them,
+    else its accepted lengths); an autoregressive step emits one token a request and takes no trace step (that
+    request's next step then drafts one token later than the trace did: an approximation). Request j walks traces j,
+    j + batch, ... cyclically until the batch has emitted the traces' tokens at the largest budget. Returns (tokens
+    a second, {choice: steps}; "0": an autoregressive step)."""
+    from runner.device.budget import DECODE
+
+    budgets = tuple(sorted(k for k in costs if k != "autoregressive"))
+    seconds_of = {DECODE: costs["autoregressive"], **{b: costs[b] for b in budgets}}
+    policy = StepBudgetPolicy(budgets, decode=True, narrow_informs=True, max_tokens=8,
+                              step_costs={(batch, b): s for b, s in seconds_of.items()})  # fmt: skip
+    walks = [[s for t in traces[j::batch] for s in t["steps"]] for j in range(batch)]
+    at = [0] * batch
+    goal = sum(len(budget_path(s["path"], budgets[-1])) for t in traces for s in t["steps"])
+    emitted, seconds = 0, 0.0
+    while emitted < goal:
+        chosen = policy.choose(batch, batch)
+        report = policy.reports(chosen)
+        seconds += seconds_of[chosen]
+        if chosen == DECODE:
+            emitted += batch
+            policy.record(batch, DECODE, seconds_of[DECODE], [])
+            continue
+        told = [b for b in budgets if b <= chosen]
+        stats, accepted = [], []
+        for j, walk in enumerate(walks):
+            step = walk[at[j] % len(walk)]
+            at[j] += 1
+            path = budget_path(step["path"], chosen)
+            emitted += len(path)
+            accepted.append(len(path) - 1)
+            if report:
+                drafted = expected_drafted(torch.tensor(step["scores"]), torch.tensor(told)).tolist()
+                stats.append({"accepted": {b: len(budget_path(step["path"], b)) - 1 for b in told},
+                              "drafted": dict(zip(told, drafted))})  # fmt: skip
+        timed = report and policy.timed(chosen, batch)  # as `Batcher._collect`: a reported step's time counts only
+        policy.record(batch, chosen, None if timed else seconds_of[chosen], stats)  # while its pair has none
+        if not report:
+            policy.observe(chosen, accepted)
+    return emitted / seconds, {str(b): n for (_, b), n in sorted(policy.chosen.items())}
 
 
 def per_step_bound(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, np.ndarray]:
@@ -276,10 +325,13 @@ def main(argv=None) -> int:
         for r in batched:
             for mode, rate in r["tokens_per_s"].items():
                 budget = mode.removeprefix("ddtree ")
-                step = r["step_ms"]["autoregressive" if mode == "autoregressive" else budget]
-                print(f"| {r['temperature']} | {r['context']} | {r['batch']} | {mode} | {step:.2f} | "
-                      f"{r['mean_accept_length'].get(budget, 1.0)} | {rate:.1f} | "
-                      f"{r['over_autoregressive'][mode]:.3f} |")  # fmt: skip
+                if mode == "auto":  # its steps by choice (0: autoregressive)
+                    step, accept = "-", " / ".join(f"{b}: {n}" for b, n in r["auto_steps"].items())
+                else:
+                    step = f"{r['step_ms']['autoregressive' if mode == 'autoregressive' else budget]:.2f}"
+                    accept = r["mean_accept_length"].get(budget, 1.0)
+                print(f"| {r['temperature']} | {r['context']} | {r['batch']} | {mode} | {step} | {accept} | "
+                      f"{rate:.1f} | {r['over_autoregressive'][mode]:.3f} |")  # fmt: skip
     return 0
 
 

@@ -231,10 +231,20 @@ def test_budget_traces_batch_rates_from_the_batched_rows():
     costs = batch_step_costs(RESULTS / "kimi_rank_batch.json")
     assert set(costs) == {(1024, 4)} and set(costs[(1024, 4)]) == {"autoregressive", 8, 32}
     assert abs(costs[(1024, 4)]["autoregressive"] - 4 / 283.9906233138556) < 1e-12
-    traces = [{"steps": [{"path": [0, 1, 2, 9]}, {"path": [0, 5]}]}]  # at 8: 3 and 2 tokens; at 32: 4 and 2
+    scores = [-0.5 * i for i in range(32)]  # the tree's best-first path log-probabilities (what `auto` reports)
+    steps = [{"path": [0, 1, 2, 9], "scores": scores}, {"path": [0, 5], "scores": scores}]  # at 8: 3, 2; at 32: 4, 2
+    traces = [{"steps": steps * 16}] * 8
     rates = batch_rates(traces, {"autoregressive": 0.01, 8: 0.02, 32: 0.05}, 4)
-    assert rates["tokens_per_s"] == {"autoregressive": 400.0, "ddtree 8": 500.0, "ddtree 32": 240.0}
+    fixed = {k: v for k, v in rates["tokens_per_s"].items() if k != "auto"}
+    assert fixed == {"autoregressive": 400.0, "ddtree 8": 500.0, "ddtree 32": 240.0}
     assert rates["over_autoregressive"]["ddtree 8"] == 1.25 and rates["mean_accept_length"] == {"8": 2.5, "32": 3.0}
+    # `auto`, the batch's policy over those costs: budget 8 where it is the best, learning at 32 first (its steps
+    # tell 8 too), and autoregressive steps where a budget-8 step costs more than its tokens are worth
+    assert 0.97 * 500.0 < rates["tokens_per_s"]["auto"] < 500.0 and rates["auto_steps"]["8"] > 50
+    assert rates["auto_steps"]["32"] >= 1 and "0" not in rates["auto_steps"]
+    rates = batch_rates(traces, {"autoregressive": 0.01, 8: 0.04, 32: 0.05}, 4)
+    assert 0.97 * 400.0 < rates["tokens_per_s"]["auto"] < 400.0 and rates["tokens_per_s"]["ddtree 8"] == 250.0
+    assert rates["auto_steps"]["0"] > 100 and "8" not in rates["auto_steps"]
 
 
 def test_synthetic_context_rows_are_cached_and_attended():
