@@ -275,7 +275,8 @@ def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecCo
               budget: str | None = None) -> dict:  # fmt: skip
     """`batch` copies of the request at once, in-flight batched on the device loop (`--max_batch_size`): a
     warm-up batch, then `setup.repeats` timed ones (the median); tokens/s = every request's tokens after its first
-    over the batch's decode time (the wall time less the prefills, which all run before the first step). budget
+    over the batch's decode time (the wall time less the admissions, which all run before the first step; each
+    repeat's decode time and its steps' own times, `Batcher.timings`, are recorded too). budget
     "auto": a spec with several budgets, every step's choice made by the batch's policy (`StepBudgetPolicy`, which
     may take an autoregressive step), its costs measured at warm-up as `--ddtree_budget auto` does; the row records
     the choices of the last timed batch."""
@@ -288,19 +289,24 @@ def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecCo
         generator.enable_auto_budget()
         generator.warm_up((run.params,))  # each batched step's graph and cost (`Generator.measure_batch_costs`)
     generator.generate_many(prompts, run.new_tokens, params)  # warm-up (every slot count's graph)
-    rates, outputs = [], []
+    rates, outputs, decode, stepped = [], [], [], []
     for _ in range(setup.repeats):
+        timings: dict = {}
         started = time.perf_counter()
-        results = generator.generate_many(prompts, run.new_tokens, params)
+        results = generator.generate_many(prompts, run.new_tokens, params, timings=timings)
         wall = time.perf_counter() - started
-        first = sum(r.prefill_seconds for r in results)  # every request is admitted (prefilled) before the steps
-        rates.append(sum(len(r.tokens) - 1 for r in results) / max(wall - first, 1e-9))
+        # every request is admitted (prefilled) before the steps, together where they fit one admission: the
+        # admissions' own time (each request's prefill time is its admission's, shared by those admitted with it)
+        first = sum(generator.last_batcher.admitted_seconds.values())
+        decode.append(wall - first)
+        stepped.append(sum(sum(t) for t in timings.values()))  # the steps' own times (`Batcher.timings`)
+        rates.append(sum(len(r.tokens) - 1 for r in results) / decode[-1])
         outputs.append([r.tokens for r in results])
     reference = run.continuation if run.params.greedy else None
     equal = None if reference is None else min(first_difference(t, reference) for t in outputs[-1])
     rate = statistics.median(rates)
     row = {"model": run.name, "mode": mode, "drafter": drafter, "batch": batch, "tokens_per_s": rate,
-           "per_request_tokens_per_s": rate / batch,
+           "per_request_tokens_per_s": rate / batch, "decode_seconds": decode, "steps_seconds": stepped,
            "mean_accept_length": statistics.mean(a for r in results for a in r.accept_lengths) if not autoregressive
            else 1.0, "tokens": run.new_tokens, "tokens_equal_to_autoregressive": equal,
            "repeats_agree": all(o == outputs[0] for o in outputs), "mode_printed": generator.mode(run.params),
