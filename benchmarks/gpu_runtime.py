@@ -279,7 +279,8 @@ def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecCo
     repeat's decode time and its steps' own times, `Batcher.timings`, are recorded too). budget
     "auto": a spec with several budgets, every step's choice made by the batch's policy (`StepBudgetPolicy`, which
     may take an autoregressive step), its costs measured at warm-up as `--ddtree_budget auto` does; the row records
-    the choices of the last timed batch."""
+    the policy's choices and step times (`StepBudgetPolicy.summary`: the policy outlives the batches, so these are
+    over the warm-up batch and the timed ones)."""
     autoregressive = mode.startswith("autoregressive")
     oracle = torch.tensor(run.continuation) if drafter == "oracle" else None
     probes = Probes(oracle=oracle, context_rows=run.context_rows)
