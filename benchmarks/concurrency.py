@@ -162,10 +162,12 @@ def _histogram(values) -> dict:
 
 
 def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: int, smoke: bool, models: list[str],
-                budgets: list[str | None], per_client: int = 2) -> list[dict]:  # fmt: skip
+                budgets: list[str | None], per_client: int = 2, rows: list | None = None,
+                saved=lambda: None) -> list[dict]:  # fmt: skip
     """The Triton rows: `models` (names in MODELS) in one server, each of `engines[name]`; each DDTree model once a
     request budget in `budgets` (None: the engine's own, the request sends none; "auto" or a budget: the request's
-    `ddtree_budget`; the chain's model: its own budget only)."""
+    `ddtree_budget`; the chain's model: its own budget only). rows: the list each row is appended to (returned),
+    `saved()` called after each, so a run stopped early keeps the rows it measured."""
     from runner.serving.triton_repo import write_repository
     from runner.serving.triton_server import start_server, stop_server, wait_ready
 
@@ -182,7 +184,7 @@ def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: 
         (staging / name).rename(repo / name)
     ports = [free_port() for _ in range(3)]
     process = start_server(venv, repo, out, *ports, out / "server.log")
-    rows = []
+    rows = [] if rows is None else rows
     try:
         wait_ready(process, ports[0], out / "server.log", timeout=900)
         texts = prompts(per_client * max(levels), smoke)
@@ -196,6 +198,7 @@ def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: 
                       f"{rows[-1]['latency_max_s']:.3f} s; a request {rows[-1]['request_tokens_per_s_median']:.1f} "
                       "tokens/s (median)",
                       flush=True)  # fmt: skip
+                saved()
     finally:
         stop_server(process)
     return rows
@@ -387,8 +390,8 @@ def main(argv=None) -> int:
         save()
     if not args.no_triton:
         served = {m: engines["DFlash chain"] if m.startswith("chain") else engine for m in models}
-        info["triton_server"] = triton_rows(served, out, levels, tokens, args.smoke, models, budgets,
-                                            args.triton_requests)  # fmt: skip
+        triton_rows(served, out, levels, tokens, args.smoke, models, budgets, args.triton_requests,
+                    info["triton_server"], save)  # fmt: skip
     save()
     print("\n| requests | mode | one at a time (tokens/s) | batched (tokens/s) | batched / one at a time |")
     print("|---|---|---|---|---|")
