@@ -46,7 +46,7 @@ from benchmarks.acceptance import convert_pair, load_prompts
 from benchmarks.common import environment
 from engines.spec import BuildConfig, SpecConfig
 from runner.budget import BudgetPolicy
-from runner.device.budget import StepBudgetPolicy, expected_drafted
+from runner.device.budget import DECODE, StepBudgetPolicy, expected_drafted
 from runner.factory import CheckpointWeights, RankOptions, local_ranks
 from runner.sampling import Sampler, SamplingParams
 from runner.speculate import generate
@@ -153,6 +153,16 @@ def batch_rates(traces: list[dict], costs: dict, batch: int) -> dict:
             "auto_steps": chosen}  # fmt: skip
 
 
+def step_stats(step: dict, budgets) -> dict:
+    """A trace step's statistics as a device-loop step reports them for `budgets` (`DeviceLoop.read_stats`): the
+    drafted tokens each budget's prefix of the path accepted, and what the drafter expected there."""
+    drafted = expected_drafted(torch.tensor(step["scores"]), torch.tensor(list(budgets))).tolist()
+    return {
+        "accepted": {b: len(budget_path(step["path"], b)) - 1 for b in budgets},
+        "drafted": dict(zip(budgets, drafted)),
+    }
+
+
 def batch_auto(traces: list[dict], costs: dict, batch: int) -> tuple[float, dict[str, int]]:
     """An all-`auto` batch of `batch` busy requests as the device loop's batch runs it (`Batcher`): the batch's
     `StepBudgetPolicy` (the batched costs' budgets and an autoregressive step, seeded with those costs as warm-up's
@@ -162,8 +172,6 @@ def batch_auto(traces: list[dict], costs: dict, batch: int) -> tuple[float, dict
     request's next step then drafts one token later than the trace did: an approximation). Request j walks traces j,
     j + batch, ... cyclically until the batch has emitted the traces' tokens at the largest budget. Returns (tokens
     a second, {choice: steps}; "0": an autoregressive step)."""
-    from runner.device.budget import DECODE
-
     budgets = tuple(sorted(k for k in costs if k != "autoregressive"))
     seconds_of = {DECODE: costs["autoregressive"], **{b: costs[b] for b in budgets}}
     policy = StepBudgetPolicy(budgets, decode=True, narrow_informs=True, max_tokens=8,
@@ -189,9 +197,7 @@ def batch_auto(traces: list[dict], costs: dict, batch: int) -> tuple[float, dict
             emitted += len(path)
             accepted.append(len(path) - 1)
             if report:
-                drafted = expected_drafted(torch.tensor(step["scores"]), torch.tensor(told)).tolist()
-                stats.append({"accepted": {b: len(budget_path(step["path"], b)) - 1 for b in told},
-                              "drafted": dict(zip(told, drafted))})  # fmt: skip
+                stats.append(step_stats(step, told))
         timed = report and policy.timed(chosen, batch)  # as `Batcher._collect`: a reported step's time counts only
         policy.record(batch, chosen, None if timed else seconds_of[chosen], stats)  # while its pair has none
         if not report:
@@ -238,10 +244,8 @@ def replay(traces: list[dict], costs: dict) -> dict:
         emitted += len(budget_path(s["path"], chosen))
         seconds += costs[chosen]
         stats = []
-        if chosen == BUDGETS[-1]:  # what the device loop's statistics say of every budget (`DeviceLoop.read_stats`)
-            drafted = expected_drafted(torch.tensor(s["scores"]), torch.tensor(BUDGETS)).tolist()
-            stats = [{"accepted": {b: len(budget_path(s["path"], b)) - 1 for b in BUDGETS},
-                      "drafted": dict(zip(BUDGETS, drafted))}]  # fmt: skip
+        if chosen == BUDGETS[-1]:  # what the device loop's statistics say of every budget
+            stats = [step_stats(s, BUDGETS)]
         device.record(1, chosen, costs[chosen], stats)
     rates["auto (device loop)"] = emitted / seconds
     rates["per-step bound"], bound_choices = per_step_bound(tokens, np.array([costs[b] for b in BUDGETS]))
