@@ -43,6 +43,24 @@ from models.parallel import SingleRank
 from runner.factory import PresetWeights, RankOptions, model_ops, rank_device
 
 SEQUENCE = 131072
+BATCH_MODES = ("autoregressive", "ddtree 8", "ddtree 32", "auto", "auto lazy")  # the --batches rows
+
+
+def batch_modes(names: str, drafters: str) -> list[tuple]:
+    """The --batches rows among BATCH_MODES (`names`, comma-separated), each speculative one for every drafter:
+    (mode, drafter, spec, budget, lazy context). `auto`: the batch's policy chooses each step among budgets 8/16/32
+    and an autoregressive step; "auto lazy": with an autoregressive step's drafter rows left pending
+    (`BatchLoop.lazy_context`)."""
+    chosen, rows = names.split(","), []
+    if "autoregressive" in chosen:
+        rows.append(("autoregressive (device loop)", "-", SpecConfig(8, 32), None, None))
+    for drafter in drafters.split(","):
+        rows += [(f"ddtree {b} (device loop)", drafter, SpecConfig(8, b), None, None)
+                 for b in (8, 32) if f"ddtree {b}" in chosen]  # fmt: skip
+        several = SpecConfig(8, 32, extra_budgets=(8, 16))
+        rows += [(f"ddtree auto of 8/16/32 (device loop){', lazy context' if lazy else ''}", drafter, several,
+                  "auto", lazy) for name, lazy in (("auto", None), ("auto lazy", True)) if name in chosen]  # fmt: skip
+    return rows
 
 
 def module_bytes(module) -> int:
@@ -78,6 +96,9 @@ def main(argv=None) -> int:
         "(autoregressive, DDTree 8 and 32, and auto of 8/16/32, whose policy may take autoregressive steps; random and "
         "oracle drafters)",
     )
+    parser.add_argument("--batch-modes", default=",".join(BATCH_MODES),
+                        help="the --batches rows, comma-separated (default: every one of them; 'auto lazy': auto with "
+                             "an autoregressive step's drafter rows left pending, DDTREE_LAZY_CONTEXT=1)")  # fmt: skip
     parser.add_argument("--drafters", default="random,oracle", help="the drafters of the speculative rows")
     parser.add_argument("--modes", default=",".join(m for m, _ in SPEC_MODES),
                         help="the fixed-budget rows, comma-separated (default: every one of them)")  # fmt: skip
@@ -88,6 +109,9 @@ def main(argv=None) -> int:
                         "the autoregressive row, then only what --auto-budget and --batches add")  # fmt: skip
     add_setup_args(parser)
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.batch_modes.split(",")) - set(BATCH_MODES))
+    if unknown:
+        parser.error(f"--batch-modes: expected names among {list(BATCH_MODES)}, got {unknown}")
     fixed_modes = args.modes.split(",")
     unknown = sorted(set(fixed_modes) - {m for m, _ in SPEC_MODES})
     if unknown:
@@ -158,14 +182,8 @@ def main(argv=None) -> int:
                 save()  # after every row: a run cut short keeps what it measured
             for batch in [int(b) for b in args.batches.split(",") if b]:
                 # `auto`: the batch's policy chooses each step, among budgets 8/16/32 and an autoregressive step
-                several, drafters = SpecConfig(8, 32, extra_budgets=(8, 16)), ("random", "oracle")
-                batch_modes = [("autoregressive (device loop)", "-", SpecConfig(8, 32), None)]
-                batch_modes += [
-                    (f"ddtree {b} (device loop)", d, SpecConfig(8, b), None) for d in drafters for b in (8, 32)
-                ]
-                batch_modes += [("ddtree auto of 8/16/32 (device loop)", d, several, "auto") for d in drafters]
-                for mode, drafter, spec, budget in batch_modes:
-                    row = batch_row(run, row_setup, mode, drafter, spec, batch, budget)
+                for mode, drafter, spec, budget, lazy in batch_modes(args.batch_modes, args.drafters):
+                    row = batch_row(run, row_setup, mode, drafter, spec, batch, budget, lazy_context=lazy)
                     row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
                     info["rows"].append({**row, "context": context, "synthetic_rows": synthetic})
                     save()
