@@ -191,7 +191,7 @@ class Generator:
         128 tokens: a 16-slot batch's first steps took 32, 0, 0, 8, 8, 16, 16 and 32, all but the first to time a
         choice twice, where 8 was the best from the first). `rounds` rounds, the choices interleaved (each round
         starts one further on); a pair's cost is its median. Where an `auto` batch queues its steps ahead
-        (`BatchLoop.run_ahead_auto`, `lazy_context` off), a step's cost is what it takes queued behind another (the
+        (`BatchLoop.run_ahead_auto`), a step's cost is what it takes queued behind another (the
         host's work between steps hidden behind the GPU's), so each job runs `QUEUED_STEPS` steps' tokens and most of
         its steps are queued: timed one at a time, an autoregressive step, whose host work is the largest share of it,
         cost 0.78 ms at 16 slots of the trained pair on one H100, where queued it costs 0.64 (the batch policy's
@@ -201,7 +201,7 @@ class Generator:
         options, timings = (DECODE, *self.device_budgets), {}
         counts = sorted({*(2**i for i in range(self.batch_slots.bit_length())), self.batch_slots})
         batch_loop = self.ranks.lead.batch
-        queued = batch_loop.run_ahead_auto and not batch_loop.lazy_context
+        queued = batch_loop.run_ahead_auto
         tokens = 2 + QUEUED_STEPS * (self.spec.draft_depth + 1) if queued else 2  # the prefill's token and the steps'
         tokens = max(2, min(tokens, self.capacity - len(prompt) - 2 * self.spec.block_size - 1))  # a short cache
         for r in range(max(1, rounds)):

@@ -155,8 +155,8 @@ class BatchLoop:
         chosen = env_switch("DDTREE_RUN_AHEAD", " (or unset: on where graphs run)")
         self.run_ahead = use_graph if chosen is None else chosen
         # and an all-`auto` batch's steps too, each budget chosen before the previous step's statistics are read,
-        # its autoregressive steps among them where `lazy_context` is off (their form then does not depend on the
-        # tokens of the step before). Default on with `run_ahead` (`DDTREE_RUN_AHEAD_AUTO=0`: off): on one H100,
+        # its autoregressive steps among them (their form does not depend on the tokens of the step before,
+        # `decode_form`). Default on with `run_ahead` (`DDTREE_RUN_AHEAD_AUTO=0`: off): on one H100,
         # 64 requests of the trained pair through 16 slots, `auto` 1.039x autoregressive decoding with it, 0.999x
         # without, in the same run (BENCHMARKS.md, section 18)
         chosen = env_switch("DDTREE_RUN_AHEAD_AUTO", " (or unset: as DDTREE_RUN_AHEAD)")
@@ -220,13 +220,10 @@ class BatchLoop:
         tell that budget and every smaller one); None: each slot's own (its request's budget, or `auto` chosen in
         the slot from its tree). report: whether a step at one budget reports statistics (an all-`auto` batch's
         policy learns from them; a batch all at one fixed budget needs none, and its graph leaves out the ranking).
-        A step queued behind one in flight may be an autoregressive step of speculative requests only without
-        `lazy_context`: its form (`decode_form`) then depends on the kind of step before, not on its tokens."""
+        A step may be queued behind steps in flight: an autoregressive step's form (`decode_form`) depends on the
+        kinds of the steps before it, not on their tokens."""
         if len(self.in_flight) == SLOTS:
             raise RuntimeError(f"{SLOTS} batched steps in flight: collect one before launching another")
-        if self.in_flight and budget == DECODE and self.lazy_context and not self.autoregressive:
-            raise RuntimeError("an autoregressive step of speculative requests queued behind a step in flight with "
-                               "`lazy_context`: its form depends on that step's tokens")  # fmt: skip
         report = report or budget is None or budget == DECODE  # an autoregressive step reports nothing: one graph
         loops = self.loops[:count]
         if loops[0].auto:  # each slot's budget index: the largest where the step has one budget, else its request's
@@ -273,7 +270,7 @@ class BatchLoop:
         loops = self.loops[:count]
         emitted = self.host_emitted[slot][:count].tolist()  # the device -> host copy of a step
         # a tree step's pending rows: its accepted ones (its emitted count), unless a later step, queued behind it,
-        # set them at its launch (an autoregressive step without `lazy_context`, whose form its wide context decided)
+        # set them at its launch (an autoregressive step, which then commits them: `decode_form`)
         latest = not self.in_flight
         for loop, values in zip(loops, emitted) if budget != DECODE and latest and not self.autoregressive else ():
             loop.pending = values[-1]
@@ -286,11 +283,14 @@ class BatchLoop:
         """(narrow, append) of a step of slots [0, count) at `budget` (both False but for an autoregressive step of
         speculative requests, `_decode`): it appends its row to every slot's pending context while each has room for
         it (`lazy_context`); else, where no slot's pending context holds more than one row, it commits that row
-        alone; else the pending block."""
+        alone; else the pending block. Behind a tree step still in flight, whose accepted rows (the slots' pending
+        counts) are not read yet, it commits the pending block, as without `lazy_context`: so a step's form never
+        waits for the tokens of the one before, and an `auto` batch may queue its steps ahead either way."""
         if budget != DECODE or self.autoregressive:
             return False, False
         loops = self.loops[:count]
-        append = self.lazy_context and all(loop.pending < self.block for loop in loops)
+        behind_tree = any(step[2] != DECODE for step in self.in_flight)  # (slot, count, budget, ...) a step
+        append = self.lazy_context and not behind_tree and all(loop.pending < self.block for loop in loops)
         return not append and not any(loop.wide_context or loop.pending > 1 for loop in loops), append
 
     def _run(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False,
@@ -795,8 +795,8 @@ class Batcher:
         in it; an end token or stop sequence may still end one, whose slot then computes one step for no one), and
         the next step's plan does not depend on its tokens: the same plan at a fixed budget or for autoregressive
         decoding; an all-`auto` batch's policy choosing one step behind (`run_ahead_auto`: its choice made before the
-        statistics of the step in flight are recorded, an autoregressive step only without `lazy_context`); no
-        slot's own `auto` choice."""
+        statistics of the step in flight are recorded; with `lazy_context`, an autoregressive step behind a tree
+        step commits the pending rows, `BatchLoop.decode_form`); no slot's own `auto` choice."""
         lead = self.ranks.lead
         if not lead.batch.run_ahead or len(self.in_flight) != 1 or not self._unchanged():
             return None
@@ -808,7 +808,7 @@ class Batcher:
             return None
         if not plan.batch_wide:
             return plan
-        if not lead.batch.run_ahead_auto or lead.batch.lazy_context:
+        if not lead.batch.run_ahead_auto:
             return None
         return self._plan()
 
