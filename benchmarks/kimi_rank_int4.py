@@ -47,19 +47,23 @@ BATCH_MODES = ("autoregressive", "ddtree 8", "ddtree 32", "auto", "auto lazy")  
 
 
 def batch_modes(names: str, drafters: str) -> list[tuple]:
-    """The --batches rows among BATCH_MODES (`names`, comma-separated), each speculative one for every drafter:
-    (mode, drafter, spec, budget, lazy context). `auto`: the batch's policy chooses each step among budgets 8/16/32
-    and an autoregressive step; "auto lazy": with an autoregressive step's drafter rows left pending
-    (`BatchLoop.lazy_context`)."""
-    chosen, rows = names.split(","), []
-    if "autoregressive" in chosen:
-        rows.append(("autoregressive (device loop)", "-", SpecConfig(8, 32), None, None))
-    for drafter in drafters.split(","):
-        rows += [(f"ddtree {b} (device loop)", drafter, SpecConfig(8, b), None, None)
-                 for b in (8, 32) if f"ddtree {b}" in chosen]  # fmt: skip
-        several = SpecConfig(8, 32, extra_budgets=(8, 16))
-        rows += [(f"ddtree auto of 8/16/32 (device loop){', lazy context' if lazy else ''}", drafter, several,
-                  "auto", lazy) for name, lazy in (("auto", None), ("auto lazy", True)) if name in chosen]  # fmt: skip
+    """The --batches rows among BATCH_MODES (`names`, comma-separated, in that order: a run stopped at its time limit
+    has the first), each speculative one for every drafter: (mode, drafter, spec, budget, lazy context). `auto`: the
+    batch's policy chooses each step among budgets 8/16/32 and an autoregressive step; "auto lazy": with an
+    autoregressive step's drafter rows left pending (`BatchLoop.lazy_context`)."""
+    several, rows = SpecConfig(8, 32, extra_budgets=(8, 16)), []
+    for name in names.split(","):
+        if name == "autoregressive":
+            rows.append(("autoregressive (device loop)", "-", SpecConfig(8, 32), None, None))
+            continue
+        for drafter in drafters.split(","):
+            if name.startswith("ddtree"):
+                budget = int(name.split()[1])
+                rows.append((f"ddtree {budget} (device loop)", drafter, SpecConfig(8, budget), None, None))
+            else:
+                lazy = True if name == "auto lazy" else None
+                mode = f"ddtree auto of 8/16/32 (device loop){', lazy context' if lazy else ''}"
+                rows.append((mode, drafter, several, "auto", lazy))
     return rows
 
 
