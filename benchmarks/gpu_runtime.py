@@ -285,8 +285,9 @@ def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecCo
     oracle = torch.tensor(run.continuation) if drafter == "oracle" else None
     probes = Probes(oracle=oracle, context_rows=run.context_rows)
     generator = preset_ranks(run.weights, setup, spec, True, autoregressive, probes, run.limits, max_batch_size=batch)
-    if lazy_context is not None:  # before any step: the batch's graphs are captured at its first steps
-        generator.ranks.lead.batch.lazy_context = lazy_context
+    # before any step (the graphs are captured at the first ones), alike on every rank: each chooses its steps' form
+    for worker in generator.ranks.workers if lazy_context is not None else ():
+        worker.batch.lazy_context = lazy_context
     prompts, params = [run.prompt] * batch, [run.params] * batch
     if budget == "auto":
         generator.enable_auto_budget()
