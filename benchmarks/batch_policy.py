@@ -1,11 +1,11 @@
 """The batch's budget policy next to fixed budgets: what `auto` chose, and what its steps cost, through the CLI.
 
     PYTHONPATH=. python3 benchmarks/batch_policy.py OUT_DIR [--requests 16] [--slots N] [--tokens 128] [--device cuda]
-        [--order auto,8,16,auto] (ar: autoregressive; NAME+lazy: that job with DDTREE_LAZY_CONTEXT=1, the
-        batch's drafter context appended lazily where its graphs run; NAME+group: with DDTREE_GROUP_ADMISSIONS=1,
-        admissions put off to share them under a backlog; NAME+lone / NAME+profile: DDTREE_LONE_AS_GROUP=1 / 0,
-        a lone admission as a group of one, the GPU default, or on the prefill profile; NAME+serial:
-        DDTREE_RUN_AHEAD=0, no step queued before the tokens of the one in flight are read; NAME+ahead /
+        [--order auto,8,16,auto] (ar: autoregressive; NAME+eager / NAME+lazy: that job with DDTREE_LAZY_CONTEXT=0 / 1,
+        an autoregressive step's drafter row committed at once or left pending (the default); NAME+group: with
+        DDTREE_GROUP_ADMISSIONS=1, admissions put off to share them under a backlog; NAME+lone / NAME+profile:
+        DDTREE_LONE_AS_GROUP=1 / 0, a lone admission as a group of one, the GPU default, or on the prefill profile;
+        NAME+serial: DDTREE_RUN_AHEAD=0, no step queued before the tokens of the one in flight are read; NAME+ahead /
         NAME+stepwise: DDTREE_RUN_AHEAD_AUTO=1 / 0, an `auto` batch's steps queued so too, its budget chosen one step
         behind (the default where steps are queued ahead), or each chosen after the previous step is read;
         NAME+route: DDTREE_MOE_ROUTE=kernel, the bf16 experts' pairs sorted in one routing launch; NAME+router64:
@@ -35,7 +35,8 @@ from benchmarks import concurrency  # noqa: E402
 from benchmarks.common import environment  # noqa: E402
 
 # an --order entry's +NAME: the environment it sets
-SWITCHES = {"lazy": ("DDTREE_LAZY_CONTEXT", "1"), "group": ("DDTREE_GROUP_ADMISSIONS", "1"),
+SWITCHES = {"lazy": ("DDTREE_LAZY_CONTEXT", "1"), "eager": ("DDTREE_LAZY_CONTEXT", "0"),
+            "group": ("DDTREE_GROUP_ADMISSIONS", "1"),
             "lone": ("DDTREE_LONE_AS_GROUP", "1"), "profile": ("DDTREE_LONE_AS_GROUP", "0"),
             "serial": ("DDTREE_RUN_AHEAD", "0"), "ahead": ("DDTREE_RUN_AHEAD_AUTO", "1"),
             "stepwise": ("DDTREE_RUN_AHEAD_AUTO", "0"), "route": ("DDTREE_MOE_ROUTE", "kernel"),
@@ -52,12 +53,12 @@ def switched(choice: str, option: str) -> tuple[str, list[str], dict]:
 
 
 def job(choice: str) -> tuple[str, str, dict]:
-    """(label, CLI mode, environment) of an `--order` entry: a `mode_name` choice, then `+lazy` (the lazy drafter
-    context), `+group` (admissions put off to share them), `+lone` / `+profile` (a lone admission as a group of one,
-    the GPU default, or on the prefill profile), `+serial` (no step queued before the last one's tokens are read),
-    `+ahead` / `+stepwise` (an `auto` batch's steps queued so too, or not), `+route` (the experts' pairs sorted in one
-    launch), `+router64` (the router's kernels for at most 64 rows, a wider batch's verify routed by the torch form)
-    as wanted."""
+    """(label, CLI mode, environment) of an `--order` entry: a `mode_name` choice, then `+eager` / `+lazy` (an
+    autoregressive step's drafter row committed at once, or left pending: the default), `+group` (admissions put off
+    to share them), `+lone` / `+profile` (a lone admission as a group of one, the GPU default, or on the prefill
+    profile), `+serial` (no step queued before the last one's tokens are read), `+ahead` / `+stepwise` (an `auto`
+    batch's steps queued so too, or not), `+route` (the experts' pairs sorted in one launch), `+router64` (the
+    router's kernels for at most 64 rows, a wider batch's verify routed by the torch form) as wanted."""
     base, switches, env = switched(choice, "--order")
     mode = mode_name(base)
     return " ".join([mode, *switches]), mode, env

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/batch_timeline.py OUT_DIR [--requests 64] [--slots 16] [--tokens 128]
         [--modes ar,8,8+profile] [--engine DIR] (ar: autoregressive, auto, or a tree budget; +profile, +lone, +group,
-        +lazy, +serial, +ahead, +stepwise, +route, +router64: the switches of benchmarks/batch_policy.py)
+        +eager, +lazy, +serial, +ahead, +stepwise, +route, +router64: the switches of benchmarks/batch_policy.py)
         [--profile-steps]
 
 The trained pair's engine as `benchmarks/concurrency.py` builds it (bf16 on a GPU), in process through the rank factory

@@ -43,14 +43,14 @@ from models.parallel import SingleRank
 from runner.factory import PresetWeights, RankOptions, model_ops, rank_device
 
 SEQUENCE = 131072
-BATCH_MODES = ("autoregressive", "ddtree 8", "ddtree 32", "auto", "auto lazy")  # the --batches rows
+BATCH_MODES = ("autoregressive", "ddtree 8", "ddtree 32", "auto", "auto eager")  # the --batches rows
 
 
 def batch_modes(names: str, drafters: str) -> list[tuple]:
     """The --batches rows among BATCH_MODES (`names`, comma-separated, in that order: a run stopped at its time limit
     has the first), each speculative one for every drafter: (mode, drafter, spec, budget, lazy context). `auto`: the
-    batch's policy chooses each step among budgets 8/16/32 and an autoregressive step; "auto lazy": with an
-    autoregressive step's drafter rows left pending (`BatchLoop.lazy_context`)."""
+    batch's policy chooses each step among budgets 8/16/32 and an autoregressive step, whose drafter rows stay pending
+    up to a block (`BatchLoop.lazy_context`, the default); "auto eager": with each such step committing its row."""
     several, rows = SpecConfig(8, 32, extra_budgets=(8, 16)), []
     for name in names.split(","):
         if name == "autoregressive":
@@ -61,8 +61,8 @@ def batch_modes(names: str, drafters: str) -> list[tuple]:
                 budget = int(name.split()[1])
                 rows.append((f"ddtree {budget} (device loop)", drafter, SpecConfig(8, budget), None, None))
             else:
-                lazy = True if name == "auto lazy" else None
-                mode = f"ddtree auto of 8/16/32 (device loop){', lazy context' if lazy else ''}"
+                lazy = False if name == "auto eager" else None
+                mode = f"ddtree auto of 8/16/32 (device loop){', eager context' if lazy is False else ''}"
                 rows.append((mode, drafter, several, "auto", lazy))
     return rows
 
@@ -101,8 +101,8 @@ def main(argv=None) -> int:
         "oracle drafters)",
     )
     parser.add_argument("--batch-modes", default=",".join(BATCH_MODES),
-                        help="the --batches rows, comma-separated (default: every one of them; 'auto lazy': auto with "
-                             "an autoregressive step's drafter rows left pending, DDTREE_LAZY_CONTEXT=1)")  # fmt: skip
+                        help="the --batches rows, comma-separated (default: every one of them; 'auto eager': auto with "
+                             "each autoregressive step committing its drafter row, DDTREE_LAZY_CONTEXT=0)")  # fmt: skip
     parser.add_argument("--drafters", default="random,oracle", help="the drafters of the speculative rows")
     parser.add_argument("--modes", default=",".join(m for m, _ in SPEC_MODES),
                         help="the fixed-budget rows, comma-separated (default: every one of them)")  # fmt: skip

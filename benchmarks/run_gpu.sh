@@ -34,18 +34,18 @@
 #             1k context: the whole rank, random and oracle drafters; `auto` too, its batch policy free to take
 #             autoregressive steps)
 #   smoke     the tiny demo through the CLI on the GPU with several budgets (8/16/32): auto and budget 32, one request
-#             and four in-flight batched (auto also with DDTREE_LAZY_CONTEXT=1), each == the CPU's autoregressive tokens
+#             and four in-flight batched (auto also with DDTREE_LAZY_CONTEXT=0), each == the CPU's autoregressive tokens
 #   triton    benchmarks/concurrency.py --device cuda with the Triton rows: the CLI and a real tritonserver, unpacked
 #             from $TRITON_BUNDLE (`python -m runner.serving.triton_bundle pack --python 3.12 B.tar.xz` on a machine
 #             with a package index; the archive travels with the tree) into a venv over this machine's python3
 #   serving   benchmarks/serving_overhead.py --device cuda: the same requests through the runner's serving pipe and
 #             through tritonserver (from $TRITON_BUNDLE, as 'triton'), side by side: what the server's path adds
 #   policy    benchmarks/batch_policy.py: CLI jobs of 16 requests in-flight batched, in the order $ORDER (default
-#             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved; NAME+lazy: with the lazy drafter
-#             context; NAME+group: admissions shared under a backlog; NAME+profile: a lone admission on the prefill
-#             profile, not as a group of one; NAME+serial: no step queued before the last one's tokens are read;
-#             NAME+ahead: an `auto` batch's steps queued ahead too), each mode's median; $POLICY_FLAGS added
-#             (--requests 64 --slots 16: a steady load)
+#             ar,auto,8 three times: autoregressive, auto and budget 8 interleaved; NAME+eager: each autoregressive
+#             step committing its drafter row (the default leaves it pending); NAME+group: admissions shared under a
+#             backlog; NAME+profile: a lone admission on the prefill profile, not as a group of one; NAME+serial: no
+#             step queued before the last one's tokens are read; NAME+ahead: an `auto` batch's steps queued ahead
+#             too), each mode's median; $POLICY_FLAGS added (--requests 64 --slots 16: a steady load)
 #   timeline  benchmarks/batch_timeline.py: in-process jobs of 64 requests through 16 slots ($TIMELINE_MODES, default
 #             ar,8,8+profile: +profile, a lone admission on the prefill profile; +serial, no step queued ahead) with
 #             CUDA events around the batch's
@@ -103,15 +103,15 @@ if has smoke; then
     limit 150 mpirun -np 1 python3 $RUN --max_batch_size 4 --ddtree_budget auto --output_json /tmp/s_auto_b4.json 2>&1 | tail -3
     limit 150 mpirun -np 1 python3 $RUN --max_batch_size 4 --output_json /tmp/s_32_b4.json 2>&1 | tail -2
     limit 150 mpirun -np 1 python3 $RUN --ddtree_budget auto --output_json /tmp/s_auto_b1.json 2>&1 | tail -2
-    # the batch's autoregressive steps leaving their rows pending (`BatchLoop.lazy_context`), its graphs
-    limit 150 env DDTREE_LAZY_CONTEXT=1 mpirun -np 1 python3 $RUN --max_batch_size 4 --ddtree_budget auto \
-      --output_json /tmp/s_auto_b4_lazy.json 2>&1 | tail -2
+    # the batch's autoregressive steps committing their rows at once (`BatchLoop.lazy_context` off), its graphs
+    limit 150 env DDTREE_LAZY_CONTEXT=0 mpirun -np 1 python3 $RUN --max_batch_size 4 --ddtree_budget auto \
+      --output_json /tmp/s_auto_b4_eager.json 2>&1 | tail -2
     limit 150 env CUDA_VISIBLE_DEVICES= mpirun -np 1 python3 $RUN --autoregressive --output_json /tmp/s_cpu_ar.json 2>&1 | tail -1
     python3 - <<'PY'
 import json, pathlib
 load = lambda n: [r["output_ids"] for r in json.loads(pathlib.Path(f"/tmp/{n}.json").read_text())["results"]]
 ref = load("s_cpu_ar")
-for name in ("s_auto_b4", "s_32_b4", "s_auto_b1", "s_auto_b4_lazy"):
+for name in ("s_auto_b4", "s_32_b4", "s_auto_b1", "s_auto_b4_eager"):
     try:
         print(f"smoke {name} (GPU device loop) == CPU autoregressive:", load(name) == ref)
     except Exception as error:  # a run that failed wrote nothing

@@ -769,8 +769,8 @@ def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
 
 
 def test_the_lazy_context_switch_takes_0_or_1_and_names_anything_else(demo_ckpt, monkeypatch):
-    """`DDTREE_LAZY_CONTEXT` (the appending form where graphs run): 0 turns it off on the eager form too, and a value
-    that is neither is an error that names the variable, what it takes and the value."""
+    """`DDTREE_LAZY_CONTEXT` (an autoregressive step's drafter row left pending, on by default): 0 turns it off, and a
+    value that is neither is an error that names the variable, what it takes and the value."""
     spec, limits = SpecConfig(8, 16, extra_budgets=(4, 8)), BuildConfig(**ENGINE_LIMITS)
     monkeypatch.setenv("DDTREE_LAZY_CONTEXT", "0")
     ranks = cpu_ranks(demo_ckpt(1), spec, limits, device_loop=True, max_batch_size=2)
@@ -786,7 +786,7 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
     """An all-`auto` batch whose steps alternate between autoregressive steps (`DECODE`) and trees of each budget,
     requests of different prompts and lengths joining and leaving: every request's tokens are its autoregressive
     ones; after every step each slot's drafter has every committed row but its pending context's (the last tree
-    step's accepted rows and, with `BatchLoop.lazy_context` (the eager form's default), the autoregressive steps'
+    step's accepted rows and, with `BatchLoop.lazy_context` (the default), the autoregressive steps'
     since, up to a block, then committed; without it, as GPUs step, each step commits them), and the draft cache
     holds what steps that only drafted would have written there. ahead: each step queued before the previous one's
     tokens are read (`run_ahead_auto`; the policy choosing one step behind), autoregressive steps behind tree steps
@@ -808,7 +808,7 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
     for script in ([DECODE, DECODE, 16, DECODE, 4, 8, DECODE, 16], [DECODE] * 9 + [8], [4]):
         ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
         batch = ranks.lead.batch
-        assert batch.lazy_context  # the eager form's default
+        assert batch.lazy_context  # the default
         batch.lazy_context, decode_form = lazy, batch.decode_form
 
         def spy(count, budget, decode_form=decode_form):  # the autoregressive steps' forms (narrow, append)

@@ -114,12 +114,12 @@ class BatchLoop:
         self.use_graph, self.graphs = use_graph, {}
         # an autoregressive step of speculative requests appends its row to each slot's pending context while every
         # slot's holds less than a block (the next draft takes up to a block of pending rows), instead of committing
-        # the pending rows to the draft cache first (`_decode`). The eager form (CPUs) for now: on GPUs its graphs
-        # (`append` in their key) wait for a run there (`DDTREE_LAZY_CONTEXT=1` takes them), and a step commits as
-        # before
+        # the pending rows to the draft cache first (`_decode`): on by default on every device (on one H100 the whole
+        # Kimi rank's `auto` batch of 4 taking autoregressive steps ran at 0.99x the autoregressive engine with it,
+        # 0.95x without; BENCHMARKS.md section 18); `DDTREE_LAZY_CONTEXT=0` commits each step's row (the former form)
         if lazy_context is None:
-            chosen = env_switch("DDTREE_LAZY_CONTEXT", " (or unset: on where steps run eagerly)")
-            lazy_context = not use_graph if chosen is None else chosen
+            chosen = env_switch("DDTREE_LAZY_CONTEXT", " (or unset: on)")
+            lazy_context = True if chosen is None else chosen
         self.lazy_context = lazy_context
         # admissions' group prefills (`prefill`): a graph per (requests, padded length), in a pool of their own (each
         # replay's logits are copied out before the next replay)
