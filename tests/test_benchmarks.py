@@ -137,7 +137,7 @@ def test_kimi_rank_int4_smoke(tmp_path, synthetic):
     batched = [r for r in result["rows"] if r.get("batch")]  # --batches 2: two copies of the request per step
     assert len(batched) == (0 if synthetic else 9) and all("batched: up to 2" in r["mode_printed"] for r in batched)
     # `auto` leaves its autoregressive steps' drafter rows pending (the default); "auto eager" commits each at once
-    autos = [(r["lazy_context"], "eager context" in r["mode"]) for r in batched if "auto" in r["mode"]]
+    autos = [(r["lazy_context"], "eager context" in r["mode"]) for r in batched if "ddtree auto" in r["mode"]]
     assert autos == ([] if synthetic else [(True, False), (True, False), (False, True), (False, True)])
     for r in batched:  # `auto` batches too (random and oracle): the batch policy's choices recorded
         # the decode time is the wall time less the admissions (together: one prefill forward for both requests,
