@@ -786,9 +786,9 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
     """An all-`auto` batch whose steps alternate between autoregressive steps (`DECODE`) and trees of each budget,
     requests of different prompts and lengths joining and leaving: every request's tokens are its autoregressive
     ones; after every step each slot's drafter has every committed row but its pending context's (the last tree
-    step's accepted rows and, with `BatchLoop.lazy_context` (the default), the autoregressive steps'
-    since, up to a block, then committed; without it, as GPUs step, each step commits them), and the draft cache
-    holds what steps that only drafted would have written there. ahead: each step queued before the previous one's
+    step's accepted rows and, with `BatchLoop.lazy_context` (the default), the autoregressive steps' since, up to a
+    block, then committed; without it (`DDTREE_LAZY_CONTEXT=0`), each step commits them), and the draft cache holds
+    what steps that only drafted would have written there. ahead: each step queued before the previous one's
     tokens are read (`run_ahead_auto`; the policy choosing one step behind), autoregressive steps behind tree steps
     and behind each other among them (with `lazy_context`, one behind a tree step commits that step's rows: its
     form cannot wait for their count)."""
@@ -899,7 +899,7 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     generator.measure_batch_costs(PROMPTS[0], GREEDY)  # the GPU warm-up's next call, once for every form
     forms = {(c, b, True) for c in (1, 2, 3) for b in (4, 8, 16)} | {(2, None, True), (3, None, True)}
     forms |= {(c, b, False) for c in (1, 2, 3) for b in (4, 8, 16)}  # a batch all at one fixed budget
-    # autoregressive steps (eager: `lazy_context`) appending a row to the pending context, and committing a block
+    # autoregressive steps (`lazy_context`) appending a row to the pending context, and committing a block
     forms |= {(c, DECODE, True, False, append) for c in (1, 2, 3) for append in (True, False)}
     assert set(taken) == forms
     # the batch policy, untaught, starts from a cost timed at each slot count of 1, 2 ... and the most, each choice
@@ -1306,7 +1306,7 @@ def test_steps_queued_ahead_emit_what_steps_read_one_at_a_time(demo_ckpt, monkey
 
 
 def test_an_auto_batch_queued_ahead_chooses_one_step_behind_and_stays_lossless(demo_ckpt, monkeypatch):
-    """`DDTREE_RUN_AHEAD_AUTO=1` (with `DDTREE_RUN_AHEAD=1` and `DDTREE_LAZY_CONTEXT=0`, as GPUs step): an all-`auto`
+    """`DDTREE_RUN_AHEAD_AUTO=1` (with `DDTREE_RUN_AHEAD=1` and `DDTREE_LAZY_CONTEXT=0`): an all-`auto`
     batch's steps are queued before the previous one's statistics are read, the batch policy choosing and learning
     (`StepBudgetPolicy`, untaught) one step behind; five greedy requests through two slots emit autoregressive
     decoding's tokens, every step the policy chose was run, and its steps' times and statistics were all recorded.
