@@ -289,7 +289,7 @@ class BatchLoop:
         if budget != DECODE or self.autoregressive:
             return False, False
         loops = self.loops[:count]
-        behind_tree = any(step[2] != DECODE for step in self.in_flight)  # (slot, count, budget, ...) a step
+        behind_tree = any(queued != DECODE for _, _, queued, *_ in self.in_flight)  # (slot, count, budget, ...)
         append = self.lazy_context and not behind_tree and all(loop.pending < self.block for loop in loops)
         return not append and not any(loop.wide_context or loop.pending > 1 for loop in loops), append
 
