@@ -74,11 +74,16 @@ def profile_steps(batch, slots: int) -> dict:
     from runner.device.budget import DECODE
 
     rows = {}
-    for (count, _, budget, report, narrow, append), graph in list(batch.graphs.items()):
+    for key, graph in list(batch.graphs.items()):
+        if key[0] == "flush":  # ("flush", count): before a tree step, more than a block of pending rows committed
+            count, name = key[1], "flush"
+        else:
+            count, _, budget, report, width, append = key
+            name = "autoregressive" if batch.autoregressive or budget == DECODE else f"budget {budget or 'per slot'}"
+            name += (f" committing {width} rows" if width else "") + (" append" if append else "")
+            name += " statistics" if report else ""
         if count != slots:
             continue
-        name = "autoregressive" if batch.autoregressive or budget == DECODE else f"budget {budget or 'per slot'}"
-        name += (" narrow" if narrow else "") + (" append" if append else "") + (" statistics" if report else "")
         with batch.state_kept(slots):
             prof = graph_replay_profile(graph.replay)
             prof["back_to_back_us"] = back_to_back_us(graph.replay, 8)

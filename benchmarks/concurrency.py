@@ -286,7 +286,7 @@ def _phases(step, loops) -> dict:
     return {"draft": lambda: step._draft(loops), "tree": lambda: step._trees(loops),
             "verify": lambda: step._verify(loops), "accept": lambda: step._accept(loops),
             "decode, a block's context": lambda: step._decode(loops, speculative=True),
-            "decode, one row's context": lambda: step._decode(loops, speculative=True, narrow=True)}  # fmt: skip
+            "decode, one row's context": lambda: step._decode(loops, speculative=True, width=1)}  # fmt: skip
 
 
 def free_port() -> int:

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -272,7 +274,7 @@ def request_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: Spec
 
 
 def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecConfig, batch: int,
-              budget: str | None = None, lazy_context: bool | None = None) -> dict:  # fmt: skip
+              budget: str | None = None, env: dict | None = None) -> dict:  # fmt: skip
     """`batch` copies of the request at once, in-flight batched on the device loop (`--max_batch_size`): a
     warm-up batch, then `setup.repeats` timed ones (the median); tokens/s = every request's tokens after its first
     over the batch's decode time (the wall time less the admissions, which all run before the first step; each
@@ -280,14 +282,15 @@ def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecCo
     "auto": a spec with several budgets, every step's choice made by the batch's policy (`StepBudgetPolicy`, which
     may take an autoregressive step), its costs measured at warm-up as `--ddtree_budget auto` does; the row records
     the policy's choices and step times (`StepBudgetPolicy.summary`: the policy outlives the batches, so these are
-    over the warm-up batch and the timed ones). lazy_context: the batch's `lazy_context` (None: its default)."""
+    over the warm-up batch and the timed ones). env: environment switches set while the ranks are made (the
+    batch's `DDTREE_LAZY_CONTEXT`, `DDTREE_CONTEXT_BLOCKS`, ...); the row records the batch's `lazy_context` and
+    `context_rows`."""
     autoregressive = mode.startswith("autoregressive")
     oracle = torch.tensor(run.continuation) if drafter == "oracle" else None
     probes = Probes(oracle=oracle, context_rows=run.context_rows)
-    generator = preset_ranks(run.weights, setup, spec, True, autoregressive, probes, run.limits, max_batch_size=batch)
-    # before any step (the graphs are captured at the first ones), alike on every rank: each chooses its steps' form
-    for worker in generator.ranks.workers if lazy_context is not None else ():
-        worker.batch.lazy_context = lazy_context
+    with mock.patch.dict(os.environ, env or {}):  # read as each rank's batch is made, before any step
+        generator = preset_ranks(run.weights, setup, spec, True, autoregressive, probes, run.limits,
+                                 max_batch_size=batch)  # fmt: skip
     prompts, params = [run.prompt] * batch, [run.params] * batch
     if budget == "auto":
         generator.enable_auto_budget()
@@ -315,6 +318,7 @@ def batch_row(run: ModelRun, setup: Setup, mode: str, drafter: str, spec: SpecCo
            else 1.0, "tokens": run.new_tokens, "tokens_equal_to_autoregressive": equal,
            "repeats_agree": all(o == outputs[0] for o in outputs), "mode_printed": generator.mode(run.params),
            "lazy_context": generator.ranks.lead.batch.lazy_context,
+           "context_rows": generator.ranks.lead.batch.context_rows,
            "ranks": generator.rank_description}  # fmt: skip
     if budget == "auto":  # {slots: {"steps": {budget: steps}, "ms": {...}}}, budget 0: autoregressive steps
         row["batch_policy"] = generator.last_batcher.batch_policy.summary()

@@ -43,27 +43,31 @@ from models.parallel import SingleRank
 from runner.factory import PresetWeights, RankOptions, model_ops, rank_device
 
 SEQUENCE = 131072
-BATCH_MODES = ("autoregressive", "ddtree 8", "ddtree 32", "auto", "auto eager")  # the --batches rows
+BATCH_MODES = ("autoregressive", "ddtree 8", "ddtree 32", "auto", "auto eager")  # the --batches rows (default)
+# and a row taken only by name: `auto` with a block of pending rows at most (`DDTREE_CONTEXT_BLOCKS=1`)
+MORE_BATCH_MODES = ("auto one block",)
 
 
 def batch_modes(names: str, drafters: str) -> list[tuple]:
     """The --batches rows among BATCH_MODES (`names`, comma-separated, in that order: a run stopped at its time limit
-    has the first), each speculative one for every drafter: (mode, drafter, spec, budget, lazy context). `auto`: the
-    batch's policy chooses each step among budgets 8/16/32 and an autoregressive step, whose drafter rows stay pending
-    up to a block (`BatchLoop.lazy_context`, the default); "auto eager": with each such step committing its row."""
+    has the first), each speculative one for every drafter: (mode, drafter, spec, budget, environment switches).
+    `auto`: the batch's policy chooses each step among budgets 8/16/32 and an autoregressive step, whose drafter rows
+    stay pending (`BatchLoop.lazy_context`, the default) up to `BatchLoop.context_rows`; "auto eager": with each such
+    step committing its row; "auto one block": pending up to a block (`DDTREE_CONTEXT_BLOCKS=1`)."""
     several, rows = SpecConfig(8, 32, extra_budgets=(8, 16)), []
     for name in names.split(","):
         if name == "autoregressive":
-            rows.append(("autoregressive (device loop)", "-", SpecConfig(8, 32), None, None))
+            rows.append(("autoregressive (device loop)", "-", SpecConfig(8, 32), None, {}))
             continue
         for drafter in drafters.split(","):
             if name.startswith("ddtree"):
                 budget = int(name.split()[1])
-                rows.append((f"ddtree {budget} (device loop)", drafter, SpecConfig(8, budget), None, None))
+                rows.append((f"ddtree {budget} (device loop)", drafter, SpecConfig(8, budget), None, {}))
             else:
-                lazy = False if name == "auto eager" else None
-                mode = f"ddtree auto of 8/16/32 (device loop){', eager context' if lazy is False else ''}"
-                rows.append((mode, drafter, several, "auto", lazy))
+                env, suffix = {"auto eager": ({"DDTREE_LAZY_CONTEXT": "0"}, ", eager context"),
+                               "auto one block": ({"DDTREE_CONTEXT_BLOCKS": "1"}, ", one block of context")}.get(
+                                   name, ({}, ""))  # fmt: skip
+                rows.append((f"ddtree auto of 8/16/32 (device loop){suffix}", drafter, several, "auto", env))
     return rows
 
 
@@ -101,8 +105,9 @@ def main(argv=None) -> int:
         "oracle drafters)",
     )
     parser.add_argument("--batch-modes", default=",".join(BATCH_MODES),
-                        help="the --batches rows, comma-separated (default: every one of them; 'auto eager': auto with "
-                             "each autoregressive step committing its drafter row, DDTREE_LAZY_CONTEXT=0)")  # fmt: skip
+                        help="the --batches rows, comma-separated (default: all but 'auto one block'; 'auto eager': "
+                             "auto with each autoregressive step committing its drafter row, DDTREE_LAZY_CONTEXT=0; "
+                             "'auto one block': a block of them pending at most, DDTREE_CONTEXT_BLOCKS=1)")  # fmt: skip
     parser.add_argument("--drafters", default="random,oracle", help="the drafters of the speculative rows")
     parser.add_argument("--modes", default=",".join(m for m, _ in SPEC_MODES),
                         help="the fixed-budget rows, comma-separated (default: every one of them)")  # fmt: skip
@@ -113,9 +118,9 @@ def main(argv=None) -> int:
                         "the autoregressive row, then only what --auto-budget and --batches add")  # fmt: skip
     add_setup_args(parser)
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.batch_modes.split(",")) - set(BATCH_MODES))
+    unknown = sorted(set(args.batch_modes.split(",")) - set(BATCH_MODES + MORE_BATCH_MODES))
     if unknown:
-        parser.error(f"--batch-modes: expected names among {list(BATCH_MODES)}, got {unknown}")
+        parser.error(f"--batch-modes: expected names among {list(BATCH_MODES + MORE_BATCH_MODES)}, got {unknown}")
     fixed_modes = args.modes.split(",")
     unknown = sorted(set(fixed_modes) - {m for m, _ in SPEC_MODES})
     if unknown:
@@ -186,8 +191,8 @@ def main(argv=None) -> int:
                 save()  # after every row: a run cut short keeps what it measured
             for batch in [int(b) for b in args.batches.split(",") if b]:
                 # `auto`: the batch's policy chooses each step, among budgets 8/16/32 and an autoregressive step
-                for mode, drafter, spec, budget, lazy in batch_modes(args.batch_modes, args.drafters):
-                    row = batch_row(run, row_setup, mode, drafter, spec, batch, budget, lazy_context=lazy)
+                for mode, drafter, spec, budget, env in batch_modes(args.batch_modes, args.drafters):
+                    row = batch_row(run, row_setup, mode, drafter, spec, batch, budget, env=env)
                     row["speedup"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] else None
                     info["rows"].append({**row, "context": context, "synthetic_rows": synthetic})
                     save()

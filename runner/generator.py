@@ -154,10 +154,11 @@ class Generator:
         form), then one with each budget for the whole batch as an all-`auto` batch steps it (statistics reported)
         and as a batch all at that fixed budget steps it (none), and one autoregressive step (`DECODE`); the `auto`
         ones each under a policy of that one choice, so the batch policy learns nothing from these steps (they
-        include the captures), and an autoregressive step after a tree step. Requests of different lengths leaving
-        one after another missed slot counts whenever two left at the same step (one H200: the first step at such a
-        count took 110-161 ms, and its time steered the policy). First the admissions of several requests at once
-        (`_warm_group_prefills`)."""
+        include the captures), an autoregressive step after a tree step, and with `BatchLoop.lazy_context` the
+        commit of a run of autoregressive steps' rows and a tree step's flush of them (where the cache holds such a
+        run). Requests of different lengths leaving one after another missed slot counts whenever two left at the
+        same step (one H200: the first step at such a count took 110-161 ms, and its time steered the policy). First
+        the admissions of several requests at once (`_warm_group_prefills`)."""
         from runner.device.budget import DECODE, ScriptedPolicy, StepBudgetPolicy
 
         self._warm_group_prefills(params)
@@ -178,9 +179,16 @@ class Generator:
             # at most a block, so requests of 2 + block tokens take a second step
             self.generate_many([prompt] * count, 2 + self.spec.block_size, [params] * count, budget="auto",
                                batch_policy=ScriptedPolicy((budgets[0], DECODE)))  # fmt: skip
-            if self.ranks.lead.batch.lazy_context:  # autoregressive steps' rows pending until a block commits
-                self.generate_many([prompt] * count, 2 + self.spec.block_size, [params] * count, budget="auto",
+            batch_loop = self.ranks.lead.batch
+            if batch_loop.lazy_context:  # autoregressive steps' rows pending until `context_rows` of them commit,
+                rows = batch_loop.context_rows  # then (more than a block pending) a tree step's flush before it
+                room = self.capacity - len(prompt) - 2 * self.spec.block_size - 1
+                self.generate_many([prompt] * count, max(2, min(2 + rows, room)), [params] * count, budget="auto",
                                    batch_policy=ScriptedPolicy((DECODE,)))  # fmt: skip
+                if rows > self.spec.block_size and self.spec.block_size + 4 <= room:
+                    script = (DECODE,) * (self.spec.block_size + 1) + (budgets[0],)
+                    self.generate_many([prompt] * count, 2 + len(script), [params] * count, budget="auto",
+                                       batch_policy=ScriptedPolicy(script))  # fmt: skip
 
     def measure_batch_costs(self, prompt: list[int], params: SamplingParams = GREEDY,
                             rounds: int = 3) -> dict[tuple[int, int], float]:  # fmt: skip

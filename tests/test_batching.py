@@ -781,14 +781,17 @@ def test_the_lazy_context_switch_takes_0_or_1_and_names_anything_else(demo_ckpt,
         cpu_ranks(demo_ckpt(1), spec, limits, device_loop=True, max_batch_size=2)
 
 
-@pytest.mark.parametrize("lazy,ahead", [(True, False), (False, False), (False, True), (True, True)])
-def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, lazy, ahead):
+@pytest.mark.parametrize("lazy,ahead,blocks", [(True, False, 1), (False, False, 1), (False, True, 1), (True, True, 1),
+                                               (True, False, 2), (True, True, 2)])  # fmt: skip
+def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, monkeypatch, lazy, ahead, blocks):
     """An all-`auto` batch whose steps alternate between autoregressive steps (`DECODE`) and trees of each budget,
     requests of different prompts and lengths joining and leaving: every request's tokens are its autoregressive
     ones; after every step each slot's drafter has every committed row but its pending context's (the last tree
-    step's accepted rows and, with `BatchLoop.lazy_context` (the default), the autoregressive steps' since, up to a
-    block, then committed; without it (`DDTREE_LAZY_CONTEXT=0`), each step commits them), and the draft cache holds
-    what steps that only drafted would have written there. ahead: each step queued before the previous one's
+    step's accepted rows and, with `BatchLoop.lazy_context` (the default), the autoregressive steps' since, up to
+    `blocks` blocks (`DDTREE_CONTEXT_BLOCKS`, `BatchLoop.context_rows`), then committed in one call, or before a tree
+    step that finds more than a block pending (`BatchLoop._flush`); without it (`DDTREE_LAZY_CONTEXT=0`), each step
+    commits them), and the draft cache holds what steps that only drafted would have written there. ahead: each
+    step queued before the previous one's
     tokens are read (`run_ahead_auto`; the policy choosing one step behind), autoregressive steps behind tree steps
     and behind each other among them (with `lazy_context`, one behind a tree step commits that step's rows: its
     form cannot wait for their count)."""
@@ -803,21 +806,27 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
     lengths = [40, 12, 25, 20]  # the first the longest: its slot is not taken again before the end
     expected = [generate_autoregressive(reference, PROMPTS[i], n, greedy).tokens for i, n in enumerate(lengths)]
     reference.close()
-    drafts, most_pending, forms, behind = [], {}, set(), []
-    # the second script's runs of autoregressive steps fill a slot's pending context to a block and commit it
-    for script in ([DECODE, DECODE, 16, DECODE, 4, 8, DECODE, 16], [DECODE] * 9 + [8], [4]):
+    drafts, most_pending, forms, behind, flushed = [], {}, set(), [], []
+    # the second script's runs of autoregressive steps fill a slot's pending context to a block and commit it (with
+    # two blocks: leave more than a block pending, which the tree step after them flushes); the third's, two blocks
+    scripts = [[DECODE, DECODE, 16, DECODE, 4, 8, DECODE, 16], [DECODE] * 9 + [8]]
+    scripts += [[DECODE] * 17 + [8]] * (blocks > 1) + [[4]]
+    monkeypatch.setenv("DDTREE_CONTEXT_BLOCKS", str(blocks))
+    for script in scripts:
         ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
         batch = ranks.lead.batch
         assert batch.lazy_context  # the default
-        batch.lazy_context, decode_form = lazy, batch.decode_form
+        assert batch.context_rows == blocks * spec.block_size
+        batch.lazy_context, decode_form, flush = lazy, batch.decode_form, batch._flush
 
-        def spy(count, budget, decode_form=decode_form):  # the autoregressive steps' forms (narrow, append)
+        def spy(count, budget, decode_form=decode_form):  # the autoregressive steps' forms (width, append)
             form = decode_form(count, budget)
             if budget == DECODE:
                 forms.add(form)
             return form
 
         batch.decode_form = spy
+        batch._flush = lambda count, flush=flush: (flushed.append(count), flush(count))
         batch.run_ahead = batch.run_ahead_auto = ahead
         launch = batch.launch
 
@@ -841,7 +850,7 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
             for slot in batcher.members if not batcher.in_flight else ():  # (the host's count: from a read step)
                 loop = loops[slot]
                 assert int(loop.num_drafted) + int(loop.context_count) == int(loop.num_cached)
-                assert int(loop.context_count) == loop.pending <= spec.block_size  # the host's count is the device's
+                assert int(loop.context_count) == loop.pending <= batch.context_rows  # the host's count, the device's
                 most_pending[len(script)] = max(most_pending.get(len(script), 0), loop.pending)
         for member in members:
             assert member.result.tokens == expected[member.tag], (script, member.tag)
@@ -850,10 +859,21 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
         # the first request's slot (0), which it held to the end: its draft cache's committed rows
         drafts.append(loops[0].cache.draft[:, :, : int(loops[0].num_drafted)].clone())
         ranks.close()
-    # lazy: autoregressive steps' rows stayed pending up to a block, appended, then committed (neither narrow nor
-    # appending); else each autoregressive step commits (one row after a load or such a step, a block after a tree)
-    assert forms == ({(False, True), (False, False)} if lazy else {(True, False), (False, False)})
-    assert (most_pending.get(10) == spec.block_size) == lazy
+    # lazy: autoregressive steps' rows stayed pending up to `context_rows`, appended, then committed all at once
+    # (behind a tree step in flight: its block); else each autoregressive step commits (one row after a load or such
+    # a step, a block after a tree)
+    rows, block = blocks * spec.block_size, spec.block_size
+    if lazy:
+        assert {(0, True), (rows, False)} <= forms <= {(0, True), (rows, False), (block, False)}
+    else:
+        assert forms == {(1, False), (block, False)}
+    if not lazy:
+        assert most_pending[10] < block
+    elif blocks == 1:
+        assert most_pending[10] == block
+    else:  # more than a block pending, which the tree steps after them flushed first; two blocks, then committed
+        assert block < most_pending[10] <= rows and most_pending[18] == rows
+    assert bool(flushed) == (lazy and blocks > 1)
     if ahead:  # autoregressive steps queued behind tree steps and behind each other, trees behind both
         assert {(16, DECODE), (DECODE, DECODE), (DECODE, 16)} <= set(behind)
     else:
@@ -864,7 +884,7 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, laz
         torch.testing.assert_close(draft[:, :, :rows], drafts[-1][:, :, :rows], rtol=1e-5, atol=1e-5)
 
 
-def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_every_step_form(demo_ckpt):
+def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_every_step_form(demo_ckpt, monkeypatch):
     """An engine of budgets 4, 8 and 16: requests all at budget 8 step the batch-wide form of budget 8 (its rows
     only, not the largest budget's) and decode as autoregressive decoding does; a mixed batch steps each slot's own;
     the GPU warm-up of the batch (`Generator._warm_batch`, run here on the CPU) takes every form at every slot count
@@ -877,9 +897,10 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
 
     GREEDY = SamplingParams()
     spec = SpecConfig(8, 16, extra_budgets=(4, 8))
+    monkeypatch.setenv("DDTREE_CONTEXT_BLOCKS", "2")  # as on a GPU, more than a block pending (8 blocks there)
     ranks = cpu_ranks(demo_ckpt(1), spec, BuildConfig(**ENGINE_LIMITS), device_loop=True, max_batch_size=3)
     generator, batch = Generator(ranks), ranks.lead.batch
-    taken, launch = [], batch.launch
+    taken, launch, flush, flushed = [], batch.launch, batch._flush, set()
 
     def spy(count, budget=None, report=True):  # the graph's key (`BatchLoop.launch`)
         form = batch.decode_form(count, budget) if budget == DECODE else ()
@@ -887,6 +908,7 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
         return launch(count, budget, report)
 
     batch.launch = spy
+    batch._flush = lambda count: (flushed.add(count), flush(count))
     results = generator.generate_many(PROMPTS[:3], 20, [GREEDY] * 3, budget=8)
     for prompt, result in zip(PROMPTS, results):
         assert result.tokens == generate_autoregressive(ranks, prompt, 20, Sampler(SamplingParams())).tokens
@@ -899,9 +921,10 @@ def test_a_batch_at_one_fixed_budget_steps_that_budget_and_the_warm_up_takes_eve
     generator.measure_batch_costs(PROMPTS[0], GREEDY)  # the GPU warm-up's next call, once for every form
     forms = {(c, b, True) for c in (1, 2, 3) for b in (4, 8, 16)} | {(2, None, True), (3, None, True)}
     forms |= {(c, b, False) for c in (1, 2, 3) for b in (4, 8, 16)}  # a batch all at one fixed budget
-    # autoregressive steps (`lazy_context`) appending a row to the pending context, and committing a block
-    forms |= {(c, DECODE, True, False, append) for c in (1, 2, 3) for append in (True, False)}
-    assert set(taken) == forms
+    # autoregressive steps (`lazy_context`) appending a row to the pending context, then committing two blocks of
+    # them; and the flush of more than a block before a tree step
+    forms |= {(c, DECODE, True, *form) for c in (1, 2, 3) for form in ((0, True), (16, False))}
+    assert set(taken) == forms and flushed == {1, 2, 3}
     # the batch policy, untaught, starts from a cost timed at each slot count of 1, 2 ... and the most, each choice
     policy = generator.batch_policy
     assert policy is not None and not policy.chosen and not any(policy.informed.values())

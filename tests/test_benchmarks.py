@@ -138,6 +138,7 @@ def test_kimi_rank_int4_smoke(tmp_path, synthetic):
     assert len(batched) == (0 if synthetic else 9) and all("batched: up to 2" in r["mode_printed"] for r in batched)
     # `auto` leaves its autoregressive steps' drafter rows pending (the default); "auto eager" commits each at once
     autos = [(r["lazy_context"], "eager context" in r["mode"]) for r in batched if "ddtree auto" in r["mode"]]
+    assert all(r["context_rows"] == 8 for r in batched)  # on a CPU a block (`BatchLoop.context_rows`)
     assert autos == ([] if synthetic else [(True, False), (True, False), (False, True), (False, True)])
     for r in batched:  # `auto` batches too (random and oracle): the batch policy's choices recorded
         # the decode time is the wall time less the admissions (together: one prefill forward for both requests,

@@ -51,6 +51,15 @@ from runner.sessions.cuda_graphs import capture_graph, timing_event, warm_up
 from runner.speculate import GenerationResult, PhaseTimer, _emit
 
 
+def env_count(name: str, unset: str = "") -> int | None:
+    """A positive whole number from the environment, None where it is not set (or empty); any other value an error
+    naming the variable (`unset`: what not setting it does, for the message)."""
+    chosen = os.environ.get(name, "")
+    if chosen and not (chosen.isdigit() and int(chosen) > 0):
+        raise ValueError(f"{name}: expected a whole number of at least 1{unset}, got {chosen!r}")
+    return int(chosen) if chosen else None
+
+
 def env_switch(name: str, unset: str = "") -> bool | None:
     """An on/off environment switch: 1 on, 0 off, None where it is not set (or empty); any other value an error
     naming the variable (`unset`: what not setting it does, for the message)."""
@@ -91,7 +100,29 @@ class BatchLoop:
         long = {"dtype": torch.long, "device": device}
         self.num_cached, self.num_drafted = torch.zeros(slots, **long), torch.zeros(slots, **long)
         self.context_count, self.bonus = torch.zeros(slots, **long), torch.zeros(slots, **long)
-        self.context = torch.zeros((slots, *lead.context.shape), dtype=lead.context.dtype, device=device)
+        # an autoregressive step of speculative requests appends its row to each slot's pending context while every
+        # slot's holds less than `context_rows` (the next draft takes up to a block of pending rows), instead of
+        # committing the pending rows to the draft cache first (`_decode`): on by default on every device (on one
+        # H100 the whole Kimi rank's `auto` batch of 4 taking autoregressive steps ran at 0.99x the autoregressive
+        # engine with it, 0.95x without; BENCHMARKS.md section 18); `DDTREE_LAZY_CONTEXT=0` commits each step's row
+        # (the former form)
+        if lazy_context is None:
+            chosen = env_switch("DDTREE_LAZY_CONTEXT", " (or unset: on)")
+            lazy_context = True if chosen is None else chosen
+        self.lazy_context = lazy_context
+        # the rows a slot's pending context holds: `context_blocks` blocks (`DDTREE_CONTEXT_BLOCKS`; default 8 where
+        # graphs run, 1 elsewhere). A run of autoregressive steps then commits its rows to the draft cache once every
+        # `context_rows` steps, in one drafter call over all of them, and a tree step after more than a block of them
+        # commits them first (`_flush`). On a GPU that call costs about what a block's does (it reads the drafter's
+        # context weights once, whatever its rows: at a batch of 4 the whole Kimi rank's `auto`, taking
+        # autoregressive steps, ran at 0.99x the autoregressive engine with a block's commit every eighth step); on
+        # a CPU its cost grows with its rows, so one block there. Without `lazy_context`, one block.
+        blocks = env_count("DDTREE_CONTEXT_BLOCKS", " (or unset: 8 where graphs run, else 1)")
+        blocks = (8 if use_graph else 1) if blocks is None else blocks
+        self.context_rows = spec.block_size * (blocks if lazy_context else 1)
+        self.context = torch.zeros((slots, self.context_rows, lead.context.shape[1]), dtype=lead.context.dtype,
+                                   device=device)  # fmt: skip
+        self.arange_context = torch.arange(self.context_rows, device=device)
         self.emitted = torch.zeros((slots, *lead.emitted.shape), **long)
         # with several budgets, each slot's step statistics (`DeviceLoop.stats`): one row a slot, read in one copy
         self.stats = torch.zeros((slots, *lead.stats.shape), dtype=torch.float64, device=device) if lead.auto else None
@@ -101,7 +132,7 @@ class BatchLoop:
         for s, loop in enumerate(self.loops):  # each loop's state: views of its slot's row
             loop.num_cached, loop.num_drafted = self.num_cached[s : s + 1], self.num_drafted[s : s + 1]
             loop.context_count, loop.bonus = self.context_count[s : s + 1], self.bonus[s : s + 1]
-            loop.context, loop.emitted = self.context[s], self.emitted[s]
+            loop.context, loop.emitted = self.context[s, : spec.block_size], self.emitted[s]
             if lead.auto:
                 loop.stats, loop.choice_inputs = self.stats[s], self.choice_inputs[s]
         self.slot_index = torch.arange(slots, device=device)
@@ -112,15 +143,6 @@ class BatchLoop:
         self.routers = lead.routers if lead.auto else []
         self.logit_rows = torch.arange(slots * self.rows, device=device)
         self.use_graph, self.graphs = use_graph, {}
-        # an autoregressive step of speculative requests appends its row to each slot's pending context while every
-        # slot's holds less than a block (the next draft takes up to a block of pending rows), instead of committing
-        # the pending rows to the draft cache first (`_decode`): on by default on every device (on one H100 the whole
-        # Kimi rank's `auto` batch of 4 taking autoregressive steps ran at 0.99x the autoregressive engine with it,
-        # 0.95x without; BENCHMARKS.md section 18); `DDTREE_LAZY_CONTEXT=0` commits each step's row (the former form)
-        if lazy_context is None:
-            chosen = env_switch("DDTREE_LAZY_CONTEXT", " (or unset: on)")
-            lazy_context = True if chosen is None else chosen
-        self.lazy_context = lazy_context
         # admissions' group prefills (`prefill`): a graph per (requests, padded length), in a pool of their own (each
         # replay's logits are copied out before the next replay)
         self.prefill_graphs: dict[tuple[int, int], tuple] = {}
@@ -232,20 +254,30 @@ class BatchLoop:
             else:
                 indices = torch.tensor([float(loop.request_index) for loop in loops], dtype=torch.float64)
                 self.choice_inputs[:count, -1].copy_(indices)
-        narrow, append = self.decode_form(count, budget)
+        width, append = self.decode_form(count, budget)
+        # a tree step after autoregressive steps that left more than a block pending: those rows go into the draft
+        # caches first (the draft takes a block of them at most), and the step drafts from no new context rows
+        flush = budget != DECODE and not self.autoregressive and any(loop.pending > self.block for loop in loops)
         for loop in loops if not self.autoregressive else ():  # what the next step's form reads, known now
             loop.wide_context = budget != DECODE  # a tree step leaves its accepted rows pending
             if budget == DECODE:  # an autoregressive step's row: one more pending, or the one left after a commit
                 loop.pending = loop.pending + 1 if append else 1
+            elif flush:
+                loop.pending = 0
         captured = False  # whether this step captured its graph (its time then includes the capture: no cost of it)
         if not self.use_graph:
-            self._run(count, budget, report, narrow, append)
+            if flush:
+                self._flush(count)
+            self._run(count, budget, report, width, append)
         else:
-            key = (count, tuple((loop.sampled, loop.filter) for loop in loops), budget, report, narrow, append)
-            captured = key not in self.graphs
-            if captured:
-                self.graphs[key] = self._capture(count, budget, report, narrow, append)
-            self.graphs[key].replay()
+            keys = [("flush", count)] if flush else []
+            keys.append((count, tuple((loop.sampled, loop.filter) for loop in loops), budget, report, width, append))
+            for key in keys:
+                if key not in self.graphs:
+                    captured = True
+                    run = (lambda: self._flush(count)) if key[0] == "flush" else None
+                    self.graphs[key] = self._capture(count, budget, report, width, append, run)
+                self.graphs[key].replay()
         if self._timing:
             self._end = timing_event()
         # every tree step's statistics, each slot's at its own budget or at the batch's; none of an autoregressive
@@ -279,27 +311,34 @@ class BatchLoop:
             loop.last_stats = None if values is None else loop.read_stats(values)
         return [values[: values[-1]] for values in emitted], captured
 
-    def decode_form(self, count: int, budget: int | None) -> tuple[bool, bool]:
-        """(narrow, append) of a step of slots [0, count) at `budget` (both False but for an autoregressive step of
+    def decode_form(self, count: int, budget: int | None) -> tuple[int, bool]:
+        """(width, append) of a step of slots [0, count) at `budget` (0 and False but for an autoregressive step of
         speculative requests, `_decode`): it appends its row to every slot's pending context while each has room for
-        it (`lazy_context`); else, where no slot's pending context holds more than one row, it commits that row
-        alone; else the pending block. Behind a tree step still in flight, whose accepted rows (the slots' pending
-        counts) are not read yet, it commits the pending block, as without `lazy_context`: so a step's form never
-        waits for the tokens of the one before, and an `auto` batch may queue its steps ahead either way."""
+        it (`lazy_context`, `context_rows`); else it commits the pending rows first, `width` of them a slot: one
+        where no slot's pending context holds more than one row, `context_rows` where one holds more than a block
+        (autoregressive steps appended them), else a block. Behind a tree step still in flight, whose accepted rows
+        (the slots' pending counts) are not read yet, it commits the pending block, as without `lazy_context`: so a
+        step's form never waits for the tokens of the one before, and an `auto` batch may queue its steps ahead
+        either way."""
         if budget != DECODE or self.autoregressive:
-            return False, False
+            return 0, False
         loops = self.loops[:count]
         behind_tree = any(queued != DECODE for _, _, queued, *_ in self.in_flight)  # (slot, count, budget, ...)
-        append = self.lazy_context and not behind_tree and all(loop.pending < self.block for loop in loops)
-        return not append and not any(loop.wide_context or loop.pending > 1 for loop in loops), append
+        append = self.lazy_context and not behind_tree and all(loop.pending < self.context_rows for loop in loops)
+        if append:
+            return 0, True
+        if not any(loop.wide_context or loop.pending > 1 for loop in loops):
+            return 1, False
+        wide = not behind_tree and any(loop.pending > self.block for loop in loops)
+        return (self.context_rows if wide else self.block), False
 
-    def _run(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False,
+    def _run(self, count: int, budget: int | None = None, report: bool = True, width: int = 0,
              append: bool = False) -> None:  # fmt: skip
         loops = self.loops[:count]
         if self.autoregressive:
             return self._decode(loops)
         if budget == DECODE:
-            return self._decode(loops, speculative=True, narrow=narrow, append=append)
+            return self._decode(loops, speculative=True, width=width or self.block, append=append)
         self._draft(loops)
         self._trees(loops, budget, report)
         self._verify(loops, per_slot=budget is None)
@@ -368,16 +407,18 @@ class BatchLoop:
         """Every slot's pending context rows (the first `width` of a block each, default all; `context_count` of them
         valid) and their positions."""
         width = width or self.block
-        arange = self.loops[0].arange_block[:width]
+        arange = self.arange_context[:width]
         context = self.context[:count, :width].reshape(count * width, -1)
         start = self.num_cached[:count] - self.context_count[:count]
         return context, (start[:, None] + arange).reshape(-1)
 
     def _commit_context(self, count: int, new_context_kv, width: int | None = None) -> None:
         """Each slot's context K/V rows into its draft cache (`width` rows written, default a block; its
-        `context_count` rows kept): one write for every slot."""
+        `context_count` rows kept): one write for every slot. Rows past the cache's end are not written (a wide
+        commit's rows past a slot's count are no context; the cache keeps spare rows past every count)."""
         block = width or self.block
-        rows = self.num_drafted[:count, None] + self.loops[0].arange_block[:block]  # [count, block]
+        rows = self.num_drafted[:count, None] + self.arange_context[:block]  # [count, block]
+        rows = rows.clamp_max(self.draft.shape[3] - 1)  # past the end: the last row, past every committed one
         by_row = self.draft[:count].transpose(1, 3).transpose(2, 3)  # [count, S, layers, 2, ...], a view
         values = new_context_kv.unflatten(2, (count, block)).permute(2, 3, 0, 1, *range(4, new_context_kv.dim() + 1))
         by_row.index_put_((self.slot_index[:count, None], rows), values)
@@ -422,7 +463,7 @@ class BatchLoop:
         flat = (self.slot_index[:count, None] * rows + path).reshape(-1)  # the path's rows in the forward's rows
         values = self.new_kv.index_select(1, flat).unflatten(1, (count, steps)).permute(1, 2, 0, 3)
         self._commit_latent(count, self.num_cached[:count, None] + lead.arange_path, values)
-        self.context[:count].copy_(self.taps.index_select(0, flat).view(count, steps, -1))
+        self.context[:count, :steps].copy_(self.taps.index_select(0, flat).view(count, steps, -1))
         self.context_count[:count].copy_(length)
         self.num_cached[:count] += length
         emitted = torch.roll(tokens.gather(1, path), -1, dims=1).scatter_(1, (length - 1)[:, None], next_bonus[:, None])
@@ -441,21 +482,23 @@ class BatchLoop:
         by_row = self.latent[:count].transpose(1, 2)  # [count, S, layers, D], a view
         by_row.index_put_((self.slot_index[:count, None], positions), values)
 
-    def _decode(self, loops, speculative: bool = False, narrow: bool = False, append: bool = False) -> None:
+    def _decode(self, loops, speculative: bool = False, width: int = 0, append: bool = False) -> None:
         """Every slot's bonus token in one target forward, each over its own cache; its KV committed, the next token
         chosen. speculative: an autoregressive step of speculative requests (`DECODE`: the batch policy's choice when
         no tree pays for its rows): each slot's pending context (its last step's accepted rows) first goes into its
         draft cache as a draft would commit it (`DFlashDrafter.context_kv`, every slot's rows in one call), and the
         new row's taps become the next context: the state a step that accepted only the bonus leaves, so the next
-        step may draft or decode again. narrow: no slot's pending context holds more than one row (after a load or
-        an autoregressive step): that row's K/V alone, where a block's would be computed (a context row's K/V depend
-        on that row only; the trained pair on two CPU cores, 16 slots: the block's took 2.8 of a 25.3 ms step).
+        step may draft or decode again. width: the pending rows a slot whose K/V are computed (default a block;
+        `decode_form`): one where no slot's pending context holds more than one row (after a load or an
+        autoregressive step that committed), as a context row's K/V depend on that row only (the trained pair on two
+        CPU cores, 16 slots: a block's took 2.8 of a 25.3 ms step); `context_rows` where autoregressive steps
+        appended more than a block.
         append: every slot's pending context has room for one more row (`lazy_context`): nothing is committed, the
         new row's taps join the pending rows, and the next draft (or the autoregressive step that finds a slot's
         pending context a block) commits them all."""
         count = len(loops)
         if speculative and not append:
-            width = 1 if narrow else self.block
+            width = width or self.block
             self._commit_context(count, self.drafter.context_kv(*self._context(count, width)), width)
         lengths = self.num_cached[:count]
         masks = loops[0].decode_mask.expand(count, 1, 1)
@@ -543,12 +586,22 @@ class BatchLoop:
             for tensor, before in zip(state, saved):
                 tensor.copy_(before)
 
-    def _capture(self, count: int, budget: int | None = None, report: bool = True, narrow: bool = False,
-                 append: bool = False):  # fmt: skip
+    def _capture(self, count: int, budget: int | None = None, report: bool = True, width: int = 0,
+                 append: bool = False, run=None):  # fmt: skip
+        """The graph of a step's form (`launch`), or of `run` where given (the flush before a tree step)."""
+        run = run or (lambda: self._run(count, budget, report, width, append))
         with self.state_kept(count):  # the warm-up must not count as a step
-            warm_up(lambda: self._run(count, budget, report, narrow, append), self.device)
+            warm_up(run, self.device)
         gc.collect()  # nothing holding CUDA resources may be freed while the stream captures
-        return capture_graph(lambda: self._run(count, budget, report, narrow, append), self.device, warmups=0)[0]
+        return capture_graph(run, self.device, warmups=0)[0]
+
+    def _flush(self, count: int) -> None:
+        """Every slot's pending context rows into its draft cache (`context_rows` of them computed, each slot's
+        `context_count` kept), before a tree step whose draft takes a block of them at most: it then drafts from no
+        new context rows, as the first step after a load does."""
+        width = self.context_rows
+        self._commit_context(count, self.drafter.context_kv(*self._context(count, width)), width)
+        self.context_count[:count].fill_(0)
 
     def close(self) -> None:
         while self.in_flight:  # the steps in flight finish before their graphs and pinned slots go
