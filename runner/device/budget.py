@@ -12,8 +12,9 @@ would still take kernel work; with a graph each, a budget-8 step of an engine wi
 budget-8-only engine's does (whole Kimi K2 rank on one H200, two runs: 15.58 against 15.57 ms; BENCHMARKS.md 11).
 
 **Autoregressive steps** (`DECODE`, a batch's policy only): a step of one target row a request, no draft and no tree
-(`BatchLoop._decode(speculative=True)`: the new row joins the drafter's pending context while a block has room,
-`BatchLoop.lazy_context`, the default; else the pending context is committed and the new row's becomes the next;
+(`BatchLoop._decode(speculative=True)`: the new row joins the drafter's pending context while it has room,
+`BatchLoop.lazy_context` and `context_rows`, the default; else the pending context is committed and the new row's
+becomes the next;
 requests stay lossless and the next speculative step drafts from a full context). As a batch grows, its verify rows
 cost more while an autoregressive step's rows stay few: one H200, the trained pair, 16 requests of 128 tokens in
 flight took 7944 tokens/s at budget 8 where autoregressive steps took 12029 (BENCHMARKS.md 18), so the policy weighs
