@@ -770,14 +770,20 @@ def test_a_batch_of_auto_requests_shares_one_budget_a_step(demo_ckpt):
 
 def test_the_lazy_context_switch_takes_0_or_1_and_names_anything_else(demo_ckpt, monkeypatch):
     """`DDTREE_LAZY_CONTEXT` (an autoregressive step's drafter row left pending, on by default): 0 turns it off, and a
-    value that is neither is an error that names the variable, what it takes and the value."""
+    value that is neither is an error that names the variable, what it takes and the value; so is a
+    `DDTREE_CONTEXT_BLOCKS` (the blocks of rows left pending) that is not a whole number of at least 1."""
     spec, limits = SpecConfig(8, 16, extra_budgets=(4, 8)), BuildConfig(**ENGINE_LIMITS)
     monkeypatch.setenv("DDTREE_LAZY_CONTEXT", "0")
+    monkeypatch.setenv("DDTREE_CONTEXT_BLOCKS", "3")  # a pending context of blocks, with the lazy context only
     ranks = cpu_ranks(demo_ckpt(1), spec, limits, device_loop=True, max_batch_size=2)
-    assert not ranks.lead.batch.lazy_context
+    assert not ranks.lead.batch.lazy_context and ranks.lead.batch.context_rows == spec.block_size
     ranks.close()
     monkeypatch.setenv("DDTREE_LAZY_CONTEXT", "yes")
     with pytest.raises(ValueError, match=r"DDTREE_LAZY_CONTEXT: expected 0 or 1 .* got 'yes'"):
+        cpu_ranks(demo_ckpt(1), spec, limits, device_loop=True, max_batch_size=2)
+    monkeypatch.setenv("DDTREE_LAZY_CONTEXT", "1")
+    monkeypatch.setenv("DDTREE_CONTEXT_BLOCKS", "0")
+    with pytest.raises(ValueError, match=r"DDTREE_CONTEXT_BLOCKS: expected a whole number of at least 1 .* got '0'"):
         cpu_ranks(demo_ckpt(1), spec, limits, device_loop=True, max_batch_size=2)
 
 
