@@ -116,8 +116,8 @@ class BatchLoop:
         # commits them first (`_flush`). On a GPU that call costs about what a block's does (it reads the drafter's
         # context weights once, whatever its rows): on one H100 the whole Kimi rank's `auto` batch of 4, taking
         # autoregressive steps, ran at 0.991-0.997x the autoregressive engine with 8 blocks, 0.988-0.991x with one
-        # (the commits 0.3 % of a batch's time instead of 0.7 %; BENCHMARKS.md section 18); on a CPU its cost grows
-        # with its rows, so one block there. Without `lazy_context`, one block.
+        # (the fastest batch 0.3 % over the engine's instead of 0.7 %; BENCHMARKS.md section 18); on a CPU its cost
+        # grows with its rows, so one block there. Without `lazy_context`, one block.
         blocks = env_count("DDTREE_CONTEXT_BLOCKS", " (or unset: 8 where graphs run, else 1)")
         blocks = (8 if use_graph else 1) if blocks is None else blocks
         self.context_rows = spec.block_size * (blocks if lazy_context else 1)
