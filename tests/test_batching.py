@@ -797,10 +797,9 @@ def test_autoregressive_steps_in_a_speculative_batch_are_lossless(demo_ckpt, mon
     `blocks` blocks (`DDTREE_CONTEXT_BLOCKS`, `BatchLoop.context_rows`), then committed in one call, or before a tree
     step that finds more than a block pending (`BatchLoop._flush`); without it (`DDTREE_LAZY_CONTEXT=0`), each step
     commits them), and the draft cache holds what steps that only drafted would have written there. ahead: each
-    step queued before the previous one's
-    tokens are read (`run_ahead_auto`; the policy choosing one step behind), autoregressive steps behind tree steps
-    and behind each other among them (with `lazy_context`, one behind a tree step commits that step's rows: its
-    form cannot wait for their count)."""
+    step queued before the previous one's tokens are read (`run_ahead_auto`; the policy choosing one step behind),
+    autoregressive steps behind tree steps and behind each other among them (with `lazy_context`, one behind a tree
+    step commits that step's rows: its form cannot wait for their count)."""
     from runner.device.budget import DECODE, ScriptedPolicy
     from runner.generator import Generator
     from runner.sampling import Sampler, SamplingParams

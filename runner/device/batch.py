@@ -339,7 +339,7 @@ class BatchLoop:
         if self.autoregressive:
             return self._decode(loops)
         if budget == DECODE:
-            return self._decode(loops, speculative=True, width=width or self.block, append=append)
+            return self._decode(loops, speculative=True, width=width, append=append)
         self._draft(loops)
         self._trees(loops, budget, report)
         self._verify(loops, per_slot=budget is None)
@@ -496,11 +496,10 @@ class BatchLoop:
         appended more than a block.
         append: every slot's pending context has room for one more row (`lazy_context`): nothing is committed, the
         new row's taps join the pending rows, and the next draft (or the autoregressive step that finds a slot's
-        pending context a block) commits them all."""
+        pending context full, `context_rows`, or a tree step's `_flush`) commits them all."""
         count = len(loops)
         if speculative and not append:
-            width = width or self.block
-            self._commit_context(count, self.drafter.context_kv(*self._context(count, width)), width)
+            self._commit_pending(count, width or self.block)
         lengths = self.num_cached[:count]
         masks = loops[0].decode_mask.expand(count, 1, 1)
         logits, new_kv, taps = self.target(self.bonus[:count], lengths, masks, self.latent[:count], lengths,
@@ -600,9 +599,14 @@ class BatchLoop:
         """Every slot's pending context rows into its draft cache (`context_rows` of them computed, each slot's
         `context_count` kept), before a tree step whose draft takes a block of them at most: it then drafts from no
         new context rows, as the first step after a load does."""
-        width = self.context_rows
-        self._commit_context(count, self.drafter.context_kv(*self._context(count, width)), width)
+        self._commit_pending(count, self.context_rows)
         self.context_count[:count].fill_(0)
+
+    def _commit_pending(self, count: int, width: int) -> None:
+        """The first `width` pending context rows of every slot: their K/V in one drafter call
+        (`DFlashDrafter.context_kv`), written to the draft caches (`_commit_context`: each slot's `context_count`
+        kept)."""
+        self._commit_context(count, self.drafter.context_kv(*self._context(count, width)), width)
 
     def close(self) -> None:
         while self.in_flight:  # the steps in flight finish before their graphs and pinned slots go

@@ -14,11 +14,10 @@ budget-8-only engine's does (whole Kimi K2 rank on one H200, two runs: 15.58 aga
 **Autoregressive steps** (`DECODE`, a batch's policy only): a step of one target row a request, no draft and no tree
 (`BatchLoop._decode(speculative=True)`: the new row joins the drafter's pending context while it has room,
 `BatchLoop.lazy_context` and `context_rows`, the default; else the pending context is committed and the new row's
-becomes the next;
-requests stay lossless and the next speculative step drafts from a full context). As a batch grows, its verify rows
-cost more while an autoregressive step's rows stay few: one H200, the trained pair, 16 requests of 128 tokens in
-flight took 7944 tokens/s at budget 8 where autoregressive steps took 12029 (BENCHMARKS.md 18), so the policy weighs
-an autoregressive step, one token a request, against the budgets like any other choice.
+becomes the next; requests stay lossless and the next speculative step drafts from a full context). As a batch grows,
+its verify rows cost more while an autoregressive step's rows stay few: one H200, the trained pair, 16 requests of 128
+tokens in flight took 7944 tokens/s at budget 8 where autoregressive steps took 12029 (BENCHMARKS.md 18), so the policy
+weighs an autoregressive step, one token a request, against the budgets like any other choice.
 
 The tensor functions below rank a tree's nodes by path log-probability (one tree, or a batch's trees at once): a
 step at the largest budget reports what every budget would have accepted (`accepted_at`) and what the drafter
