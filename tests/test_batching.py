@@ -639,7 +639,7 @@ def test_a_budget_out_of_reach_of_autoregressive_steps_is_not_learnt_further():
             policy.record(16, budget, seeds[16][budget] / 1e3, [{k: {b: v[b] for b in told} for k, v in stats.items()}]
                           * 16 if budget != DECODE else [])  # fmt: skip
             chosen[accepted].append((budget, policy.settled))
-    # 3 tokens a request (3.6 at the optimistic estimate) over 92 ms lose to 1 over 13.4: settled at once
+    # 3 tokens a request (4.2 at the optimistic estimate) over 92 ms lose to 1 over 13.4: settled at once
     assert chosen[2][0] == (DECODE, True) and {b for b, _ in chosen[2]} == {DECODE}
     # 8 tokens a request over 68 ms win: budget 16 learnt first (16 request-steps), then budget 8 settled
     assert chosen[7][0] == (16, False) and chosen[7][-1] == (8, True)
