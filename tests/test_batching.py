@@ -615,36 +615,6 @@ def test_a_budget_that_could_not_win_at_a_whole_block_is_neither_learnt_nor_expl
     assert policy.choose(1, 1) == 32 and policy.informed[32] < MIN_INFORMED
 
 
-def test_a_budget_out_of_reach_of_autoregressive_steps_is_not_learnt_further():
-    """A batch's first step (three requests, budget 32) informs every budget with three request-steps, fewer than
-    MIN_INFORMED. At 16 slots, where budget 16 is the largest that could win at a whole block, it is learnt further
-    only if its optimistic estimate could beat an autoregressive step: with about 2 drafted tokens accepted a step
-    it cannot (the trained pair's costs on two CPU cores: 92 ms against 13.4), and the batch takes autoregressive
-    steps at once; with a drafter right every time it can, and budget 16 is learnt as before."""
-    from runner.device.budget import DECODE, MIN_INFORMED, StepBudgetPolicy
-
-    seeds = {3: {DECODE: 6.0, 8: 20.0, 16: 25.0, 32: 35.0}, 16: {DECODE: 13.4, 8: 68.0, 16: 92.0, 32: 145.0}}
-    step_costs = {(c, b): ms / 1e3 for c, costs in seeds.items() for b, ms in costs.items()}
-    chosen = {}
-    for accepted in (2, 7):
-        policy = StepBudgetPolicy((8, 16, 32), decode=True, narrow_informs=True, step_costs=step_costs, max_tokens=8)
-        stats = {"accepted": dict.fromkeys((8, 16, 32), accepted), "drafted": dict.fromkeys((8, 16, 32), 3.0)}
-        assert policy.choose(3, 3) == 32
-        policy.record(3, 32, seeds[3][32] / 1e3, [stats] * 3)
-        assert policy.informed[16] == 3 < MIN_INFORMED
-        chosen[accepted] = []
-        for _ in range(40):
-            budget = policy.choose(16, 16)
-            told = [b for b in (8, 16, 32) if b <= budget]
-            policy.record(16, budget, seeds[16][budget] / 1e3, [{k: {b: v[b] for b in told} for k, v in stats.items()}]
-                          * 16 if budget != DECODE else [])  # fmt: skip
-            chosen[accepted].append((budget, policy.settled))
-    # 3 tokens a request (4.2 at the optimistic estimate) over 92 ms lose to 1 over 13.4: settled at once
-    assert chosen[2][0] == (DECODE, True) and {b for b, _ in chosen[2]} == {DECODE}
-    # 8 tokens a request over 68 ms win: budget 16 learnt first (16 request-steps), then budget 8 settled
-    assert chosen[7][0] == (16, False) and chosen[7][-1] == (8, True)
-
-
 def test_a_new_batch_size_takes_its_costs_from_the_sizes_timed_and_spends_no_step_timing():
     """A slot count not timed yet at a budget takes the line between the nearest counts timed at that budget (one
     side: its nearest) until its own steps time it, so the batch's steps at each new size (requests leaving one by

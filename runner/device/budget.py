@@ -133,8 +133,7 @@ class StepBudgetPolicy:
     drafted tokens each budget b <= B would have accepted (its b best nodes: what that budget's tree is); the estimate
     at b is their mean over the request-steps at b or above (`informed[b]`: a batch's steps at every budget report
     them, a lone request's at the largest only). Steps inform nothing larger than their budget, so the largest budget
-    is taken until `MIN_INFORMED` request-steps informed the estimates (a batch's: unless an autoregressive step
-    already beats its optimistic estimate, `out_of_reach`), then a larger budget than the chosen one
+    is taken until `MIN_INFORMED` request-steps informed the estimates, then a larger budget than the chosen one
     whenever the exploration credit covers what its step costs over the chosen one (the credit grows by a share of
     each chosen step's cost: `EXPLORE_SHARE` while a larger budget's optimistic rate could beat the best, the most
     hopeful of them explored; `EXPLORE_SHARE_SETTLED`, at the largest, once none could), so exploring never costs
@@ -240,17 +239,6 @@ class StepBudgetPolicy:
         sure = max(1.0 / costs[b] for b in self.options)
         return tuple(b for b in self.budgets if self.max_tokens / costs[b] >= sure) or self.budgets[:1]
 
-    def out_of_reach(self, budget: int, costs: dict[int, float]) -> bool:
-        """Whether a budget informed by some request-steps, fewer than `MIN_INFORMED`, could not beat an autoregressive
-        step (one token a request, a sure rate) even at its optimistic estimate: then no step is taken only to learn it
-        further; the estimates as they stand choose, and exploring still reaches it at its share of the time. The
-        trained pair on two CPU cores, 64 requests through 16 slots (benchmarks/results/batch_policy_steady_cpu.json):
-        a job's first step (three requests, budget 32) told every budget three request-steps, and at 16 slots the
-        batch then learnt budget 16 in a step of 93 ms where its autoregressive steps took 13.7 (1.7 % of the job)."""
-        if DECODE not in self.options or not costs or self.informed[budget] == 0:
-            return False
-        return self.optimistic(budget) / costs[budget] < 1.0 / costs[DECODE]
-
     def choose(self, busy: int = 1, count: int = 1) -> int:
         self.steps += 1
         self.settled = self.timing = False
@@ -261,7 +249,7 @@ class StepBudgetPolicy:
         costs = {b: self.cost(b, count, timed) for b in self.options} if not untimed else {}
         # the largest budget that could win here: learnt first (its steps tell the budgets below it), explored
         largest = self.possible(costs)[-1] if costs else self.budgets[-1]
-        if self.informed[largest] < MIN_INFORMED and not self.out_of_reach(largest, costs):
+        if self.informed[largest] < MIN_INFORMED:
             best = largest
         elif untimed:
             best, self.timing = untimed[0], True
