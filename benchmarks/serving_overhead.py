@@ -12,8 +12,9 @@ device`), each request alone (the next sent when the last one's reply is in):
    `elapsed` is the runner's own time (prefill to last token), so pipe - elapsed is the runner's request handling
    (parsing, tokenizing, the events' JSON).
 2. **triton**: the model repository of the same engine (`runner.serving.triton_repo`), the real server, `/generate`
-   and `/generate_stream` over HTTP (a connection a request, as `urllib` makes); a request's time from sending to its
-   whole reply (streamed: also to its first token).
+   and `/generate_stream` over HTTP (a connection a request, as `urllib` makes), and `/generate` over one connection
+   kept open from request to request (as a client that pools its connections sends them: tritonclient, a requests
+   session); a request's time from sending to its whole reply (streamed: also to its first token).
 Each mode's DDTree requests name their budget (`ddtree_budget`); autoregressive is a job and a model of its own
 (`--autoregressive`). Both paths run side by side: each prompt goes through the pipe, `/generate` and
 `/generate_stream` in turn (the order rotating from prompt to prompt, so a drifting machine touches each alike),
@@ -116,6 +117,32 @@ def triton_time(port: int, model: str, body: dict, stream: bool) -> tuple[float,
     return time.perf_counter() - started, first
 
 
+class KeptConnection:
+    """One HTTP/1.1 connection to the server, kept open from request to request, as an HTTP client that pools its
+    connections (tritonclient's, a requests session) sends them; `time` as `triton_time` without streaming.
+    `reused` counts the requests that went over a connection already open (the server kept it)."""
+
+    def __init__(self, port: int):
+        import http.client
+
+        self.connection, self.reused = http.client.HTTPConnection("127.0.0.1", port, timeout=600), 0
+
+    def time(self, model: str, body: dict) -> tuple[float, None]:
+        started, sock = time.perf_counter(), self.connection.sock
+        self.connection.request("POST", f"/v2/models/{model}/generate", body=json.dumps(body).encode(),
+                                headers={"Content-Type": "application/json"})  # fmt: skip
+        reply = self.connection.getresponse()
+        reply.read()
+        seconds = time.perf_counter() - started
+        if reply.status != 200:
+            raise RuntimeError(f"the server refused a request ({reply.status})")
+        self.reused += sock is not None and sock is self.connection.sock
+        return seconds, None
+
+    def close(self) -> None:
+        self.connection.close()
+
+
 def start_triton(engine: Path, out: Path, models: dict[str, bool], slots: int = SLOTS):
     """tritonserver on a repository of `models` ({name: autoregressive}) of `engine`, started (its models warm up
     while the caller goes on; `wait_ready` before a request): (process, HTTP port)."""
@@ -197,14 +224,17 @@ def main(argv=None) -> int:
             print(f"serving job {name} ready after {job.wait_ready():.1f} s", flush=True)
         wait_ready(process, port, out / "server.log", timeout=900)
         print("tritonserver ready", flush=True)
-        print("| mode | tokens | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | triton stream (ms) | "
-              "first streamed (ms) | triton - pipe, paired (ms) | the launcher's forwarding (ms) |\n"
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
+        print("| mode | tokens | runner's elapsed (ms) | pipe (ms) | triton /generate (ms) | the same, one connection "
+              "kept (ms) | triton stream (ms) | first streamed (ms) | triton - pipe, paired (ms) | kept - pipe, paired "
+              "(ms) | the launcher's forwarding (ms) |\n"
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)  # fmt: skip
         # each prompt through the paths in turn, the order rotating (a drifting machine touches each alike)
         for mode, tokens in ((m, t) for m in modes for t in lengths):
             budget, model = MODES[mode], "ar" if MODES[mode] is None else "ddtree"
+            kept = KeptConnection(port)
             paths = {"pipe": lambda b, m=model: jobs[m].time(b),
                      "triton": lambda b, m=model: triton_time(port, m, b, False),
+                     "triton_kept": lambda b, m=model, k=kept: k.time(m, b),
                      "triton_stream": lambda b, m=model: triton_time(port, m, b, True)}  # fmt: skip
             if args.direct:
                 paths["direct"] = lambda b, m=model: jobs[f"{m}-direct"].time(b)
@@ -215,13 +245,18 @@ def main(argv=None) -> int:
                 names = list(paths)[i % len(paths) :] + list(paths)[: i % len(paths)]
                 for name in names:
                     timed[name].append(paths[name](request_body(text, tokens, budget)))
+            kept.close()
             pipe, whole, streamed, direct = (timed.get(name) for name in ("pipe", "triton", "triton_stream", "direct"))
             row = {"mode": mode, "tokens": tokens, "elapsed_ms": ms(e for _, e in pipe),
                    "pipe_ms": ms(p for p, _ in pipe),
                    "triton_ms": ms(t for t, _ in whole), "triton_stream_ms": ms(t for t, _ in streamed),
                    "first_streamed_ms": ms(f for _, f in streamed),
                    "triton_minus_pipe_ms": ms(t - p for (t, _), (p, _) in zip(whole, pipe)),
-                   "pipe": pipe, "triton": whole, "triton_stream": streamed}  # fmt: skip
+                   "triton_kept_ms": ms(t for t, _ in timed["triton_kept"]),
+                   "kept_minus_pipe_ms": ms(t - p for (t, _), (p, _) in zip(timed["triton_kept"], pipe)),
+                   "kept_reused": kept.reused,
+                   "pipe": pipe, "triton": whole, "triton_kept": timed["triton_kept"],
+                   "triton_stream": streamed}  # fmt: skip
             if direct:
                 # the runner's own time moves more between two jobs than the pipes cost: compare each job's handling
                 # (its pipe's time less its own), not the two jobs' whole times
@@ -229,8 +264,9 @@ def main(argv=None) -> int:
                            launcher_ms=round(ms(p - e for p, e in pipe) - ms(d - e for d, e in direct), 3))  # fmt: skip
             info["rows"].append(row)
             print(f"| {mode} | {tokens} | {row['elapsed_ms']} | {row['pipe_ms']} | {row['triton_ms']} "
-                  f"| {row['triton_stream_ms']} | {row['first_streamed_ms']} | {row['triton_minus_pipe_ms']} "
-                  f"| {row.get('launcher_ms', '')} |", flush=True)  # fmt: skip
+                  f"| {row['triton_kept_ms']} | {row['triton_stream_ms']} | {row['first_streamed_ms']} "
+                  f"| {row['triton_minus_pipe_ms']} | {row['kept_minus_pipe_ms']} | {row.get('launcher_ms', '')} |",
+                  flush=True)  # fmt: skip
             (out / "serving_overhead.json").write_text(json.dumps(info, indent=1) + "\n")  # each mode as it ends
     finally:
         stop_server(process)

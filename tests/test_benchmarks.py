@@ -336,8 +336,9 @@ def test_batch_policy_benchmark_smoke(tmp_path):
 
 def test_serving_overhead_benchmark_smoke(tmp_path):
     """The serving-path benchmark on the tiny model: the runner's pipe and a real tritonserver side by side, every
-    mode's row complete (each path's four requests timed, the runner's own time under the pipe's; `--direct`: the
-    job without mpirun too; `--slots 4`: the jobs and the server's models batched over 4 slots)."""
+    mode's row complete (each path's four requests timed, the runner's own time under the pipe's; `/generate` over a
+    fresh connection a request and over one kept open; `--direct`: the job without mpirun too; `--slots 4`: the jobs
+    and the server's models batched over 4 slots)."""
     if not (Path(os.environ.get("DDTREE_TRITON_VENV", ROOT / ".venv-triton")) / "bin" / "python").exists():
         pytest.skip("no Triton venv (`make test` creates it)")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -351,6 +352,8 @@ def test_serving_overhead_benchmark_smoke(tmp_path):
     assert [(r["mode"], r["tokens"]) for r in rows] == [("DDTree 8", 8), ("DDTree auto", 8), ("autoregressive", 8)]
     for r in rows:
         assert len(r["pipe"]) == len(r["triton"]) == len(r["triton_stream"]) == len(r["direct"]) == 4
+        # the kept connection's requests went over the connection the warm-up request opened: the server kept it
+        assert len(r["triton_kept"]) == r["kept_reused"] == 4 and r["triton_kept_ms"] > 0
         assert all(0 < elapsed <= whole for whole, elapsed in r["pipe"] + r["direct"])
         assert all(first is not None and 0 < first <= whole for whole, first in r["triton_stream"])
 
