@@ -17,8 +17,9 @@ into a TP-1 engine directory (torch backend) and run by what users launch:
    starting at another mode; a row is the median run, with every run's rate.
 2. Triton: one tritonserver with five models (DDTree and autoregressive, each one at a time and batched up to the
    largest level, and the DFlash chain's engine batched; `--triton-models` picks some); N clients, each sending two
-   requests in turn (`--triton-requests`; `max_tokens` tokens, no end token; `--triton-budgets`: the DDTree models'
-   rows once a request `ddtree_budget` each); aggregate tokens/s over the wall time, per-request latency (median,
+   requests in turn over one connection kept open (`--triton-requests`; `--triton-connection fresh`: a connection a
+   request; `max_tokens` tokens, no end token; `--triton-budgets`: the DDTree models' rows once a request
+   `ddtree_budget` each); aggregate tokens/s over the wall time, per-request latency (median,
    90th percentile, worst) and a request's tokens/s.
 3. In process, a DDTree 32 batched step's phases (draft, tree, verify, accept) and the batch's autoregressive step
    (a block's drafter context or one row's; the median of 10 steps, eager: on a CPU) at 1, 8 and 16 requests: where
@@ -163,11 +164,12 @@ def _histogram(values) -> dict:
 
 def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: int, smoke: bool, models: list[str],
                 budgets: list[str | None], per_client: int = 2, rows: list | None = None,
-                saved=lambda: None) -> list[dict]:  # fmt: skip
+                saved=lambda: None, kept: bool = True) -> list[dict]:  # fmt: skip
     """The Triton rows: `models` (names in MODELS) in one server, each of `engines[name]`; each DDTree model once a
     request budget in `budgets` (None: the engine's own, the request sends none; "auto" or a budget: the request's
     `ddtree_budget`; the chain's model: its own budget only). rows: the list each row is appended to (returned),
-    `saved()` called after each, so a run stopped early keeps the rows it measured."""
+    `saved()` called after each, so a run stopped early keeps the rows it measured. kept: each client's requests
+    over one connection kept open (else a connection a request; `load`)."""
     from runner.serving.triton_repo import write_repository
     from runner.serving.triton_server import start_server, stop_server, wait_ready
 
@@ -191,7 +193,7 @@ def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: 
         fixed = [n for n in models if MODELS[n][0] or n.startswith("chain")]  # their requests name no budget
         for clients in levels:
             for name, budget in ((n, b) for n in models for b in ([None] if n in fixed else budgets)):
-                rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget))
+                rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget, kept))
                 label = name + (f" ({budget})" if budget else "")
                 print(f"triton {label:22s} {clients:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tokens/s, latency "
                       f"median {rows[-1]['latency_median_s']:.3f} s, p90 {rows[-1]['latency_p90_s']:.3f} s, worst "
@@ -204,25 +206,60 @@ def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: 
     return rows
 
 
+class KeptConnection:
+    """One HTTP/1.1 connection to the server, kept open from request to request, as an HTTP client that pools its
+    connections (tritonclient's, a requests session) sends them; `time`: (seconds to the whole reply of one
+    `/generate` request, None). `reused` counts the requests that went over a connection already open (the server
+    kept it)."""
+
+    def __init__(self, port: int):
+        import http.client
+
+        self.connection, self.reused = http.client.HTTPConnection("127.0.0.1", port, timeout=600), 0
+
+    def time(self, model: str, body: dict) -> tuple[float, None]:
+        started, sock = time.perf_counter(), self.connection.sock
+        self.connection.request("POST", f"/v2/models/{model}/generate", body=json.dumps(body).encode(),
+                                headers={"Content-Type": "application/json"})  # fmt: skip
+        reply = self.connection.getresponse()
+        reply.read()
+        seconds = time.perf_counter() - started
+        if reply.status != 200:
+            raise RuntimeError(f"the server refused a request ({reply.status})")
+        self.reused += sock is not None and sock is self.connection.sock
+        return seconds, None
+
+    def close(self) -> None:
+        self.connection.close()
+
+
 def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per_client: int = 2,
-         budget: str | None = None) -> dict:  # fmt: skip
+         budget: str | None = None, kept: bool = True) -> dict:  # fmt: skip
+    """N clients, each sending its requests in turn to `/generate`: over one connection kept open (`kept`, as a
+    client that pools its connections sends them) or a connection a request (as `urllib` makes)."""
     latencies, errors = [], []
 
     def client(c: int) -> None:
+        connection = KeptConnection(port) if kept else None
         for k in range(per_client):
             body = {"text_input": texts[(c * per_client + k) % len(texts)], "max_tokens": tokens, "end_id": -1}
             if budget is not None:
                 body["ddtree_budget"] = budget
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/generate",
-                                             data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})  # fmt: skip
-            started = time.perf_counter()
             try:
-                with urllib.request.urlopen(request, timeout=1800) as reply:
-                    reply.read()
-                latencies.append(time.perf_counter() - started)
-            except OSError as err:
+                if connection is not None:
+                    latencies.append(connection.time(model, body)[0])
+                else:
+                    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/generate",
+                                                     data=json.dumps(body).encode(),
+                                                     headers={"Content-Type": "application/json"})  # fmt: skip
+                    started = time.perf_counter()
+                    with urllib.request.urlopen(request, timeout=1800) as reply:
+                        reply.read()
+                    latencies.append(time.perf_counter() - started)
+            except (OSError, RuntimeError) as err:
                 errors.append(str(err))
+        if connection is not None:
+            connection.close()
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
@@ -234,7 +271,7 @@ def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per
     if errors:
         raise RuntimeError(f"{model}, {clients} clients: {errors[:3]}")
     return {"model": model, "budget": budget, "clients": clients, "requests": len(latencies),
-            "tokens": len(latencies) * tokens,
+            "connection": "kept" if kept else "a connection a request", "tokens": len(latencies) * tokens,
             "seconds": wall, "tokens_per_s": len(latencies) * tokens / wall,
             "latency_median_s": statistics.median(latencies), "latency_p90_s": float(np.quantile(latencies, 0.9)),
             "latency_max_s": max(latencies),
@@ -320,6 +357,10 @@ def main(argv=None) -> int:
     parser.add_argument("--triton-models", default=",".join(MODELS),
                         help=f"the Triton models served (default: all of {','.join(MODELS)})")  # fmt: skip
     parser.add_argument("--triton-requests", type=int, default=2, help="requests each Triton client sends in turn")
+    parser.add_argument("--triton-connection", choices=["kept", "fresh"], default="kept",
+                        help="each Triton client's requests over one connection kept open (as clients that pool "
+                             "connections send them; the default) or a fresh connection a request (runs before "
+                             "this switch)")  # fmt: skip
     parser.add_argument("--triton-budgets", default="",
                         help="request budgets for the Triton DDTree models, comma-separated ('auto' or a budget the "
                              "engine verifies; default: none sent, the engine's own)")  # fmt: skip
@@ -391,7 +432,7 @@ def main(argv=None) -> int:
     if not args.no_triton:
         served = {m: engines["DFlash chain"] if m.startswith("chain") else engine for m in models}
         triton_rows(served, out, levels, tokens, args.smoke, models, budgets, args.triton_requests,
-                    info["triton_server"], save)  # fmt: skip
+                    info["triton_server"], save, kept=args.triton_connection == "kept")  # fmt: skip
     save()
     print("\n| requests | mode | one at a time (tokens/s) | batched (tokens/s) | batched / one at a time |")
     print("|---|---|---|---|---|")

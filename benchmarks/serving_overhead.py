@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment  # noqa: E402
-from benchmarks.concurrency import build_engine, free_port, prompts  # noqa: E402
+from benchmarks.concurrency import KeptConnection, build_engine, free_port, prompts  # noqa: E402
 
 MODES = {"DDTree 8": "8", "DDTree auto": "auto", "DDTree 32": "32", "autoregressive": None}
 SLOTS = 16  # the batched form's slots (a deployment's `max_batch_size`)
@@ -115,32 +115,6 @@ def triton_time(port: int, model: str, body: dict, stream: bool) -> tuple[float,
         else:
             reply.read()
     return time.perf_counter() - started, first
-
-
-class KeptConnection:
-    """One HTTP/1.1 connection to the server, kept open from request to request, as an HTTP client that pools its
-    connections (tritonclient's, a requests session) sends them; `time` as `triton_time` without streaming.
-    `reused` counts the requests that went over a connection already open (the server kept it)."""
-
-    def __init__(self, port: int):
-        import http.client
-
-        self.connection, self.reused = http.client.HTTPConnection("127.0.0.1", port, timeout=600), 0
-
-    def time(self, model: str, body: dict) -> tuple[float, None]:
-        started, sock = time.perf_counter(), self.connection.sock
-        self.connection.request("POST", f"/v2/models/{model}/generate", body=json.dumps(body).encode(),
-                                headers={"Content-Type": "application/json"})  # fmt: skip
-        reply = self.connection.getresponse()
-        reply.read()
-        seconds = time.perf_counter() - started
-        if reply.status != 200:
-            raise RuntimeError(f"the server refused a request ({reply.status})")
-        self.reused += sock is not None and sock is self.connection.sock
-        return seconds, None
-
-    def close(self) -> None:
-        self.connection.close()
 
 
 def start_triton(engine: Path, out: Path, models: dict[str, bool], slots: int = SLOTS):

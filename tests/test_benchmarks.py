@@ -311,6 +311,7 @@ def test_concurrency_benchmark_smoke(tmp_path):
     assert {(r["model"], r["clients"]) for r in result["triton_server"]} == {
         (m, c) for m in ("ddtree", "ddtree-batched", "ar", "ar-batched", "chain-batched") for c in (1, 2)
     }
+    assert all(r["connection"] == "kept" for r in result["triton_server"])  # each client's requests on one connection
 
 
 def test_batch_policy_benchmark_smoke(tmp_path):
