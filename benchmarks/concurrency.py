@@ -206,16 +206,33 @@ def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: 
     return rows
 
 
+def triton_time(port: int, model: str, body: dict, stream: bool, timeout: float = 600) -> tuple[float, float | None]:
+    """(seconds to the whole reply, seconds to the first streamed line or None) of one request over a connection of
+    its own (as `urllib` makes)."""
+    endpoint = "generate_stream" if stream else "generate"
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/{endpoint}",
+                                     data=json.dumps({**body, **({"stream": True} if stream else {})}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    started, first = time.perf_counter(), None
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        if stream:
+            for _ in reply:
+                first = first or time.perf_counter() - started
+        else:
+            reply.read()
+    return time.perf_counter() - started, first
+
+
 class KeptConnection:
     """One HTTP/1.1 connection to the server, kept open from request to request, as an HTTP client that pools its
     connections (tritonclient's, a requests session) sends them; `time`: (seconds to the whole reply of one
     `/generate` request, None). `reused` counts the requests that went over a connection already open (the server
     kept it)."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, timeout: float = 600):
         import http.client
 
-        self.connection, self.reused = http.client.HTTPConnection("127.0.0.1", port, timeout=600), 0
+        self.connection, self.reused = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout), 0
 
     def time(self, model: str, body: dict) -> tuple[float, None]:
         started, sock = time.perf_counter(), self.connection.sock
@@ -240,7 +257,7 @@ def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per
     latencies, errors = [], []
 
     def client(c: int) -> None:
-        connection = KeptConnection(port) if kept else None
+        connection = KeptConnection(port, timeout=1800) if kept else None
         for k in range(per_client):
             body = {"text_input": texts[(c * per_client + k) % len(texts)], "max_tokens": tokens, "end_id": -1}
             if budget is not None:
@@ -249,13 +266,7 @@ def load(port: int, model: str, texts: list[str], clients: int, tokens: int, per
                 if connection is not None:
                     latencies.append(connection.time(model, body)[0])
                 else:
-                    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/generate",
-                                                     data=json.dumps(body).encode(),
-                                                     headers={"Content-Type": "application/json"})  # fmt: skip
-                    started = time.perf_counter()
-                    with urllib.request.urlopen(request, timeout=1800) as reply:
-                        reply.read()
-                    latencies.append(time.perf_counter() - started)
+                    latencies.append(triton_time(port, model, body, False, timeout=1800)[0])
             except (OSError, RuntimeError) as err:
                 errors.append(str(err))
         if connection is not None:

@@ -34,14 +34,13 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import environment  # noqa: E402
-from benchmarks.concurrency import KeptConnection, build_engine, free_port, prompts  # noqa: E402
+from benchmarks.concurrency import KeptConnection, build_engine, free_port, prompts, triton_time  # noqa: E402
 
 MODES = {"DDTree 8": "8", "DDTree auto": "auto", "DDTree 32": "32", "autoregressive": None}
 SLOTS = 16  # the batched form's slots (a deployment's `max_batch_size`)
@@ -99,22 +98,6 @@ class PipeJob:
     def close(self) -> None:
         self.job.stdin.close()
         self.job.wait(timeout=60)
-
-
-def triton_time(port: int, model: str, body: dict, stream: bool) -> tuple[float, float | None]:
-    """(seconds to the whole reply, seconds to the first streamed line or None) of one request."""
-    endpoint = "generate_stream" if stream else "generate"
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/{model}/{endpoint}",
-                                     data=json.dumps({**body, **({"stream": True} if stream else {})}).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    started, first = time.perf_counter(), None
-    with urllib.request.urlopen(request, timeout=600) as reply:
-        if stream:
-            for _ in reply:
-                first = first or time.perf_counter() - started
-        else:
-            reply.read()
-    return time.perf_counter() - started, first
 
 
 def start_triton(engine: Path, out: Path, models: dict[str, bool], slots: int = SLOTS):
