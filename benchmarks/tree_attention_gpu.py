@@ -193,6 +193,15 @@ TILES = {  # other tiles at the verify shape, with and without tensor descriptor
     ],
 }
 
+# every product keys-major (config "keys_major": scores = keys x queries, the output accumulated transposed), so a
+# 64-key block is the M = 64 of Hopper's wgmma however few query rows a tile has; beside the default in the same run
+KEYS_MAJOR = {
+    shape: [{}]
+    + [dict(keys_major=True, block_m=m, block_n=64, num_warps=w, num_stages=st, **extra)
+       for m, w, st in ((32, 4, 2), (32, 8, 2), (16, 4, 2), (32, 4, 3), (64, 8, 2)) for extra in ({}, WHOLE)]
+    for shape in ((33, 8, 32768), (33, 8, 131072), (8, 8, 32768), (1, 8, 32768), (33, 16, 32768))
+}  # fmt: skip
+
 # the merge of the splits' partial results where a launch has few query rows (a decode: T = 1 or 8 at 8 heads, up to
 # 256 splits over a long cache): columns a merge program takes (fewer: more programs), splits it loads at a time, and
 # fewer splits (less to write and merge, fewer programs in the split kernel)
@@ -210,6 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", action="store_true", help="also time other tile configurations")
     parser.add_argument("--variants-only", action="store_true", help="only the tile configurations (no table)")
     parser.add_argument("--combine-only", action="store_true", help="only the merge's configurations at few rows")
+    parser.add_argument("--keys-major-only", action="store_true", help="only the keys-major forms, the default beside")
     args = parser.parse_args(argv)
     out_dir = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -218,8 +228,10 @@ def main(argv=None) -> int:
     ceil = ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     variants = []
-    if args.variants or args.variants_only or args.combine_only:
-        tried = COMBINE.items() if args.combine_only else [*VARIANTS.items(), *TILES.items()]
+    only = args.variants_only or args.combine_only or args.keys_major_only
+    if args.variants or only:
+        tried = [*VARIANTS.items(), *TILES.items()]
+        tried = COMBINE.items() if args.combine_only else KEYS_MAJOR.items() if args.keys_major_only else tried
         for shape, configs in tried:
             for config in configs:
                 try:
@@ -233,11 +245,11 @@ def main(argv=None) -> int:
                 except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                     variants.append({"shape": shape, **config, "error": str(err)[:200]})
                     print(f"variant {shape} {config}: FAILED {str(err)[:120]}", flush=True)
-                if args.variants_only or args.combine_only:  # after each: what is measured so far, if the run is cut
+                if only:  # after each: what is measured so far, if the run is cut
                     (out_dir / "tree_attention_variants.json").write_text(
                         json.dumps({"ceilings": ceil, "variants": variants})
                     )
-    if args.variants_only or args.combine_only:
+    if only:
         return 0
     checks = {f"{t}x{h}x{s}": check(t, h, s, scale) for t, h, s in SHAPES + ODD}
     graph = graph_check(scale)

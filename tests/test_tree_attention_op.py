@@ -119,9 +119,10 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
 
 
 def test_triton_kernel_whole_blocks_and_tensor_descriptors_match_the_reference():
-    """The forms that take a split's whole key blocks without masks, by pointer loads and by tensor descriptors: the
-    reference's result on every shape (rows past the device length NaN: never read), and several requests batched
-    over strided slot caches equal to a launch each."""
+    """The forms that take a split's whole key blocks without masks, by pointer loads, by tensor descriptors and with
+    every product keys-major (its partial last block and the tree's rows masked): the reference's result on every
+    shape (rows past the device length NaN: never read), and several requests batched over strided slot caches equal
+    to a launch each."""
     script = f"""
         import torch
         from plugins.tree_attention.kernel import tree_attention_cuda
@@ -130,15 +131,15 @@ def test_triton_kernel_whole_blocks_and_tensor_descriptors_match_the_reference()
         from plugins.tree_attention import kernel
         kernel._sm_count = lambda device: 4
         worst, same = 0.0, True
-        for tma in (False, True):
-            config = dict(block_m=16, block_n=16, num_warps=1, num_stages=1, min_blocks=3, whole_blocks=True, tma=tma)
+        for form in (dict(tma=False), dict(tma=True), dict(keys_major=True)):
+            config = dict(block_m=16, block_n=16, num_warps=1, num_stages=1, min_blocks=3, whole_blocks=True, **form)
             for i, shape in enumerate({SHAPES!r}):
                 q, cache, length, new_kv, mask = random_case(*shape, seed=i)
                 expected = tree_attention(q.double(), cache.double(), length, new_kv.double(), mask, 0.3, shape[4])
                 cache[int(length):] = float("nan")
                 out = torch.full((shape[0], shape[1], shape[4]), float("nan"))
                 tree_attention_cuda(q, cache, length, new_kv, mask, 0.3, shape[4], out=out, **config)
-                assert not out.isnan().any(), (shape, tma)
+                assert not out.isnan().any(), (shape, form)
                 worst = max(worst, rel(out, expected))
             batch_same, batch_worst = batched_against_alone(config)
             same, worst = same and batch_same, max(worst, batch_worst)

@@ -305,6 +305,151 @@ def _tree_attention_split(
 
 
 @triton.jit
+def _attend_block_keys_major(
+    acc,
+    m_i,
+    l_i,
+    q_lat,
+    q_rope,
+    k_ptr,
+    k_stride,
+    rows_k,
+    key_ok,
+    visible,
+    offs_dl,
+    offs_dr,
+    D_LAT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    qk_scale,
+    PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """`_attend_block` with the keys as the products' M side (`keys_major`): scores [BLOCK_N, BLOCK_M] = keys x
+    queries, acc [BLOCK_DL, BLOCK_M] += values^T x weights, so a 64-key block makes the M = 64 that Hopper's wgmma
+    needs even with few query rows. q_lat [BLOCK_DL, BLOCK_M] and q_rope [BLOCK_DR, BLOCK_M] are the queries
+    transposed, visible [BLOCK_N, BLOCK_M]; m_i, l_i are per query (axis 1). MASKED False: every key of the block is
+    valid and visible (no masks, every score finite)."""
+    rows = k_ptr + rows_k[:, None] * k_stride
+    if MASKED:
+        k_lat = tl.load(rows + offs_dl[None, :], mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)
+    else:
+        k_lat = _columns(rows, offs_dl, D_LAT, offs_dl.shape[0])
+    scores = tl.dot(k_lat, q_lat, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M] fp32
+    if D_ROPE > 0:
+        if MASKED:
+            k_rope = tl.load(
+                rows + D_LAT + offs_dr[None, :], mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0
+            )
+        else:
+            k_rope = _columns(rows + D_LAT, offs_dr, D_ROPE, offs_dr.shape[0])
+        scores += tl.dot(k_rope, q_rope, input_precision=PRECISION)
+    if MASKED:
+        scores = tl.where(visible, scores * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        scores = scores * qk_scale
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha[None, :] + tl.dot(tl.trans(k_lat), p.to(k_lat.dtype), input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _tree_attention_split_keys_major(
+    q_ptr,
+    cache_ptr,
+    length_ptr,
+    new_ptr,
+    mask_ptr,
+    part_out,
+    part_m,
+    part_l,
+    T,
+    H,
+    qk_scale,
+    cache_stride,
+    cache_batch_stride,
+    new_stride,
+    num_splits,
+    D_LAT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_DL: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WHOLE_BLOCKS: tl.constexpr,
+):
+    # `_tree_attention_split`'s programs, splits and partial results, with every product keys-major
+    # (`_attend_block_keys_major`): the queries, the accumulator and the tree mask are held transposed
+    tile, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    requests = tl.num_programs(2)
+    q_ptr += b * (T * H * (D_LAT + D_ROPE))
+    cache_ptr += b.to(tl.int64) * cache_batch_stride
+    new_ptr += b * T * new_stride
+    mask_ptr += b * T * T
+    length = tl.sum(tl.load(length_ptr + b + tl.arange(0, 1)), axis=0).to(tl.int32)
+    chunk = _split_chunk(length, num_splits, BLOCK_N, MIN_BLOCKS)
+    is_tree = split == num_splits
+    start = split * chunk
+    active = is_tree | (start < length)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (token, head) query rows
+    row_ok = rows < T * H
+    token = rows // H
+    offs_dl, offs_dr = tl.arange(0, BLOCK_DL), tl.arange(0, BLOCK_DR)
+    q_col = q_ptr + rows[None, :] * (D_LAT + D_ROPE)
+    q_lat = tl.load(q_col + offs_dl[:, None], mask=row_ok[None, :] & (offs_dl[:, None] < D_LAT) & active, other=0.0)
+    q_rope = tl.load(
+        q_col + D_LAT + offs_dr[:, None], mask=row_ok[None, :] & (offs_dr[:, None] < D_ROPE) & active, other=0.0
+    )
+    acc = tl.zeros((BLOCK_DL, BLOCK_M), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    stop = tl.where(is_tree, start, tl.minimum(start + chunk, length))
+    if WHOLE_BLOCKS:
+        whole = start + tl.maximum(stop - start, 0) // BLOCK_N * BLOCK_N
+        for block in range(start, whole, BLOCK_N):
+            acc, m_i, l_i = _attend_block_keys_major(
+                acc, m_i, l_i, q_lat, q_rope, cache_ptr, cache_stride, block + offs_n, offs_n < BLOCK_N,
+                offs_n[:, None] < BLOCK_N, offs_dl, offs_dr, D_LAT, D_ROPE, qk_scale, PRECISION, False,
+            )  # fmt: skip
+    else:
+        whole = start
+    for block in range(whole, stop, BLOCK_N):
+        keys = block + offs_n
+        key_ok = keys < stop
+        acc, m_i, l_i = _attend_block_keys_major(
+            acc, m_i, l_i, q_lat, q_rope, cache_ptr, cache_stride, keys, key_ok, key_ok[:, None] & row_ok[None, :],
+            offs_dl, offs_dr, D_LAT, D_ROPE, qk_scale, PRECISION, True,
+        )  # fmt: skip
+    if is_tree:  # the tree's own rows under the tree mask, no block past the tile's last token (as in the other form)
+        last = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // H + 1, T)
+        for block in range(0, last, BLOCK_N):
+            keys = block + offs_n
+            key_ok = keys < T
+            allowed = tl.load(
+                mask_ptr + token[None, :] * T + keys[:, None], mask=key_ok[:, None] & row_ok[None, :], other=0
+            ).to(tl.int1)
+            acc, m_i, l_i = _attend_block_keys_major(
+                acc, m_i, l_i, q_lat, q_rope, new_ptr, new_stride, keys, key_ok, allowed, offs_dl, offs_dr, D_LAT,
+                D_ROPE, qk_scale, PRECISION, True,
+            )  # fmt: skip
+    base = (split * requests + b) * T * H + rows
+    written = row_ok & active
+    tl.store(part_m + base, m_i, mask=written)
+    tl.store(part_l + base, l_i, mask=written)
+    tl.store(
+        part_out + base[None, :] * D_LAT + offs_dl[:, None], acc, mask=written[None, :] & (offs_dl[:, None] < D_LAT)
+    )
+
+
+@triton.jit
 def _combine_splits(
     part_out,
     part_m,
@@ -459,37 +604,47 @@ def tree_attention_cuda(
         lat_desc, rope_desc = (
             cache_descriptors(cache, latent_dim, block_n, block_dl, block_dr) if use_tma else (None,) * 2
         )
-        _tree_attention_split[(triton.cdiv(rows, block_m), splits + 1, requests)](
-            q.contiguous(),
-            cache,
-            cache_length,
-            new_kv.contiguous(),
-            mask,
-            part_out,
-            part_m,
-            part_l,
-            lat_desc,
-            rope_desc,
-            tokens,
-            heads,
-            scale * LOG2E,
-            cache.stride(-2),
-            batch_stride,
-            new_kv.stride(0),
-            splits,
-            D_LAT=latent_dim,
-            D_ROPE=rope,
-            BLOCK_DL=block_dl,
-            BLOCK_DR=block_dr,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            MIN_BLOCKS=min_blocks,
-            PRECISION=dot_precision(q.dtype),
-            WHOLE_BLOCKS=whole_blocks,
-            USE_TMA=bool(use_tma),
-            num_warps=config["num_warps"],
-            num_stages=config["num_stages"],
-        )
+        grid = (triton.cdiv(rows, block_m), splits + 1, requests)
+        if config.get("keys_major", False):
+            _tree_attention_split_keys_major[grid](
+                q.contiguous(), cache, cache_length, new_kv.contiguous(), mask, part_out, part_m, part_l, tokens, heads,
+                scale * LOG2E, cache.stride(-2), batch_stride, new_kv.stride(0), splits, D_LAT=latent_dim,
+                D_ROPE=rope, BLOCK_DL=block_dl, BLOCK_DR=block_dr, BLOCK_M=block_m, BLOCK_N=block_n,
+                MIN_BLOCKS=min_blocks, PRECISION=dot_precision(q.dtype), WHOLE_BLOCKS=whole_blocks,
+                num_warps=config["num_warps"], num_stages=config["num_stages"],
+            )  # fmt: skip
+        else:
+            _tree_attention_split[grid](
+                q.contiguous(),
+                cache,
+                cache_length,
+                new_kv.contiguous(),
+                mask,
+                part_out,
+                part_m,
+                part_l,
+                lat_desc,
+                rope_desc,
+                tokens,
+                heads,
+                scale * LOG2E,
+                cache.stride(-2),
+                batch_stride,
+                new_kv.stride(0),
+                splits,
+                D_LAT=latent_dim,
+                D_ROPE=rope,
+                BLOCK_DL=block_dl,
+                BLOCK_DR=block_dr,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                MIN_BLOCKS=min_blocks,
+                PRECISION=dot_precision(q.dtype),
+                WHOLE_BLOCKS=whole_blocks,
+                USE_TMA=bool(use_tma),
+                num_warps=config["num_warps"],
+                num_stages=config["num_stages"],
+            )
         block_d = block_dl if rows >= COMBINE_SPLIT_ROWS else min(block_dl, COMBINE_COLUMNS)
         block_d = config.get("combine_columns", block_d)
         combine_splits(parts, cache_length, out, rows * requests, splits, latent_dim, block_d, block_n, min_blocks,
