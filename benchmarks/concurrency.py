@@ -18,9 +18,9 @@ into a TP-1 engine directory (torch backend) and run by what users launch:
 2. Triton: one tritonserver with five models (DDTree and autoregressive, each one at a time and batched up to the
    largest level, and the DFlash chain's engine batched; `--triton-models` picks some); N clients, each sending two
    requests in turn over one connection kept open (`--triton-requests`; `--triton-connection fresh`: a connection a
-   request; `max_tokens` tokens, no end token; `--triton-budgets`: the DDTree models' rows once a request
-   `ddtree_budget` each); aggregate tokens/s over the wall time, per-request latency (median,
-   90th percentile, worst) and a request's tokens/s.
+   request, `kept,fresh`: each row both ways, one after the other; `max_tokens` tokens, no end token;
+   `--triton-budgets`: the DDTree models' rows once a request `ddtree_budget` each); aggregate tokens/s over the
+   wall time, per-request latency (median, 90th percentile, worst) and a request's tokens/s.
 3. In process, a DDTree 32 batched step's phases (draft, tree, verify, accept) and the batch's autoregressive step
    (a block's drafter context or one row's; the median of 10 steps, eager: on a CPU) at 1, 8 and 16 requests: where
    a batch's time goes (`--phases-only` runs just this).
@@ -164,12 +164,12 @@ def _histogram(values) -> dict:
 
 def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: int, smoke: bool, models: list[str],
                 budgets: list[str | None], per_client: int = 2, rows: list | None = None,
-                saved=lambda: None, kept: bool = True) -> list[dict]:  # fmt: skip
+                saved=lambda: None, kept: bool | tuple[bool, ...] = True) -> list[dict]:  # fmt: skip
     """The Triton rows: `models` (names in MODELS) in one server, each of `engines[name]`; each DDTree model once a
     request budget in `budgets` (None: the engine's own, the request sends none; "auto" or a budget: the request's
     `ddtree_budget`; the chain's model: its own budget only). rows: the list each row is appended to (returned),
     `saved()` called after each, so a run stopped early keeps the rows it measured. kept: each client's requests
-    over one connection kept open (else a connection a request; `load`)."""
+    over one connection kept open (else a connection a request; `load`); a tuple: each row in each form in turn."""
     from runner.serving.triton_repo import write_repository
     from runner.serving.triton_server import start_server, stop_server, wait_ready
 
@@ -192,9 +192,11 @@ def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: 
         texts = prompts(per_client * max(levels), smoke)
         fixed = [n for n in models if MODELS[n][0] or n.startswith("chain")]  # their requests name no budget
         for clients in levels:
-            for name, budget in ((n, b) for n in models for b in ([None] if n in fixed else budgets)):
-                rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget, kept))
-                label = name + (f" ({budget})" if budget else "")
+            served = ((n, b, k) for n in models for b in ([None] if n in fixed else budgets)
+                      for k in (kept if isinstance(kept, tuple) else (kept,)))  # fmt: skip
+            for name, budget, form in served:
+                rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget, form))
+                label = name + (f" ({budget})" if budget else "") + ("" if form else ", fresh")
                 print(f"triton {label:22s} {clients:3d} clients: {rows[-1]['tokens_per_s']:8.1f} tokens/s, latency "
                       f"median {rows[-1]['latency_median_s']:.3f} s, p90 {rows[-1]['latency_p90_s']:.3f} s, worst "
                       f"{rows[-1]['latency_max_s']:.3f} s; a request {rows[-1]['request_tokens_per_s_median']:.1f} "
@@ -368,10 +370,10 @@ def main(argv=None) -> int:
     parser.add_argument("--triton-models", default=",".join(MODELS),
                         help=f"the Triton models served (default: all of {','.join(MODELS)})")  # fmt: skip
     parser.add_argument("--triton-requests", type=int, default=2, help="requests each Triton client sends in turn")
-    parser.add_argument("--triton-connection", choices=["kept", "fresh"], default="kept",
+    parser.add_argument("--triton-connection", choices=["kept", "fresh", "kept,fresh"], default="kept",
                         help="each Triton client's requests over one connection kept open (as clients that pool "
                              "connections send them; the default) or a fresh connection a request (runs before "
-                             "this switch)")  # fmt: skip
+                             "this switch); kept,fresh: each row both ways in turn")  # fmt: skip
     parser.add_argument("--triton-budgets", default="",
                         help="request budgets for the Triton DDTree models, comma-separated ('auto' or a budget the "
                              "engine verifies; default: none sent, the engine's own)")  # fmt: skip
@@ -443,7 +445,8 @@ def main(argv=None) -> int:
     if not args.no_triton:
         served = {m: engines["DFlash chain"] if m.startswith("chain") else engine for m in models}
         triton_rows(served, out, levels, tokens, args.smoke, models, budgets, args.triton_requests,
-                    info["triton_server"], save, kept=args.triton_connection == "kept")  # fmt: skip
+                    info["triton_server"], save,
+                    kept=tuple(form == "kept" for form in args.triton_connection.split(",")))  # fmt: skip
     save()
     print("\n| requests | mode | one at a time (tokens/s) | batched (tokens/s) | batched / one at a time |")
     print("|---|---|---|---|---|")
