@@ -218,3 +218,19 @@ def test_triton_kernel_batches_requests_each_as_its_own_launch():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same True" in done.stdout, done.stdout
     assert float(done.stdout.split()[-1]) < TOLERANCE[torch.float32]
+
+
+def test_kernel_forms_compile_for_hopper_within_a_block(tmp_path, monkeypatch):
+    """The split kernel's forms the launcher takes at the decode and verify shapes, compiled for sm_90 ahead of time
+    (`benchmarks/kernel_resources.py`, no GPU): each fits a Hopper block's shared memory, multiplies on tensor cores
+    and pipelines its cache loads (asynchronous copies), as the JIT compiles them on the GPU; the 16x16 forms the
+    interpreter tests run say nothing of these."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    from benchmarks.kernel_resources import SHAPES, measure
+
+    for shape in SHAPES:
+        row = measure(*shape)
+        assert row["fits_a_block"], row
+        assert row["wgmma"] + row["mma_sync"] > 0, row
+        assert row["cp_async"] + row["tma_loads"] > 0, row
+    assert row["form"]["tma"] and row["tma_loads"] > 0, row  # T = 33 at 16 heads: whole blocks by descriptors

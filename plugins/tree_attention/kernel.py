@@ -562,6 +562,29 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device.index]
 
 
+def padded_widths(latent_dim: int, rope: int) -> tuple[int, int]:
+    """The kernels' column blocks of the latent and the rope columns (powers of two, at least 16)."""
+    return max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
+
+
+def launch_config(tokens: int, heads: int, latent_dim: int, rope: int, element_size: int, capacity: int,
+                  config: dict | None = None) -> dict:  # fmt: skip
+    """The split kernel's form for a launch of `tokens` tokens a request at `heads` heads over a cache of `capacity`
+    rows: `default_config`'s tile, `default_min_blocks`, whole key blocks and tensor descriptors from the measured
+    thresholds below (descriptors only where whole blocks are taken; the launch also needs `tma_fits`), keys-major
+    off; `config` overrides any of them. (The number of splits depends on the GPU: `num_splits_for`.)"""
+    config = dict(config or {})
+    rows = tokens * heads
+    padded = sum(padded_widths(latent_dim, rope))
+    out = {**default_config(rows, padded, element_size, capacity), **config}
+    out.setdefault("min_blocks", default_min_blocks(rows, capacity))
+    verify_sized = tokens <= TMA_MAX_TOKENS
+    out.setdefault("whole_blocks", rows >= WHOLE_BLOCK_ROWS and verify_sized)
+    out["tma"] = bool(out.get("tma", rows >= TMA_ROWS and verify_sized) and out["whole_blocks"])
+    out.setdefault("keys_major", False)
+    return out
+
+
 def tree_attention_cuda(
     q, cache, cache_length, new_kv, tree_mask, scale: float, latent_dim: int, out=None, stream=None, **config
 ):
@@ -583,10 +606,8 @@ def tree_attention_cuda(
     device = q.device
     rows = tokens * heads
     capacity = cache.shape[-2]
-    padded = max(16, triton.next_power_of_2(latent_dim)) + max(16, triton.next_power_of_2(rope))
-    config = {**default_config(rows, padded, q.element_size(), capacity), **config}
-    block_m, block_n = config["block_m"], config["block_n"]
-    min_blocks = config.get("min_blocks", default_min_blocks(rows, capacity))
+    config = launch_config(tokens, heads, latent_dim, rope, q.element_size(), capacity, config)
+    block_m, block_n, min_blocks = config["block_m"], config["block_n"], config["min_blocks"]
     splits = config.get("splits") or num_splits_for(rows, capacity, block_m, block_n, _sm_count(device), min_blocks)
     if capacity == 0:  # nothing cached: any valid pointer will do, no cache row is read
         cache = new_kv.view(requests, tokens, width) if batched else new_kv
@@ -596,16 +617,14 @@ def tree_attention_cuda(
             out = torch.empty((tokens * requests, heads, latent_dim), dtype=q.dtype, device=device)
         part_out, part_m, part_l = parts = split_partials(splits, rows * requests, latent_dim, device)
         mask = tree_mask.contiguous().view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask.contiguous()
-        block_dl, block_dr = max(16, triton.next_power_of_2(latent_dim)), max(16, triton.next_power_of_2(rope))
-        verify_sized = tokens <= TMA_MAX_TOKENS
-        whole_blocks = config.get("whole_blocks", rows >= WHOLE_BLOCK_ROWS and verify_sized)
-        use_tma = config.get("tma", rows >= TMA_ROWS and verify_sized) and whole_blocks and capacity > 0
-        use_tma = use_tma and tma_fits(cache, latent_dim, device)
+        block_dl, block_dr = padded_widths(latent_dim, rope)
+        whole_blocks = config["whole_blocks"]
+        use_tma = config["tma"] and capacity > 0 and tma_fits(cache, latent_dim, device)
         lat_desc, rope_desc = (
             cache_descriptors(cache, latent_dim, block_n, block_dl, block_dr) if use_tma else (None,) * 2
         )
         grid = (triton.cdiv(rows, block_m), splits + 1, requests)
-        if config.get("keys_major", False):
+        if config["keys_major"]:
             _tree_attention_split_keys_major[grid](
                 q.contiguous(), cache, cache_length, new_kv.contiguous(), mask, part_out, part_m, part_l, tokens, heads,
                 scale * LOG2E, cache.stride(-2), batch_stride, new_kv.stride(0), splits, D_LAT=latent_dim,
