@@ -56,17 +56,14 @@ def compile_split(form: dict, capability: int = 90):
                      BLOCK_N=form["block_n"], MIN_BLOCKS=form["min_blocks"], PRECISION="tf32",
                      WHOLE_BLOCKS=form["whole_blocks"])  # fmt: skip
     signature = dict(POINTERS)
-    if form["keys_major"]:
-        fn = kernel._tree_attention_split_keys_major
+    fn = kernel._tree_attention_split_keys_major if form["keys_major"] else kernel._tree_attention_split
+    if form["tma"]:
+        signature["lat_desc"] = f"tensordesc<bf16[1,{form['block_n']},{block_dl}]>"
+        signature["rope_desc"] = f"tensordesc<bf16[1,{form['block_n']},{block_dr}]>"
     else:
-        fn = kernel._tree_attention_split
-        if form["tma"]:
-            signature["lat_desc"] = f"tensordesc<bf16[1,{form['block_n']},{block_dl}]>"
-            signature["rope_desc"] = f"tensordesc<bf16[1,{form['block_n']},{block_dr}]>"
-        else:
-            signature["lat_desc"] = signature["rope_desc"] = "constexpr"
-            constants.update(lat_desc=None, rope_desc=None)
-        constants["USE_TMA"] = form["tma"]
+        signature["lat_desc"] = signature["rope_desc"] = "constexpr"
+        constants.update(lat_desc=None, rope_desc=None)
+    constants["USE_TMA"] = form["tma"]
     signature.update(INTEGERS)
     signature.update(dict.fromkeys([k for k in constants if k not in signature], "constexpr"))
     names = list(signature)
@@ -108,8 +105,9 @@ def measure(tokens: int, heads: int, capacity: int, overrides: dict | None = Non
     return row
 
 
-KEYS_MAJOR = [dict(keys_major=True, block_m=m, block_n=64, num_warps=w, num_stages=s, whole_blocks=True)
-              for m, w, s in ((32, 4, 2), (32, 8, 2), (16, 4, 2), (64, 8, 2), (32, 4, 3))]  # fmt: skip
+KEYS_MAJOR = [dict(keys_major=True, block_m=m, block_n=64, num_warps=w, num_stages=s, whole_blocks=True, tma=tma)
+              for m, w, s in ((32, 4, 2), (32, 8, 2), (16, 4, 2), (64, 8, 2), (32, 4, 3))
+              for tma in (False, True)]  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -194,13 +194,16 @@ TILES = {  # other tiles at the verify shape, with and without tensor descriptor
 }
 
 # every product keys-major (config "keys_major": scores = keys x queries, the output accumulated transposed), so a
-# 64-key block is the M = 64 of Hopper's wgmma however few query rows a tile has; beside the default in the same run
+# 64-key block is the M = 64 of Hopper's wgmma however few query rows a tile has, its whole blocks by pointers or by
+# tensor descriptors; beside the default in the same run
 # (tiles whose compiled shared memory fits a Hopper block, `benchmarks/kernel_resources.py`: three stages of 32-row
 # tiles take 256 KB)
 KEYS_MAJOR = {
     shape: [{}]
     + [dict(keys_major=True, block_m=m, block_n=64, num_warps=w, num_stages=2, **extra)
        for m, w in ((32, 4), (32, 8)) for extra in ({}, WHOLE)]
+    + [dict(keys_major=True, block_m=m, block_n=64, num_warps=w, num_stages=2, **TMA)
+       for m, w in ((32, 4), (32, 8), (16, 4))]
     + [dict(keys_major=True, block_m=m, block_n=64, num_warps=w, num_stages=2, **WHOLE) for m, w in ((16, 4), (64, 8))]
     for shape in ((33, 8, 32768), (33, 8, 131072), (8, 8, 32768), (1, 8, 32768))
 }  # fmt: skip

@@ -131,7 +131,7 @@ def test_triton_kernel_whole_blocks_and_tensor_descriptors_match_the_reference()
         from plugins.tree_attention import kernel
         kernel._sm_count = lambda device: 4
         worst, same = 0.0, True
-        for form in (dict(tma=False), dict(tma=True), dict(keys_major=True)):
+        for form in (dict(tma=False), dict(tma=True), dict(keys_major=True), dict(keys_major=True, tma=True)):
             config = dict(block_m=16, block_n=16, num_warps=1, num_stages=1, min_blocks=3, whole_blocks=True, **form)
             for i, shape in enumerate({SHAPES!r}):
                 q, cache, length, new_kv, mask = random_case(*shape, seed=i)

@@ -305,43 +305,15 @@ def _tree_attention_split(
 
 
 @triton.jit
-def _attend_block_keys_major(
-    acc,
-    m_i,
-    l_i,
-    q_lat,
-    q_rope,
-    k_ptr,
-    k_stride,
-    rows_k,
-    key_ok,
-    visible,
-    offs_dl,
-    offs_dr,
-    D_LAT: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    qk_scale,
-    PRECISION: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """`_attend_block` with the keys as the products' M side (`keys_major`): scores [BLOCK_N, BLOCK_M] = keys x
-    queries, acc [BLOCK_DL, BLOCK_M] += values^T x weights, so a 64-key block makes the M = 64 that Hopper's wgmma
-    needs even with few query rows. q_lat [BLOCK_DL, BLOCK_M] and q_rope [BLOCK_DR, BLOCK_M] are the queries
-    transposed, visible [BLOCK_N, BLOCK_M]; m_i, l_i are per query (axis 1). MASKED False: every key of the block is
-    valid and visible (no masks, every score finite)."""
-    rows = k_ptr + rows_k[:, None] * k_stride
-    if MASKED:
-        k_lat = tl.load(rows + offs_dl[None, :], mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)
-    else:
-        k_lat = _columns(rows, offs_dl, D_LAT, offs_dl.shape[0])
+def _keys_major_step(acc, m_i, l_i, q_lat, q_rope, k_lat, k_rope, visible, qk_scale, D_ROPE: tl.constexpr,
+                     PRECISION: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One key block into the online softmax with the keys as the products' M side (`keys_major`): scores
+    [BLOCK_N, BLOCK_M] = keys x queries, acc [BLOCK_DL, BLOCK_M] += values^T x weights, so a 64-key block makes the
+    M = 64 that Hopper's wgmma needs even with few query rows. k_lat [BLOCK_N, BLOCK_DL], k_rope [BLOCK_N, BLOCK_DR]:
+    the block's keys (values: k_lat); q_lat [BLOCK_DL, BLOCK_M], q_rope [BLOCK_DR, BLOCK_M]: the queries transposed;
+    visible [BLOCK_N, BLOCK_M]; m_i, l_i per query. MASKED False: every key valid and visible (no -inf handling)."""
     scores = tl.dot(k_lat, q_lat, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M] fp32
     if D_ROPE > 0:
-        if MASKED:
-            k_rope = tl.load(
-                rows + D_LAT + offs_dr[None, :], mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0
-            )
-        else:
-            k_rope = _columns(rows + D_LAT, offs_dr, D_ROPE, offs_dr.shape[0])
         scores += tl.dot(k_rope, q_rope, input_precision=PRECISION)
     if MASKED:
         scores = tl.where(visible, scores * qk_scale, float("-inf"))
@@ -359,6 +331,15 @@ def _attend_block_keys_major(
 
 
 @triton.jit
+def _masked_keys(k_ptr, k_stride, keys, key_ok, offs_dl, offs_dr, D_LAT: tl.constexpr, D_ROPE: tl.constexpr):
+    """A key block's latent and rope columns by masked loads: rows `keys` where `key_ok`, else zeros."""
+    rows = k_ptr + keys[:, None] * k_stride
+    k_lat = tl.load(rows + offs_dl[None, :], mask=key_ok[:, None] & (offs_dl[None, :] < D_LAT), other=0.0)
+    k_rope = tl.load(rows + D_LAT + offs_dr[None, :], mask=key_ok[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)
+    return k_lat, k_rope
+
+
+@triton.jit
 def _tree_attention_split_keys_major(
     q_ptr,
     cache_ptr,
@@ -368,6 +349,8 @@ def _tree_attention_split_keys_major(
     part_out,
     part_m,
     part_l,
+    lat_desc,
+    rope_desc,
     T,
     H,
     qk_scale,
@@ -384,9 +367,12 @@ def _tree_attention_split_keys_major(
     MIN_BLOCKS: tl.constexpr,
     PRECISION: tl.constexpr,
     WHOLE_BLOCKS: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # `_tree_attention_split`'s programs, splits and partial results, with every product keys-major
-    # (`_attend_block_keys_major`): the queries, the accumulator and the tree mask are held transposed
+    # (`_keys_major_step`): the queries, the accumulator and the tree mask are held transposed. A split's whole key
+    # blocks (WHOLE_BLOCKS) load without masks, by pointers or by the tensor-memory accelerator (USE_TMA: no address
+    # registers; `lat_desc`, `rope_desc` as in the other form)
     tile, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     requests = tl.num_programs(2)
     q_ptr += b * (T * H * (D_LAT + D_ROPE))
@@ -415,19 +401,24 @@ def _tree_attention_split_keys_major(
     if WHOLE_BLOCKS:
         whole = start + tl.maximum(stop - start, 0) // BLOCK_N * BLOCK_N
         for block in range(start, whole, BLOCK_N):
-            acc, m_i, l_i = _attend_block_keys_major(
-                acc, m_i, l_i, q_lat, q_rope, cache_ptr, cache_stride, block + offs_n, offs_n < BLOCK_N,
-                offs_n[:, None] < BLOCK_N, offs_dl, offs_dr, D_LAT, D_ROPE, qk_scale, PRECISION, False,
-            )  # fmt: skip
+            if USE_TMA:
+                k_lat = lat_desc.load([b, block, 0]).reshape(BLOCK_N, BLOCK_DL)
+                k_rope = rope_desc.load([b, block, 0]).reshape(BLOCK_N, BLOCK_DR)
+            else:
+                k_rows = cache_ptr + (block + offs_n)[:, None] * cache_stride
+                k_lat = _columns(k_rows, offs_dl, D_LAT, BLOCK_DL)
+                k_rope = _columns(k_rows + D_LAT, offs_dr, D_ROPE, BLOCK_DR)
+            acc, m_i, l_i = _keys_major_step(acc, m_i, l_i, q_lat, q_rope, k_lat, k_rope, None, qk_scale, D_ROPE,
+                                             PRECISION, False)  # fmt: skip
     else:
         whole = start
     for block in range(whole, stop, BLOCK_N):
         keys = block + offs_n
         key_ok = keys < stop
-        acc, m_i, l_i = _attend_block_keys_major(
-            acc, m_i, l_i, q_lat, q_rope, cache_ptr, cache_stride, keys, key_ok, key_ok[:, None] & row_ok[None, :],
-            offs_dl, offs_dr, D_LAT, D_ROPE, qk_scale, PRECISION, True,
-        )  # fmt: skip
+        k_lat, k_rope = _masked_keys(cache_ptr, cache_stride, keys, key_ok, offs_dl, offs_dr, D_LAT, D_ROPE)
+        visible = key_ok[:, None] & row_ok[None, :]
+        acc, m_i, l_i = _keys_major_step(acc, m_i, l_i, q_lat, q_rope, k_lat, k_rope, visible, qk_scale, D_ROPE,
+                                         PRECISION, True)  # fmt: skip
     if is_tree:  # the tree's own rows under the tree mask, no block past the tile's last token (as in the other form)
         last = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // H + 1, T)
         for block in range(0, last, BLOCK_N):
@@ -436,10 +427,9 @@ def _tree_attention_split_keys_major(
             allowed = tl.load(
                 mask_ptr + token[None, :] * T + keys[:, None], mask=key_ok[:, None] & row_ok[None, :], other=0
             ).to(tl.int1)
-            acc, m_i, l_i = _attend_block_keys_major(
-                acc, m_i, l_i, q_lat, q_rope, new_ptr, new_stride, keys, key_ok, allowed, offs_dl, offs_dr, D_LAT,
-                D_ROPE, qk_scale, PRECISION, True,
-            )  # fmt: skip
+            k_lat, k_rope = _masked_keys(new_ptr, new_stride, keys, key_ok, offs_dl, offs_dr, D_LAT, D_ROPE)
+            acc, m_i, l_i = _keys_major_step(acc, m_i, l_i, q_lat, q_rope, k_lat, k_rope, allowed, qk_scale, D_ROPE,
+                                             PRECISION, True)  # fmt: skip
     base = (split * requests + b) * T * H + rows
     written = row_ok & active
     tl.store(part_m + base, m_i, mask=written)
@@ -626,11 +616,11 @@ def tree_attention_cuda(
         grid = (triton.cdiv(rows, block_m), splits + 1, requests)
         if config["keys_major"]:
             _tree_attention_split_keys_major[grid](
-                q.contiguous(), cache, cache_length, new_kv.contiguous(), mask, part_out, part_m, part_l, tokens, heads,
-                scale * LOG2E, cache.stride(-2), batch_stride, new_kv.stride(0), splits, D_LAT=latent_dim,
-                D_ROPE=rope, BLOCK_DL=block_dl, BLOCK_DR=block_dr, BLOCK_M=block_m, BLOCK_N=block_n,
-                MIN_BLOCKS=min_blocks, PRECISION=dot_precision(q.dtype), WHOLE_BLOCKS=whole_blocks,
-                num_warps=config["num_warps"], num_stages=config["num_stages"],
+                q.contiguous(), cache, cache_length, new_kv.contiguous(), mask, part_out, part_m, part_l, lat_desc,
+                rope_desc, tokens, heads, scale * LOG2E, cache.stride(-2), batch_stride, new_kv.stride(0), splits,
+                D_LAT=latent_dim, D_ROPE=rope, BLOCK_DL=block_dl, BLOCK_DR=block_dr, BLOCK_M=block_m,
+                BLOCK_N=block_n, MIN_BLOCKS=min_blocks, PRECISION=dot_precision(q.dtype), WHOLE_BLOCKS=whole_blocks,
+                USE_TMA=bool(use_tma), num_warps=config["num_warps"], num_stages=config["num_stages"],
             )  # fmt: skip
         else:
             _tree_attention_split[grid](
