@@ -10,6 +10,8 @@
 #   e2e       benchmarks/gpu_runtime.py --e2e-only: every mode on the moe, dense and kimi-rank presets
 #   layers    benchmarks/gpu_runtime.py's layer-cost table as well
 #   kernel    benchmarks/tree_attention_gpu.py
+#   keysmajor tree_attention_gpu.py --keys-major-only: the keys-major forms (wgmma with few query rows, by pointers
+#             and by tensor descriptors) beside the default at T = 1, 8, 33 over 32k and 128k, each checked first
 #   combine   tree_attention_gpu.py --combine-only: the merge of the splits' partial results at decode shapes (columns a
 #             program, splits loaded at a time, fewer splits), each form checked against the reference, then timed
 #   int4      benchmarks/int4_moe_gpu.py: the W4A16 MoE kernel at Kimi TP-8 rank dimensions against its byte floor,
@@ -302,6 +304,10 @@ fi
 if has kernel; then
   python3 benchmarks/tree_attention_gpu.py "$OUT" > "$OUT/kernel.log" 2>&1; echo "kernel rc=$?"
   tail -30 "$OUT/kernel.log"
+fi
+if has keysmajor; then
+  limit 480 python3 benchmarks/tree_attention_gpu.py "$OUT/keysmajor" --keys-major-only > "$OUT/keysmajor.log" 2>&1
+  echo "keysmajor rc=$?"; grep -E "ceilings|variant" "$OUT/keysmajor.log" | cut -c1-220
 fi
 if has combine; then
   limit 300 python3 benchmarks/tree_attention_gpu.py "$OUT/combine" --combine-only > "$OUT/combine.log" 2>&1
