@@ -614,46 +614,39 @@ def tree_attention_cuda(
             cache_descriptors(cache, latent_dim, block_n, block_dl, block_dr) if use_tma else (None,) * 2
         )
         grid = (triton.cdiv(rows, block_m), splits + 1, requests)
-        if config["keys_major"]:
-            _tree_attention_split_keys_major[grid](
-                q.contiguous(), cache, cache_length, new_kv.contiguous(), mask, part_out, part_m, part_l, lat_desc,
-                rope_desc, tokens, heads, scale * LOG2E, cache.stride(-2), batch_stride, new_kv.stride(0), splits,
-                D_LAT=latent_dim, D_ROPE=rope, BLOCK_DL=block_dl, BLOCK_DR=block_dr, BLOCK_M=block_m,
-                BLOCK_N=block_n, MIN_BLOCKS=min_blocks, PRECISION=dot_precision(q.dtype), WHOLE_BLOCKS=whole_blocks,
-                USE_TMA=bool(use_tma), num_warps=config["num_warps"], num_stages=config["num_stages"],
-            )  # fmt: skip
-        else:
-            _tree_attention_split[grid](
-                q.contiguous(),
-                cache,
-                cache_length,
-                new_kv.contiguous(),
-                mask,
-                part_out,
-                part_m,
-                part_l,
-                lat_desc,
-                rope_desc,
-                tokens,
-                heads,
-                scale * LOG2E,
-                cache.stride(-2),
-                batch_stride,
-                new_kv.stride(0),
-                splits,
-                D_LAT=latent_dim,
-                D_ROPE=rope,
-                BLOCK_DL=block_dl,
-                BLOCK_DR=block_dr,
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                MIN_BLOCKS=min_blocks,
-                PRECISION=dot_precision(q.dtype),
-                WHOLE_BLOCKS=whole_blocks,
-                USE_TMA=bool(use_tma),
-                num_warps=config["num_warps"],
-                num_stages=config["num_stages"],
-            )
+        # the two forms take the same arguments
+        split_kernel = _tree_attention_split_keys_major if config["keys_major"] else _tree_attention_split
+        split_kernel[grid](
+            q.contiguous(),
+            cache,
+            cache_length,
+            new_kv.contiguous(),
+            mask,
+            part_out,
+            part_m,
+            part_l,
+            lat_desc,
+            rope_desc,
+            tokens,
+            heads,
+            scale * LOG2E,
+            cache.stride(-2),
+            batch_stride,
+            new_kv.stride(0),
+            splits,
+            D_LAT=latent_dim,
+            D_ROPE=rope,
+            BLOCK_DL=block_dl,
+            BLOCK_DR=block_dr,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            MIN_BLOCKS=min_blocks,
+            PRECISION=dot_precision(q.dtype),
+            WHOLE_BLOCKS=whole_blocks,
+            USE_TMA=bool(use_tma),
+            num_warps=config["num_warps"],
+            num_stages=config["num_stages"],
+        )
         block_d = block_dl if rows >= COMBINE_SPLIT_ROWS else min(block_dl, COMBINE_COLUMNS)
         block_d = config.get("combine_columns", block_d)
         combine_splits(parts, cache_length, out, rows * requests, splits, latent_dim, block_d, block_n, min_blocks,
