@@ -164,12 +164,12 @@ def _histogram(values) -> dict:
 
 def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: int, smoke: bool, models: list[str],
                 budgets: list[str | None], per_client: int = 2, rows: list | None = None,
-                saved=lambda: None, kept: bool | tuple[bool, ...] = True) -> list[dict]:  # fmt: skip
+                saved=lambda: None, kept: tuple[bool, ...] = (True,)) -> list[dict]:  # fmt: skip
     """The Triton rows: `models` (names in MODELS) in one server, each of `engines[name]`; each DDTree model once a
     request budget in `budgets` (None: the engine's own, the request sends none; "auto" or a budget: the request's
     `ddtree_budget`; the chain's model: its own budget only). rows: the list each row is appended to (returned),
-    `saved()` called after each, so a run stopped early keeps the rows it measured. kept: each client's requests
-    over one connection kept open (else a connection a request; `load`); a tuple: each row in each form in turn."""
+    `saved()` called after each, so a run stopped early keeps the rows it measured. kept: each row in each form in
+    turn, True: each client's requests over one connection kept open, False: a connection a request (`load`)."""
     from runner.serving.triton_repo import write_repository
     from runner.serving.triton_server import start_server, stop_server, wait_ready
 
@@ -192,8 +192,7 @@ def triton_rows(engines: dict[str, Path], out: Path, levels: list[int], tokens: 
         texts = prompts(per_client * max(levels), smoke)
         fixed = [n for n in models if MODELS[n][0] or n.startswith("chain")]  # their requests name no budget
         for clients in levels:
-            served = ((n, b, k) for n in models for b in ([None] if n in fixed else budgets)
-                      for k in (kept if isinstance(kept, tuple) else (kept,)))  # fmt: skip
+            served = ((n, b, k) for n in models for b in ([None] if n in fixed else budgets) for k in kept)
             for name, budget, form in served:
                 rows.append(load(ports[0], name, texts, clients, tokens, per_client, budget, form))
                 label = name + (f" ({budget})" if budget else "") + ("" if form else ", fresh")
