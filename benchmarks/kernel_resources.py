@@ -33,7 +33,6 @@ from triton.compiler import ASTSource  # noqa: E402
 from plugins.tree_attention import kernel  # noqa: E402
 
 LATENT, ROPE = 512, 64  # Kimi K2.x's MLA: kv_lora_rank, qk_rope_head_dim
-HOPPER_BLOCK_SHARED = 232448  # the most shared memory one block may take on sm_90 (227 KB)
 POINTERS = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "length_ptr": "*i64", "new_ptr": "*bf16", "mask_ptr": "*u8",
             "part_out": "*fp32", "part_m": "*fp32", "part_l": "*fp32"}  # fmt: skip
 INTEGERS = {"T": "i32", "H": "i32", "qk_scale": "fp32", "cache_stride": "i32", "cache_batch_stride": "i32",
@@ -100,7 +99,7 @@ def measure(tokens: int, heads: int, capacity: int, overrides: dict | None = Non
     started = time.perf_counter()
     compiled = compile_split(form, capability)
     row = {"T": tokens, "H": heads, "capacity": capacity, "form": form, **resources(compiled)}
-    row["fits_a_block"] = row["shared_bytes"] <= HOPPER_BLOCK_SHARED
+    row["fits_a_block"] = row["shared_bytes"] <= kernel.HOPPER_BLOCK_SHARED
     row["compile_s"] = round(time.perf_counter() - started, 2)
     return row
 

@@ -493,7 +493,8 @@ MEDIUM_TILE_ROWS = 264  # query rows (T x H) up to which 32-row tiles of 4 warps
 COMBINE_COLUMNS, COMBINE_SPLIT_ROWS = 128, 128  # under 128 query rows a combine program merges 128 columns, not all
 # (more programs where there are few rows: T = 1 decode over a long cache; measured)
 SPLIT_GROUP = 16  # splits whose partial outputs a combine program loads at a time
-SHARED_MEMORY_BUDGET = 232448 - 8192  # Hopper allows 227 KB a block; Triton adds a few KB of its own (measured)
+HOPPER_BLOCK_SHARED = 232448  # the most shared memory one block may take on sm_90 (227 KB)
+SHARED_MEMORY_BUDGET = HOPPER_BLOCK_SHARED - 8192  # what a tile may stage: Triton adds a few KB of its own (measured)
 
 
 def shared_bytes(config: dict, width: int, element_size: int) -> int:
